@@ -1,0 +1,26 @@
+# Set-up happens on demand: every target below creates .venv and installs the
+# package with what it needs first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo bench docs clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[test,demo]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+demo: $(STAMP)
+	$(BIN)/python demos/mnist/train_mnist_cpu_data.py
+
+bench: $(STAMP)
+	$(BIN)/python bench/call_overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,42 @@
+"""Synkhronos: data-parallel PyTensor functions on all local cores (or GPUs).
+
+    import synkhronos as synk
+    synk.fork()
+    f = synk.function([x], outputs=loss)
+    synk.distribute()
+    loss = f(synk.data(x_data))
+"""
+
+import logging
+import os
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+
+def _default_float32():
+    # The original ran on GPUs with floatX=float32 and its examples mix float32
+    # data with T.matrix(); keep them working unless the user chose floatX.
+    import pytensor
+
+    flags = os.environ.get("PYTENSOR_FLAGS", "") + os.environ.get("THEANO_FLAGS", "")
+    if "floatX" not in flags and pytensor.config.floatX == "float64":
+        pytensor.config.floatX = "float32"
+
+
+_default_float32()
+
+from .collectives import *  # noqa: E402,F401,F403
+from .data_module import Data, data  # noqa: E402
+from .distribute import distribute  # noqa: E402
+from .errors import (BackendUnavailableError, SynkError, SynkStateError,  # noqa: E402
+                     WorkerDiedError, WorkerError)
+from .function_module import Function, function  # noqa: E402
+from .process import close, fork  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "fork", "close", "function", "distribute", "data", "Data", "Function",
+    "SynkError", "SynkStateError", "WorkerError", "WorkerDiedError",
+    "BackendUnavailableError",
+]

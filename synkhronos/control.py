@@ -1,0 +1,309 @@
+"""The control channel: commands, the control block in shared memory, barriers, status slots.
+
+The master announces a command by writing a pickled message into a shared
+segment and bumping a sequence number (the start barrier: no worker moves
+before it sees the new number); every worker posts that number in its own
+slot when done (the end barrier).  Waiting spins on shared memory first,
+because blocking primitives wake the other core slowly (~100 us), then falls
+back to sleeping so idle workers cost no CPU.  Every wait is bounded: it keeps
+checking that the other side is alive and that no rank aborted.
+"""
+
+import enum
+import logging
+import os
+import pickle
+import time
+import traceback
+
+from .errors import CommAborted, WorkerDiedError, WorkerError
+from .shmem import SharedArray
+
+logger = logging.getLogger(__name__)
+
+
+class Command(enum.IntEnum):
+    """Every command a worker can run; handlers register under these."""
+
+    QUIT = 0
+    GROW_MESSAGE = 1
+    DATA_ALLOC = 2
+    DATA_FREE = 3
+    DISTRIBUTE = 4
+    CALL = 5
+    BROADCAST = 10
+    SCATTER = 11
+    GATHER = 12
+    ALL_GATHER = 13
+    REDUCE = 14
+    ALL_REDUCE = 15
+    SET_VALUE = 16
+    GET_VALUE = 17
+    GET_SHAPES = 18
+
+
+HANDLERS = {}
+
+
+def handler(cmd):
+    """Register the decorated function as the worker handler of ``cmd``."""
+    def deco(fn):
+        HANDLERS[cmd] = fn
+        return fn
+    return deco
+
+
+OK, FAILED, ABORTED = 0, 1, 2
+
+# Control block layout (int64 slots).
+SEQ, MSG_LEN, ABORT = 0, 1, 2
+RANK_BASE, RANK_STRIDE = 8, 8
+DONE, STATUS, SLEEPING, ERR_LEN = 0, 1, 2, 3
+
+ERR_BYTES = 256 * 1024
+MSG_BYTES = 1 << 20
+CHECK_EVERY_S = 0.01
+IDLE_TIMEOUT_S = 0.05
+
+
+def default_spin_s(n_parallel, n_cpus):
+    """How long a waiter spins before sleeping; 0 when ranks outnumber cores."""
+    env = os.environ.get("SYNK_SPIN_S")
+    if env is not None:
+        return float(env)
+    return 0.0 if n_parallel > n_cpus else 0.01
+
+
+def spin_until(pred, check, spin_s):
+    """Spin up to ``spin_s`` seconds for ``pred()``; return whether it came true."""
+    if pred():
+        return True
+    now = time.perf_counter()
+    spin_end = now + spin_s
+    next_check = now + CHECK_EVERY_S
+    n = 0
+    while not pred():
+        n += 1
+        if n & 127 == 0:
+            now = time.perf_counter()
+            if now > next_check:
+                check()
+                next_check = now + CHECK_EVERY_S
+            if now > spin_end:
+                return pred()
+    return True
+
+
+def wait_until(pred, check, spin_s, poll_max_s=1e-3):
+    """Return once ``pred()`` is true; call ``check()`` (which may raise) every 10 ms."""
+    if spin_until(pred, check, spin_s):
+        return
+    delay = 2e-5
+    next_check = time.perf_counter() + CHECK_EVERY_S
+    while not pred():
+        time.sleep(delay)
+        delay = min(2 * delay, poll_max_s)
+        now = time.perf_counter()
+        if now > next_check:
+            check()
+            next_check = now + CHECK_EVERY_S
+
+
+class Control:
+    """The control block, message area, error slots and wake-up semaphores.
+
+    Created in the master before the workers fork, so every process inherits
+    the mappings.  ``sems`` are multiprocessing semaphores (inherited by fork,
+    nothing to unlink).
+    """
+
+    def __init__(self, rt, ctx, spin_s):
+        self.n_parallel = rt.n_parallel
+        self.spin_s = spin_s
+        n_slots = RANK_BASE + RANK_STRIDE * rt.n_parallel
+        self.block = SharedArray(rt.segment_name("ctrl"), 8 * n_slots)
+        self.mv = memoryview(self.block.buffer).cast("q")
+        self.errors = SharedArray(rt.segment_name("err"), ERR_BYTES * rt.n_parallel)
+        self.msg = SharedArray(rt.segment_name("msg"), MSG_BYTES)
+        self.sems = [ctx.Semaphore(0) for _ in range(rt.n_parallel)]
+        self.seq = 0
+
+    def slot(self, rank, field):
+        return RANK_BASE + RANK_STRIDE * rank + field
+
+    # ---- master side -------------------------------------------------
+    def post(self, rt, cmd, payload):
+        """Announce ``cmd`` to every worker; return its sequence number."""
+        data = pickle.dumps((int(cmd), payload), protocol=pickle.HIGHEST_PROTOCOL)
+        if len(data) > self.msg.nbytes:
+            self._grow_message(rt, len(data))
+        self.msg.buffer[: len(data)] = data
+        mv = self.mv
+        mv[MSG_LEN] = len(data)
+        self.seq += 1
+        mv[SEQ] = self.seq
+        for r in rt.worker_ranks:
+            if mv[self.slot(r, SLEEPING)]:
+                self.sems[r].release()
+        return self.seq
+
+    def _grow_message(self, rt, n):
+        size = max(n + n // 2, 2 * self.msg.nbytes)
+        new = SharedArray(rt.segment_name("msg"), size)
+        run_command(rt, Command.GROW_MESSAGE, (new.name, size))
+        old, self.msg = self.msg, new
+        old.unlink()
+        old.close()
+
+    def abort(self, seq):
+        self.mv[ABORT] = seq
+
+    def aborted(self, seq):
+        return self.mv[ABORT] == seq
+
+    def wait_done(self, rt, seq, check):
+        """End barrier: wait until every worker has posted ``seq``."""
+        mv = self.mv
+        for r in rt.worker_ranks:
+            slot = self.slot(r, DONE)
+            wait_until(lambda: mv[slot] == seq, check, self.spin_s)
+
+    def failures(self, rt):
+        """Return {rank: (text, exception or None)} for ranks that failed."""
+        out = {}
+        for r in rt.worker_ranks:
+            if self.mv[self.slot(r, STATUS)] == FAILED:
+                out[r] = self._read_error(r)
+        return out
+
+    def _read_error(self, rank):
+        n = self.mv[self.slot(rank, ERR_LEN)]
+        raw = bytes(self.errors.view(offset=rank * ERR_BYTES, shape=(n,)))
+        text, exc_bytes = pickle.loads(raw)
+        exc = None
+        if exc_bytes is not None:
+            try:
+                exc = pickle.loads(exc_bytes)
+            except Exception:  # the type may not unpickle here; the text remains
+                exc = None
+        return text, exc
+
+    # ---- worker side -------------------------------------------------
+    def wait_command(self, rank, last_seq, check):
+        """Block until the master posts a command after ``last_seq``; return its seq."""
+        mv = self.mv
+        if spin_until(lambda: mv[SEQ] != last_seq, check, self.spin_s):
+            return mv[SEQ]
+        sleeping = self.slot(rank, SLEEPING)
+        while True:
+            mv[sleeping] = 1
+            if mv[SEQ] != last_seq:
+                break
+            self.sems[rank].acquire(timeout=IDLE_TIMEOUT_S)
+            if mv[SEQ] != last_seq:
+                break
+            check()
+        mv[sleeping] = 0
+        return mv[SEQ]
+
+    def read_message(self):
+        n = self.mv[MSG_LEN]
+        cmd, payload = pickle.loads(self.msg.buffer[:n])
+        return Command(cmd), payload
+
+    def finish(self, rank, seq, status):
+        mv = self.mv
+        mv[self.slot(rank, STATUS)] = status
+        mv[self.slot(rank, DONE)] = seq
+
+    def write_error(self, rank, header, exc):
+        """Store the traceback text and, if it pickles, the exception itself."""
+        text = header + "\n" + "".join(traceback.format_exception(exc))
+        try:
+            exc_bytes = pickle.dumps(exc)
+        except Exception:
+            exc_bytes = None
+        raw = pickle.dumps((text, exc_bytes))
+        if len(raw) > ERR_BYTES:
+            raw = pickle.dumps((text[-(ERR_BYTES // 2):], None))
+        self.errors.view(offset=rank * ERR_BYTES, shape=(len(raw),))[:] = memoryview(raw)
+        self.mv[self.slot(rank, ERR_LEN)] = len(raw)
+
+    def close(self):
+        self.mv.release()
+        for seg in (self.block, self.errors, self.msg):
+            seg.close()
+
+    def unlink(self):
+        for seg in (self.block, self.errors, self.msg):
+            seg.unlink()
+
+
+@handler(Command.GROW_MESSAGE)
+def _grow_message_worker(rt, payload):
+    name, size = payload
+    new = SharedArray.attach(name, size)
+    old, rt.control.msg = rt.control.msg, new
+    old.close()
+
+
+def run_command(rt, cmd, payload, local=None, after=None):
+    """Run ``cmd`` on every worker and ``local(seq)`` in the master; return its result.
+
+    ``after(result)``, if given, runs once every worker has finished without
+    error and returns the final result.  Raises the master's own exception if
+    ``local`` raised, else ``WorkerError`` if any worker raised, after every
+    rank has finished (end barrier).
+    """
+    from . import process  # process imports control; break the cycle here
+
+    control = rt.control
+    t0 = time.perf_counter()
+    seq = control.post(rt, cmd, payload)
+    rt.backend.begin(seq)
+    check = process.master_check(rt)
+    result = None
+    local_exc = None
+    try:
+        try:
+            if local is not None:
+                result = local(seq)
+        except CommAborted:
+            pass
+        except WorkerDiedError:
+            raise
+        except KeyboardInterrupt:
+            process.abandon(rt, "interrupted while running %s" % cmd.name)
+            raise
+        except BaseException as exc:  # noqa: B036 - reported after the end barrier
+            local_exc = exc
+            control.abort(seq)
+        control.wait_done(rt, seq, check)
+    except WorkerDiedError:
+        process.abandon(rt, "a worker died")
+        raise
+    except KeyboardInterrupt:
+        process.abandon(rt, "interrupted while waiting for workers")
+        raise
+    logger.debug("master ran %s in %.6f s", cmd.name, time.perf_counter() - t0)
+    if local_exc is not None:
+        raise local_exc
+    failures = control.failures(rt)
+    if failures:
+        raise _worker_error(rt, cmd, failures)
+    if after is not None:
+        return after(result)
+    return result
+
+
+def _worker_error(rt, cmd, failures):
+    first = min(failures)
+    text, exc = failures[first]
+    others = len(failures) - 1
+    msg = f"{cmd.name.lower()} failed in rank {first}"
+    if others:
+        msg += f" (and {others} other rank{'s' if others > 1 else ''})"
+    msg += ":\n" + text
+    err = WorkerError(msg, first, {r: t for r, (t, _) in failures.items()})
+    err.__cause__ = exc
+    return err

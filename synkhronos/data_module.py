@@ -1,0 +1,321 @@
+"""Data (synk.data): NumPy arrays in POSIX shared memory, seen by every rank."""
+
+import logging
+import math
+import numbers
+
+import numpy as np
+
+from .control import Command, handler, run_command
+from .runtime import require_forked
+from .shmem import SharedArray
+
+logger = logging.getLogger(__name__)
+
+
+def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=False,
+         force_cast=False, oversize=1, name=None):
+    """Return a new Data object, for input to functions and collectives.  Master only.
+
+    Like a PyTensor variable, a Data object has a fixed ``dtype`` and ``ndim``;
+    they come from ``var``, else from ``dtype``/``ndim``, else from ``value``.
+    Giving ``value`` or ``shape`` allocates shared memory at once.
+
+    Args:
+        value: initial contents (anything ``numpy.asarray`` takes).
+        var: a PyTensor variable to take ``dtype`` and ``ndim`` from.
+        dtype: the dtype, if not implied by ``var``.
+        ndim: the number of dimensions, if not implied by ``var``.
+        shape: allocate this shape (contents undefined) if no ``value``.
+        minibatch: treat as minibatch data in calls with ``batch`` (see
+            ``Function.__call__``).
+        force_cast: cast a ``value`` of another dtype instead of raising.
+        oversize: allocate this factor (1 to 2) more memory than needed, so
+            that growing later does not reallocate.
+        name: a name, as for PyTensor variables.
+
+    Returns:
+        Data
+
+    Raises:
+        SynkStateError: called before ``fork()``.
+        TypeError: ``dtype`` or ``ndim`` cannot be determined, or ``value``
+            has another dtype and ``force_cast`` is False.
+        ValueError: ``value``/``shape`` disagree with ``ndim``, or ``oversize``
+            is outside [1, 2].
+    """
+    rt = require_forked("data()")
+    if var is not None:
+        if not hasattr(var, "dtype") or not hasattr(var, "ndim"):
+            raise TypeError(f"data: var must be a PyTensor variable; got {type(var).__name__}")
+        if dtype is not None and np.dtype(dtype) != np.dtype(var.dtype):
+            raise TypeError(f"data: dtype {dtype} disagrees with var's dtype {var.dtype}")
+        if ndim is not None and ndim != var.ndim:
+            raise ValueError(f"data: ndim {ndim} disagrees with var's ndim {var.ndim}")
+        dtype, ndim = var.dtype, var.ndim
+    _check_oversize(oversize, "data")
+    if value is not None:
+        arr = value if isinstance(value, np.ndarray) else np.asarray(value, dtype=dtype)
+        if dtype is None:
+            dtype = arr.dtype
+        if ndim is None:
+            ndim = arr.ndim
+    elif shape is not None:
+        if ndim is None:
+            ndim = len(tuple(shape))
+    if dtype is None or ndim is None:
+        raise TypeError("data: cannot tell dtype and ndim; give value, var, or dtype and ndim")
+    obj = Data(next(rt.counter), dtype, ndim, minibatch=minibatch, name=name)
+    if value is not None:
+        obj.set_value(value, force_cast=force_cast, oversize=oversize)
+    elif shape is not None:
+        obj.set_shape(shape, oversize=oversize)
+    return obj
+
+
+def _check_oversize(oversize, where):
+    if isinstance(oversize, bool) or not isinstance(oversize, numbers.Real) \
+            or not 1 <= oversize <= 2:
+        raise ValueError(f"{where}: oversize must be a number in [1, 2]; got {oversize!r}")
+
+
+class Data:
+    """A NumPy array in OS shared memory, for input to synkhronos functions.
+
+    Made by ``synkhronos.data()``.  Reads and writes go to the underlying array
+    (``.data``) with full NumPy indexing; its shape may change, its ``dtype``
+    and ``ndim`` may not.  Changing the shape beyond the allocation reallocates
+    (the workers follow at once); the allocation never shrinks except through
+    ``free_memory()``.
+    """
+
+    def __init__(self, ID, dtype, ndim, minibatch=False, name=None):
+        rt = require_forked("Data")
+        if isinstance(ndim, bool) or not isinstance(ndim, numbers.Integral) or ndim < 0:
+            raise TypeError(f"Data: ndim must be an int >= 0; got {ndim!r}")
+        if ndim > rt.max_dim:
+            raise ValueError(f"Data: ndim {ndim} exceeds max_dim={rt.max_dim} given to fork()")
+        self._ID = ID
+        self._dtype = np.dtype(dtype)
+        if self._dtype.hasobject or self._dtype.fields is not None:
+            raise TypeError(f"Data: dtype must be a plain numeric dtype; got {self._dtype}")
+        self._ndim = int(ndim)
+        self._minibatch = bool(minibatch)
+        self._name = name
+        self._rt = rt
+        self._seg = None
+        self._data = None
+        self._alloc_size = 0
+        rt.datas[ID] = self
+
+    # ---- properties of the reference -----------------------------------
+    @property
+    def data(self):
+        """The underlying NumPy array (a view of the shared memory), or None."""
+        return self._data
+
+    @property
+    def dtype(self):
+        return self._dtype
+
+    @property
+    def ndim(self):
+        return self._ndim
+
+    @property
+    def shape(self):
+        return None if self._data is None else self._data.shape
+
+    @property
+    def size(self):
+        return 0 if self._data is None else self._data.size
+
+    @property
+    def alloc_size(self):
+        """Items the shared allocation holds (may exceed ``size``)."""
+        return self._alloc_size
+
+    @property
+    def minibatch(self):
+        """Whether rows pair with positions of a call's ``batch`` (see Function.__call__)."""
+        return self._minibatch
+
+    @property
+    def name(self):
+        return self._name
+
+    def __len__(self):
+        if self._data is None or self._ndim == 0:
+            raise TypeError("len() of a Data object without rows")
+        return len(self._data)
+
+    def __getitem__(self, k):
+        return self._require_data()[k]
+
+    def __setitem__(self, k, v):
+        self._require_data()[k] = v
+
+    def __repr__(self):
+        return (f"Data(name={self._name!r}, dtype={self._dtype}, shape={self.shape}, "
+                f"alloc_size={self._alloc_size}, minibatch={self._minibatch})")
+
+    def _require_data(self):
+        if self._data is None:
+            raise ValueError(f"Data {self._name or self._ID} holds no memory; set_value() first")
+        return self._data
+
+    # ---- changing contents and shape -----------------------------------
+    def condition_data(self, input_data, force_cast=False):
+        """Return ``input_data`` as the array ``set_value`` would store.
+
+        Raises:
+            TypeError: an ndarray of another dtype without ``force_cast``.
+            ValueError: the wrong number of dimensions.
+        """
+        if isinstance(input_data, Data):
+            input_data = input_data.data
+        if isinstance(input_data, np.ndarray):
+            arr = input_data
+            if arr.dtype != self._dtype:
+                if not force_cast:
+                    raise TypeError(f"set_value: value has dtype {arr.dtype}, this Data has "
+                                    f"{self._dtype}; pass force_cast=True to cast")
+                arr = arr.astype(self._dtype)
+        else:
+            try:
+                arr = np.asarray(input_data, dtype=self._dtype)
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"set_value: cannot convert value to {self._dtype}: {exc}") from exc
+        if arr.ndim != self._ndim:
+            raise ValueError(f"set_value: value must have ndim {self._ndim}; got {arr.ndim}")
+        return arr
+
+    def set_value(self, input_data, force_cast=False, oversize=1):
+        """(Over)write the contents, reshaping and reallocating if needed.
+
+        Args:
+            input_data: the new contents (e.g. a NumPy array).
+            force_cast: cast to this Data's dtype instead of raising.
+            oversize: headroom factor (1 to 2), used only if reallocating.
+        """
+        _check_oversize(oversize, "set_value")
+        arr = self.condition_data(input_data, force_cast)
+        self._reshape(arr.shape, oversize, keep=False)
+        np.copyto(self._data, arr)
+
+    def set_length(self, length, oversize=1):
+        """Change the length (rows); reallocates only if the allocation is too small.
+
+        The rows that fit are kept, also across a reallocation (an improvement
+        on the original, which lost them).
+        """
+        if self._ndim == 0:
+            raise ValueError("set_length: a 0-d Data has no length")
+        if isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 0:
+            raise ValueError(f"set_length: length must be an int >= 0; got {length!r}")
+        rest = self._data.shape[1:] if self._data is not None else (0,) * (self._ndim - 1)
+        self.set_shape((int(length),) + tuple(rest), oversize)
+
+    def set_shape(self, shape, oversize=1):
+        """Change the shape; reallocates only if the allocation is too small.
+
+        The leading items that fit are kept, also across a reallocation.
+        """
+        _check_oversize(oversize, "set_shape")
+        try:
+            shape = tuple(int(s) for s in shape)
+        except TypeError as exc:
+            raise TypeError(f"set_shape: shape must be a list or tuple of ints; got {shape!r}") from exc
+        if len(shape) != self._ndim:
+            raise ValueError(f"set_shape: shape must have {self._ndim} entries; got {shape}")
+        if any(s < 0 for s in shape):
+            raise ValueError(f"set_shape: shape entries must be >= 0; got {shape}")
+        self._reshape(shape, oversize, keep=True)
+
+    def free_memory(self):
+        """Release the shared memory in the master and in every worker.
+
+        The only way to shrink the allocation; ``set_value`` allocates anew.
+        """
+        if self._seg is None:
+            return
+        self._check_live("free_memory")
+        run_command(self._rt, Command.DATA_FREE, self._ID)
+        self._seg.unlink()
+        self._seg.close()
+        self._seg = None
+        self._data = None
+        self._alloc_size = 0
+
+    # ---- internals ---------------------------------------------------
+    def _check_live(self, what):
+        rt = self._rt
+        if rt.closed:
+            raise RuntimeError(f"{what}: this Data belongs to a closed synkhronos run")
+
+    def _reshape(self, shape, oversize, keep):
+        n = math.prod(shape)
+        if n > self._alloc_size or self._seg is None:
+            self._check_live("Data")
+            old = self._data
+            self._allocate(int(math.ceil(n * oversize)))
+            if keep and old is not None:
+                m = min(old.size, n)
+                self._seg.view(self._dtype, (m,))[:] = old.reshape(-1)[:m]
+        self._data = self._seg.view(self._dtype, shape)
+
+    def _allocate(self, n_items):
+        rt = self._rt
+        nbytes = n_items * self._dtype.itemsize
+        seg = SharedArray(rt.segment_name(f"d{self._ID}"), nbytes)
+        try:
+            run_command(rt, Command.DATA_ALLOC, (self._ID, seg.name, nbytes))
+        except BaseException:
+            seg.unlink()
+            seg.close()
+            raise
+        if self._seg is not None:
+            self._seg.unlink()
+            self._seg.close()
+        self._seg = seg
+        self._alloc_size = n_items
+        logger.debug("data %s: allocated %d bytes", self._name or self._ID, nbytes)
+
+    def _release(self):
+        """Called by close(): forget the segment but keep views the user holds valid."""
+        if self._seg is not None:
+            self._seg.unlink()
+        self._seg = None
+
+
+@handler(Command.DATA_ALLOC)
+def _alloc_worker(rt, payload):
+    ID, name, nbytes = payload
+    old = rt.datas.pop(ID, None)
+    if old is not None:
+        old.close()
+    rt.datas[ID] = SharedArray.attach(name, nbytes)
+
+
+@handler(Command.DATA_FREE)
+def _free_worker(rt, ID):
+    old = rt.datas.pop(ID, None)
+    if old is not None:
+        old.close()
+
+
+def view(rt, descriptor):
+    """Return this rank's NumPy view of the Data a call descriptor names."""
+    ID, dtype, shape, _ = descriptor
+    seg = rt.datas[ID]
+    if rt.is_master:
+        return seg._data
+    # Cache the view: calls repeat the same shapes, and a view costs ~1 us.
+    cache = seg.__dict__.setdefault("views", {})
+    key = (dtype, shape)
+    v = cache.get(key)
+    if v is None:
+        if len(cache) > 64:
+            cache.clear()
+        v = cache[key] = seg.view(dtype, shape)
+    return v

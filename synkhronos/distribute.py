@@ -1,0 +1,57 @@
+"""distribute(): one pickle of every Function, unpickled on each worker."""
+
+import logging
+import pickle
+import time
+
+from .control import Command, handler, run_command
+from .errors import SynkStateError
+from .runtime import require_forked
+
+logger = logging.getLogger(__name__)
+
+
+def distribute():
+    """Replicate every synkhronos function, with its shared variables, in every worker.
+
+    Call once, after building the last function and before calling any.  All
+    functions travel in one pickle, so a shared variable used by several
+    functions stays one variable in each worker.  Master only.
+
+    Raises:
+        SynkStateError: not forked, or already distributed (a ``RuntimeError``).
+    """
+    rt = require_forked("distribute()")
+    if rt.distributed:
+        raise SynkStateError("distribute() can be called only once per fork()")
+    t0 = time.perf_counter()
+    shareds = _collect_shareds(rt.functions)
+    blob = pickle.dumps((rt.functions, shareds), protocol=pickle.HIGHEST_PROTOCOL)
+    run_command(rt, Command.DISTRIBUTE, blob)
+    _install(rt, rt.functions, shareds)
+    logger.info("distributed %d functions (%d shared variables, %.1f MB) in %.2f s",
+                len(rt.functions), len(shareds), len(blob) / 1e6, time.perf_counter() - t0)
+
+
+def _collect_shareds(functions):
+    """Every shared variable any function uses, in first-use order."""
+    seen = {}
+    for f in functions:
+        for s in f._fn.get_shared():
+            seen.setdefault(id(s), s)
+    return list(seen.values())
+
+
+def _install(rt, functions, shareds):
+    rt.functions = list(functions)
+    rt.shareds = list(shareds)
+    rt.shared_ids = {id(s): i for i, s in enumerate(shareds)}
+    rt.distributed = True
+
+
+@handler(Command.DISTRIBUTE)
+def _distribute_worker(rt, blob):
+    functions, shareds = pickle.loads(blob)
+    for f in functions:
+        f._rt = rt
+    _install(rt, functions, shareds)

@@ -1,0 +1,320 @@
+"""fork() and close(): the worker processes, core pinning, thread limits, liveness, cleanup."""
+
+import atexit
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import time
+import warnings
+
+from . import gpu, shmem
+from .control import Command, Control, default_spin_s, run_command
+from .errors import CommAborted, WorkerDiedError
+from .runtime import Runtime, get_runtime, set_runtime
+from .errors import SynkStateError
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+JOIN_TIMEOUT_S = 5.0
+
+
+def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
+         max_n_var=1000, max_dim=16):
+    """Start one worker process per additional rank; the caller becomes the master.
+
+    Call before building any PyTensor function that synkhronos should run.  In
+    CPU mode (no GPU, or ``use_gpu=False``) there is one rank per usable core by
+    default; each process is limited to one BLAS thread and, when there are
+    enough cores, pinned to its own core.  The master is a rank and computes too.
+
+    Args:
+        n_parallel: number of ranks (default: every usable core).  Any value
+            >= 1 is accepted in CPU mode, more ranks than cores included.
+        use_gpu: None picks GPU mode when NVIDIA GPUs are present, False forces
+            CPU mode, True requires GPUs.
+        master_rank: the rank of the calling process.
+        profile_workers: record a cProfile of each worker, written to
+            ``synk_worker_<rank>.prof`` in the working directory at close().
+        max_n_var: most variables in one function call or collective.
+        max_dim: most dimensions of any variable passed through synkhronos.
+
+    Returns:
+        The number of ranks.
+
+    Raises:
+        SynkStateError: already forked (a ``RuntimeError``).
+        TypeError: an argument of the wrong type.
+        ValueError: ``n_parallel`` < 1, or ``master_rank`` not in
+            ``range(n_parallel)``.
+        RuntimeError: ``use_gpu=True`` without a GPU.
+    """
+    rt = get_runtime()
+    if rt is not None and not rt.closed:
+        raise SynkStateError("fork() was already called; call close() before forking again")
+    if use_gpu not in (None, True, False):
+        raise TypeError(f"fork: use_gpu must be None, True or False; got {use_gpu!r}")
+    n_gpus = gpu.count_gpus() if use_gpu is not False else 0
+    if use_gpu and n_gpus == 0:
+        raise RuntimeError("fork: use_gpu=True but no NVIDIA GPU was found; "
+                           "use use_gpu=False (or None) for CPU mode")
+    if n_gpus and use_gpu is None:
+        logger.warning("%d GPU(s) found but GPU mode is not available in this "
+                       "version; running in CPU mode", n_gpus)
+    cores = sorted(os.sched_getaffinity(0))
+    if n_parallel is None:
+        n_parallel = len(cores)
+    _check_int("n_parallel", n_parallel, 1)
+    _check_int("master_rank", master_rank, 0)
+    if master_rank >= n_parallel:
+        raise ValueError(f"fork: master_rank must be in range(n_parallel={n_parallel}); "
+                         f"got {master_rank}")
+    _check_int("max_n_var", max_n_var, 1)
+    _check_int("max_dim", max_dim, 1)
+
+    shmem.sweep_stale()
+    from .comm import get_backend
+    ctx = multiprocessing.get_context("fork")
+    rt = Runtime(rank=master_rank, n_parallel=n_parallel, master_rank=master_rank,
+                 master_pid=os.getpid(), max_n_var=max_n_var, max_dim=max_dim)
+    rt.profile_workers = bool(profile_workers)
+    rt.cores = cores
+    spin_s = default_spin_s(n_parallel, len(cores))
+    rt.control = Control(rt, ctx, spin_s)
+    rt.backend = get_backend(os.environ.get("SYNK_BACKEND", "shm"))(rt, spin_s)
+    set_runtime(rt)
+
+    # Limit thread pools before forking: the children inherit the limits, and
+    # changing OpenBLAS's pool after a fork leaves it slowing every round trip.
+    _limit_threads(rt)
+    # Children must not keep the janitor's pipe open, or it never sees EOF.
+    read_fd, write_fd = os.pipe()
+    for rank in rt.worker_ranks:
+        p = ctx.Process(target=_worker_main, args=(rt, rank, read_fd, write_fd),
+                        name=f"synk-rank-{rank}", daemon=True)
+        p.start()
+        rt.procs[rank] = p
+    pids = [p.pid for p in rt.procs.values()]
+    # A bare fork, not a multiprocessing child: multiprocessing's exit hook
+    # would wait for it, and it must outlive the master.
+    janitor = os.fork()
+    if janitor == 0:
+        try:
+            _janitor_main(rt.master_pid, pids, read_fd, write_fd)
+        finally:
+            os._exit(0)
+    rt.janitor = janitor
+    os.close(read_fd)
+    rt.janitor_fd = write_fd
+    # Registered after multiprocessing's own exit hook, so it runs first,
+    # while the workers are still there to be told to quit.
+    atexit.unregister(_close_at_exit)
+    atexit.register(_close_at_exit)
+    _pin(rt, master_rank, restore=True)
+    logger.info("forked %d workers (cpu mode, master rank %d, %d ranks on %d cores)",
+                n_parallel - 1, master_rank, n_parallel, len(cores))
+    return n_parallel
+
+
+def _check_int(name, value, low):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"fork: {name} must be an int; got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"fork: {name} must be >= {low}; got {value}")
+
+
+THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+              "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
+
+
+def _limit_threads(rt):
+    """Limit BLAS/OpenMP pools to one thread per process (undone by close()).
+
+    threadpoolctl limits the pools already loaded; the environment covers
+    those loaded later (PyTensor's compiled code pulls in SciPy's OpenBLAS on
+    first use), which would otherwise start a thread per core and fight the
+    other ranks for them.
+    """
+    from threadpoolctl import threadpool_limits
+
+    saved = {k: os.environ.get(k) for k in THREAD_ENV}
+    for k in THREAD_ENV:
+        os.environ[k] = "1"
+
+    def restore_env():
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    rt.restore.append(restore_env)
+    limiter = threadpool_limits(limits=1)
+    rt.restore.append(limiter.restore_original_limits)
+
+
+def _pin(rt, rank, restore=False):
+    """Pin this process to its own core when there are enough cores."""
+    if rt.n_parallel <= len(rt.cores):
+        before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {rt.cores[rank]})
+        if restore:
+            rt.restore.append(lambda: os.sched_setaffinity(0, before))
+
+
+def _set_pdeathsig():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux; the janitor still kills us
+        pass
+
+
+def _worker_main(rt, rank, read_fd, write_fd):
+    os.close(read_fd)
+    os.close(write_fd)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the master's to handle
+    _set_pdeathsig()
+    if os.getppid() != rt.master_pid:
+        os._exit(1)
+    rt.rank = rank
+    rt.procs = {}
+    rt.restore = []
+    _pin(rt, rank)
+    from . import worker
+    worker.loop(rt)
+
+
+def _janitor_main(master_pid, pids, read_fd, write_fd):
+    """Wait for the master to go; then kill its workers and unlink its segments."""
+    os.close(write_fd)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        while os.read(read_fd, 1):
+            pass
+    except OSError:
+        pass
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    shmem.sweep(master_pid)
+    os._exit(0)
+
+
+def master_check(rt):
+    """Return a function that raises WorkerDiedError if any worker has exited."""
+    procs = rt.procs
+
+    def check():
+        for rank, p in procs.items():
+            if not p.is_alive():
+                raise WorkerDiedError(
+                    f"rank {rank} (pid {p.pid}) died with exit code {p.exitcode}; "
+                    "synkhronos is closed, call fork() to start again",
+                    rank, p.exitcode)
+    return check
+
+
+def backend_check(rt, seq):
+    """Return the check used inside a collective of command ``seq``."""
+    control = rt.control
+    if rt.is_master:
+        alive = master_check(rt)
+    else:
+        alive = worker_check(rt)
+
+    def check():
+        alive()
+        if control.aborted(seq):
+            raise CommAborted(f"command {seq} aborted by another rank")
+    return check
+
+
+def worker_check(rt):
+    master_pid = rt.master_pid
+
+    def check():
+        if os.getppid() != master_pid:
+            os._exit(1)
+    return check
+
+
+def close():
+    """Stop and join the workers and free all shared memory.  Runs at exit too.
+
+    Data objects and shared variables stay readable in the master, but can no
+    longer be used with synkhronos functions or collectives.
+    """
+    rt = get_runtime()
+    if rt is None or rt.closed:
+        warnings.warn("synkhronos.close(): not forked (or already closed)", stacklevel=2)
+        return
+    _close(rt)
+
+
+def _close(rt):
+    try:
+        run_command(rt, Command.QUIT, None)
+    except Exception as exc:  # the workers are stopped below whatever happened
+        logger.warning("workers did not quit cleanly: %s", exc)
+    for p in rt.procs.values():
+        p.join(JOIN_TIMEOUT_S)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    _teardown(rt)
+    logger.info("closed %d workers", len(rt.procs))
+
+
+def abandon(rt, reason):
+    """Kill every worker and free everything after a failure the runtime can't survive."""
+    logger.error("stopping all workers: %s", reason)
+    for p in rt.procs.values():
+        if p.is_alive():
+            p.kill()
+    for p in rt.procs.values():
+        p.join(JOIN_TIMEOUT_S)
+    _teardown(rt)
+
+
+def _teardown(rt):
+    for data in list(rt.datas.values()):
+        data._release()
+    rt.datas.clear()
+    rt.backend.close()
+    rt.control.close()
+    shmem.sweep(rt.master_pid)
+    if rt.janitor is not None:
+        os.close(rt.janitor_fd)
+        _reap(rt.janitor, JOIN_TIMEOUT_S)
+        rt.janitor = None
+    for undo in reversed(rt.restore):
+        try:
+            undo()
+        except Exception:  # restoring limits is best effort
+            pass
+    rt.closed = True
+    for f in rt.functions:
+        f._detach()
+    set_runtime(None)
+
+
+def _reap(pid, timeout):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if done or time.monotonic() > deadline:
+            return
+        time.sleep(0.005)
+
+
+def _close_at_exit():
+    rt = get_runtime()
+    if rt is not None and not rt.closed and rt.is_master and os.getpid() == rt.master_pid:
+        _close(rt)

@@ -1,0 +1,82 @@
+"""Reduce operations by name: the single table of ops and the NumPy code behind them."""
+
+import numpy as np
+
+COLLECTIVE_OPS = ("avg", "sum", "prod", "max", "min")
+OUTPUT_OPS = COLLECTIVE_OPS + (None, "gather")
+
+UFUNCS = {
+    "avg": np.add,
+    "sum": np.add,
+    "prod": np.multiply,
+    "max": np.maximum,
+    "min": np.minimum,
+}
+
+
+def check_op(op, where, allowed=COLLECTIVE_OPS):
+    """Return ``op`` if it is in ``allowed``; raise ValueError naming ``where`` otherwise."""
+    if isinstance(op, str) or op is None:
+        if op in allowed:
+            return op
+    names = ", ".join("None" if o is None else o for o in allowed)
+    raise ValueError(f"{where}: op must be one of {names}; got {op!r}")
+
+
+def result_dtype(op, dtype):
+    """Averaging integers gives float64, as ``numpy.mean`` does."""
+    dtype = np.dtype(dtype)
+    if op == "avg" and dtype.kind in "iub":
+        return np.dtype(np.float64)
+    return dtype
+
+
+def combine(op, parts, weights=None, out=None):
+    """Reduce a list of same-shape arrays with ``op``; ``avg`` is weighted by ``weights``.
+
+    Args:
+        op: "avg", "sum", "prod", "max" or "min".
+        parts: the arrays, one per contributor.
+        weights: row counts (or any non-negative weights) for ``avg``; None
+            weighs every part equally (sum, then scale by 1/n).
+        out: optional output array of the result's shape and dtype.
+    """
+    if op == "avg":
+        if weights is None:
+            acc = parts[0].astype(result_dtype(op, parts[0].dtype))
+            for p in parts[1:]:
+                acc += p
+            acc *= 1.0 / len(parts)
+        else:
+            total = float(sum(weights))
+            acc = parts[0] * (weights[0] / total)
+            for p, w in zip(parts[1:], weights[1:]):
+                acc += p * (w / total)
+    else:
+        acc = np.array(parts[0])
+        ufunc = UFUNCS[op]
+        for p in parts[1:]:
+            ufunc(acc, p, out=acc)
+    if out is not None:
+        np.copyto(out, acc, casting="unsafe")
+        return out
+    return np.asarray(acc)
+
+
+def accumulate(op, acc, value, w_acc=None, w_value=None):
+    """Fold ``value`` into the running result ``acc`` (slices within one rank).
+
+    ``avg`` keeps a running weighted mean: the caller passes the weight behind
+    ``acc`` so far and that of ``value``.
+    """
+    if op in ("gather", None):
+        raise ValueError("accumulate: gather and None are concatenated, not folded")
+    value = np.asarray(value)
+    if acc is None:
+        return np.array(value, dtype=result_dtype(op, value.dtype))
+    if op == "avg":
+        total = w_acc + w_value
+        if total == 0:
+            return acc
+        return (acc * (w_acc / total) + value * (w_value / total)).astype(acc.dtype, copy=False)
+    return UFUNCS[op](acc, value).astype(acc.dtype, copy=False)

@@ -1,0 +1,74 @@
+"""Runtime: the one process-global state of synkhronos, and guards on it."""
+
+import itertools
+from dataclasses import dataclass, field
+
+from .errors import SynkStateError
+
+
+@dataclass
+class Runtime:
+    """Everything ``fork()`` sets up; ``close()`` drops it.
+
+    Exists in the master and, as a copy made by fork, in every worker.
+    """
+
+    rank: int
+    n_parallel: int
+    master_rank: int
+    master_pid: int
+    device: str = "cpu"
+    max_n_var: int = 1000
+    max_dim: int = 16
+    control: object = None          # control.Control
+    backend: object = None          # comm.base.Backend
+    procs: dict = field(default_factory=dict)   # rank -> Process (master only)
+    janitor: object = None
+    datas: dict = field(default_factory=dict)   # data id -> Data / SharedArray
+    functions: list = field(default_factory=list)
+    shareds: list = field(default_factory=list)  # shared vars known to distribute()
+    shared_ids: dict = field(default_factory=dict)  # id(var) -> index in shareds
+    distributed: bool = False
+    closed: bool = False
+    counter: object = field(default_factory=itertools.count)
+    restore: list = field(default_factory=list)  # callables undoing fork() in master
+
+    @property
+    def is_master(self):
+        return self.rank == self.master_rank
+
+    @property
+    def worker_ranks(self):
+        return [r for r in range(self.n_parallel) if r != self.master_rank]
+
+    def segment_name(self, tag):
+        """Return a fresh segment name: prefix, master pid, rank, counter, tag."""
+        return f"/synk_{self.master_pid}_{self.rank}_{next(self.counter)}{tag}"
+
+
+_state = {"runtime": None}
+
+
+def get_runtime():
+    """Return the current Runtime, or None before fork() and after close()."""
+    return _state["runtime"]
+
+
+def set_runtime(rt):
+    _state["runtime"] = rt
+
+
+def require_forked(what):
+    """Return the Runtime; raise SynkStateError naming ``what`` if not forked."""
+    rt = _state["runtime"]
+    if rt is None or rt.closed:
+        raise SynkStateError(f"{what} needs fork() first")
+    return rt
+
+
+def require_distributed(what):
+    """Return the Runtime; raise SynkStateError unless distribute() has run."""
+    rt = require_forked(what)
+    if not rt.distributed:
+        raise SynkStateError(f"{what} needs distribute() first")
+    return rt

@@ -1,0 +1,133 @@
+"""Pure functions that turn lengths and selections into per-rank rows."""
+
+import numbers
+
+import numpy as np
+
+
+def split_ranges(n, n_parallel):
+    """Split ``n`` rows as evenly as possible; return one (lo, hi) per rank.
+
+    The first ``n % n_parallel`` ranks get one row more than the rest.
+    """
+    base, extra = divmod(int(n), n_parallel)
+    out = []
+    lo = 0
+    for r in range(n_parallel):
+        hi = lo + base + (1 if r < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def rank_range(n, n_parallel, rank):
+    """Return rank ``rank``'s (lo, hi) of ``split_ranges(n, n_parallel)``."""
+    base, extra = divmod(n, n_parallel)
+    lo = rank * base + (rank if rank < extra else extra)
+    return lo, lo + base + (1 if rank < extra else 0)
+
+
+def _is_int(x):
+    return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def normalize_batch(batch, where="batch"):
+    """Check a ``batch`` selection; return ("range", start, stop) or ("index", int64 array).
+
+    An int ``k`` means rows ``[:k]``; a slice needs int (or None) start and
+    stop and no step other than 1; a list or 1-d integer array lists rows.
+    Lengths are checked later, against each input (``check_batch``).
+    """
+    if _is_int(batch):
+        if batch < 0:
+            raise ValueError(f"{where}: an int batch must be >= 0; got {batch}")
+        return ("range", 0, int(batch))
+    if isinstance(batch, slice):
+        if batch.step not in (None, 1):
+            raise ValueError(f"{where}: slice step must be None or 1; got {batch.step!r}")
+        start = 0 if batch.start is None else batch.start
+        stop = batch.stop
+        if not _is_int(start) or not (stop is None or _is_int(stop)):
+            raise TypeError(f"{where}: slice start and stop must be ints; got {batch!r}")
+        if start < 0 or (stop is not None and stop < 0):
+            raise ValueError(f"{where}: slice start and stop must be >= 0; got {batch!r}")
+        if stop is not None and stop < start:
+            raise ValueError(f"{where}: slice stop must be >= start; got {batch!r}")
+        return ("range", int(start), None if stop is None else int(stop))
+    if isinstance(batch, (list, tuple, np.ndarray)):
+        arr = np.asarray(batch)
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+            raise TypeError(f"{where}: an index list must be 1-d integers; got "
+                            f"{'ndim %d ' % arr.ndim if arr.ndim != 1 else ''}dtype {arr.dtype}")
+        if arr.size and arr.min() < 0:
+            raise ValueError(f"{where}: indices must be >= 0; got {int(arr.min())}")
+        return ("index", np.ascontiguousarray(arr, dtype=np.int64))
+    raise TypeError(f"{where}: must be an int, a slice, a list or a 1-d int array; "
+                    f"got {type(batch).__name__}")
+
+
+def selection_length(sel, length):
+    """Return how many rows ``sel`` picks from data of ``length`` rows."""
+    if sel is None:
+        return length
+    if sel[0] == "range":
+        stop = length if sel[2] is None else sel[2]
+        return max(stop - sel[1], 0)
+    return len(sel[1])
+
+
+def rows_needed(sel, length):
+    """Return the data length ``sel`` requires (one past the highest row)."""
+    if sel is None:
+        return 0
+    if sel[0] == "range":
+        return length if sel[2] is None else sel[2]
+    return int(sel[1].max()) + 1 if len(sel[1]) else 0
+
+
+def resolve(sel, length):
+    """Fix an open-ended range against ``length``; index selections pass through."""
+    if sel is not None and sel[0] == "range" and sel[2] is None:
+        return ("range", sel[1], length)
+    return sel
+
+
+def take(array, sel, lo, hi, minibatch=False):
+    """Return rows ``lo:hi`` of the selection ``sel`` of ``array``.
+
+    A view for ranges (and for minibatch data, whose rows pair with positions
+    in the selection), a gathered copy for index lists.
+    """
+    if sel is None or minibatch:
+        return array[lo:hi]
+    if sel[0] == "range":
+        start = sel[1]
+        return array[start + lo:start + hi]
+    return array[sel[1][lo:hi]]
+
+
+def normalize_batch_s(batch_s, n_parallel):
+    """Check ``batch_s``: one selection for all ranks, or a list with one per rank.
+
+    Returns a list of ``n_parallel`` normalized selections.
+    """
+    per_rank = (isinstance(batch_s, (list, tuple)) and len(batch_s) > 0
+                and all(isinstance(b, (slice, list, tuple, np.ndarray)) for b in batch_s))
+    if per_rank:
+        if len(batch_s) != n_parallel:
+            raise ValueError(f"batch_s: a list of selections needs one per rank "
+                             f"({n_parallel}); got {len(batch_s)}")
+        kinds = {type(b) if not isinstance(b, tuple) else list for b in batch_s}
+        if len(kinds) > 1:
+            raise TypeError("batch_s: the per-rank selections must all be of one type")
+        return [_normalize_s(b, f"batch_s[{r}]") for r, b in enumerate(batch_s)]
+    sel = _normalize_s(batch_s, "batch_s")
+    return [sel] * n_parallel
+
+
+def _normalize_s(b, where):
+    if _is_int(b):
+        raise TypeError(f"{where}: must be a slice, a list or a 1-d int array; got int")
+    return normalize_batch(b, where)

@@ -1,0 +1,56 @@
+"""The worker loop: wait for a command, run its handler, post a status."""
+
+import logging
+import os
+import time
+
+from .control import ABORTED, FAILED, HANDLERS, OK, Command
+from .errors import CommAborted
+from .process import worker_check
+
+logger = logging.getLogger(__name__)
+
+
+def loop(rt):
+    """Serve commands until QUIT; never returns to the caller's code."""
+    # Importing these registers their handlers (fork copied them already; this
+    # keeps the table complete even if the master imported less).
+    from . import collectives, data_module, distribute, function_module  # noqa: F401
+
+    control = rt.control
+    rank = rt.rank
+    log = logging.LoggerAdapter(logger, {"rank": rank})
+    check = worker_check(rt)
+    header = f"rank {rank} of {rt.n_parallel} (pid {os.getpid()})"
+    profiler = None
+    if getattr(rt, "profile_workers", False):
+        import cProfile
+        profiler = cProfile.Profile()
+        profiler.enable()
+    last = 0
+    while True:
+        seq = control.wait_command(rank, last, check)
+        last = seq
+        cmd, payload = control.read_message()
+        rt.backend.begin(seq)
+        t0 = time.perf_counter()
+        status = OK
+        try:
+            HANDLERS[cmd](rt, payload)
+        except CommAborted:
+            status = ABORTED
+        except BaseException as exc:  # noqa: B036 - everything goes back to the master
+            control.write_error(rank, header, exc)
+            control.abort(seq)
+            status = FAILED
+        log.debug("rank %d ran %s in %.6f s", rank, cmd.name, time.perf_counter() - t0)
+        if cmd == Command.QUIT:
+            if profiler is not None:
+                profiler.disable()
+                profiler.dump_stats(f"synk_worker_{rank}.prof")
+            control.finish(rank, seq, status)
+            os._exit(0)
+        control.finish(rank, seq, status)
+
+
+HANDLERS.setdefault(Command.QUIT, lambda rt, payload: None)

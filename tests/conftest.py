@@ -1,0 +1,54 @@
+"""Shared fixtures: forked runtimes that always close, and leak checks."""
+
+import faulthandler
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import synkhronos as synk
+from synkhronos.runtime import get_runtime
+
+HANG_S = 100
+
+
+def _segments():
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("synk_"))
+
+
+@pytest.fixture(autouse=True)
+def _deadline():
+    """A hang is a failure: dump every thread's stack if a test stalls."""
+    faulthandler.dump_traceback_later(HANG_S, exit=False, file=sys.stderr)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture
+def forked(request):
+    """Return a function that forks n ranks; the runtime is closed after the test."""
+    def _fork(n_parallel=2, **kwargs):
+        return synk.fork(n_parallel, use_gpu=False, **kwargs)
+    yield _fork
+    rt = get_runtime()
+    if rt is not None and not rt.closed:
+        synk.close()
+    assert get_runtime() is None
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks():
+    """Every test leaves no segment of its own and no live runtime behind."""
+    yield
+    rt = get_runtime()
+    if rt is not None and not rt.closed:
+        synk.close()
+        pytest.fail("test left synkhronos forked")
+    mine = [n for n in _segments() if n.startswith(f"synk_{os.getpid()}_")]
+    assert not mine, f"segments left in /dev/shm: {mine}"
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
