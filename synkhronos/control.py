@@ -127,6 +127,8 @@ class Control:
         self.msg = SharedArray(rt.segment_name("msg"), MSG_BYTES)
         self.sems = [ctx.Semaphore(0) for _ in range(rt.n_parallel)]
         self.seq = 0
+        self.workers = rt.worker_ranks
+        self.status_slots = [self.slot(r, STATUS) for r in self.workers]
 
     def slot(self, rank, field):
         return RANK_BASE + RANK_STRIDE * rank + field
@@ -142,8 +144,8 @@ class Control:
         mv[MSG_LEN] = len(data)
         self.seq += 1
         mv[SEQ] = self.seq
-        for r in rt.worker_ranks:
-            if mv[self.slot(r, SLEEPING)]:
+        for r in self.workers:
+            if mv[RANK_BASE + RANK_STRIDE * r + SLEEPING]:
                 self.sems[r].release()
         return self.seq
 
@@ -164,9 +166,17 @@ class Control:
     def wait_done(self, rt, seq, check):
         """End barrier: wait until every worker has posted ``seq``."""
         mv = self.mv
-        for r in rt.worker_ranks:
-            slot = self.slot(r, DONE)
-            wait_until(lambda: mv[slot] == seq, check, self.spin_s)
+        for r in self.workers:
+            slot = RANK_BASE + RANK_STRIDE * r + DONE
+            if mv[slot] != seq:
+                wait_until(lambda: mv[slot] == seq, check, self.spin_s)
+
+    def any_failed(self):
+        mv = self.mv
+        for slot in self.status_slots:
+            if mv[slot] == FAILED:
+                return True
+        return False
 
     def failures(self, rt):
         """Return {rank: (text, exception or None)} for ranks that failed."""
@@ -255,13 +265,11 @@ def run_command(rt, cmd, payload, local=None, after=None):
     ``local`` raised, else ``WorkerError`` if any worker raised, after every
     rank has finished (end barrier).
     """
-    from . import process  # process imports control; break the cycle here
-
     control = rt.control
     t0 = time.perf_counter()
     seq = control.post(rt, cmd, payload)
     rt.backend.begin(seq)
-    check = process.master_check(rt)
+    check = rt.check
     result = None
     local_exc = None
     try:
@@ -273,27 +281,34 @@ def run_command(rt, cmd, payload, local=None, after=None):
         except WorkerDiedError:
             raise
         except KeyboardInterrupt:
-            process.abandon(rt, "interrupted while running %s" % cmd.name)
+            _abandon(rt, "interrupted while running %s" % cmd.name)
             raise
         except BaseException as exc:  # noqa: B036 - reported after the end barrier
             local_exc = exc
             control.abort(seq)
         control.wait_done(rt, seq, check)
     except WorkerDiedError:
-        process.abandon(rt, "a worker died")
+        _abandon(rt, "a worker died")
         raise
     except KeyboardInterrupt:
-        process.abandon(rt, "interrupted while waiting for workers")
+        _abandon(rt, "interrupted while waiting for workers")
         raise
-    logger.debug("master ran %s in %.6f s", cmd.name, time.perf_counter() - t0)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("master ran %s in %.6f s", cmd.name, time.perf_counter() - t0)
     if local_exc is not None:
         raise local_exc
-    failures = control.failures(rt)
-    if failures:
+    if control.any_failed():
+        failures = control.failures(rt)
         raise _worker_error(rt, cmd, failures)
     if after is not None:
         return after(result)
     return result
+
+
+def _abandon(rt, reason):
+    from .process import abandon  # process imports this module
+
+    abandon(rt, reason)
 
 
 def _worker_error(rt, cmd, failures):

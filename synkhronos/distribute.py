@@ -54,4 +54,5 @@ def _distribute_worker(rt, blob):
     functions, shareds = pickle.loads(blob)
     for f in functions:
         f._rt = rt
+        f._fn.trust_input = True
     _install(rt, functions, shareds)

@@ -168,6 +168,10 @@ class Function:
         self._scratch = {}
         self._rt = None
         self._all_inputs = inputs + bcast_inputs
+        self._simple = len(outputs) == 1 and output_ops[0] in reducers.COLLECTIVE_OPS
+        # Inputs are checked in the master (dtype, ndim) before any rank runs,
+        # so PyTensor's per-call input validation is skipped.
+        fn.trust_input = True
         self._dtypes = [np.dtype(v.dtype) for v in self._all_inputs]
         self._ndims = [v.ndim for v in self._all_inputs]
 
@@ -203,7 +207,11 @@ class Function:
         """Call the underlying PyTensor function in the master only (updates apply there)."""
         args = [a.data if isinstance(a, data_module.Data) else a for a in args]
         kwargs = {k: v.data if isinstance(v, data_module.Data) else v for k, v in kwargs.items()}
-        out = self._fn(*args, **kwargs)
+        self._fn.trust_input = False  # user values: let PyTensor check and convert them
+        try:
+            out = self._fn(*args, **kwargs)
+        finally:
+            self._fn.trust_input = True
         return out if self._return_list else out[0]
 
     def build_inputs(self, *args, force_cast=False, oversize=1.0, minibatch=False, **kwargs):
@@ -407,7 +415,11 @@ class Function:
         """Run this rank's share of a call and take part in the reduction."""
         _, descs, n_scattered, sel, n_rows, sel_s, num_slices, subset = msg
         rank = rt.rank
-        arrays = [data_module.view(rt, desc) for desc in descs]
+        if rt.is_master:
+            datas = rt.datas
+            arrays = [datas[desc[0]]._data for desc in descs]
+        else:
+            arrays = [data_module.view(rt, desc) for desc in descs]
         rows = None
         if n_scattered:
             lo, hi = scatter.rank_range(n_rows, rt.n_parallel, rank)
@@ -459,6 +471,7 @@ class Function:
                 outs += [u for _, u in self._updates]
                 updates = None
             fn = pytensor.function(ins, outs, updates=updates, givens=givens or None, **self._kwargs)
+            fn.trust_input = True
             self._variants[key] = fn
         return fn
 
@@ -507,6 +520,12 @@ class Function:
             return []
         parts = rt.backend.collect()
         parts[rt.rank] = mine
+        if self._simple and subset is None and None not in parts:
+            # Fast path: one reducible output, every rank contributed.
+            values = [p[0][0] for p in parts]
+            if len({v.shape for v in values}) == 1:
+                out = reducers.combine(self._output_ops[0], values, [p[1] for p in parts])
+                return [out] if self._return_list else out
         out_idx = range(len(self._outputs)) if subset is None else subset
         final = []
         for j, i in enumerate(out_idx):

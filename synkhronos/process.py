@@ -96,6 +96,7 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
                         name=f"synk-rank-{rank}", daemon=True)
         p.start()
         rt.procs[rank] = p
+    rt.check = master_check(rt)
     pids = [p.pid for p in rt.procs.values()]
     # A bare fork, not a multiprocessing child: multiprocessing's exit hook
     # would wait for it, and it must outlive the master.

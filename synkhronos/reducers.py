@@ -1,5 +1,7 @@
 """Reduce operations by name: the single table of ops and the NumPy code behind them."""
 
+import math
+
 import numpy as np
 
 COLLECTIVE_OPS = ("avg", "sum", "prod", "max", "min")
@@ -41,6 +43,9 @@ def combine(op, parts, weights=None, out=None):
             weighs every part equally (sum, then scale by 1/n).
         out: optional output array of the result's shape and dtype.
     """
+    first = parts[0]
+    if first.ndim == 0 and out is None and first.dtype.kind == "f":
+        return _combine_scalars(op, parts, weights, first.dtype)
     if op == "avg":
         if weights is None:
             acc = parts[0].astype(result_dtype(op, parts[0].dtype))
@@ -61,6 +66,26 @@ def combine(op, parts, weights=None, out=None):
         np.copyto(out, acc, casting="unsafe")
         return out
     return np.asarray(acc)
+
+
+def _combine_scalars(op, parts, weights, dtype):
+    # 0-d float outputs (losses, accuracies) are the common case; Python floats
+    # reduce them several times faster than NumPy scalar arithmetic.
+    values = [float(p) for p in parts]
+    if op == "avg":
+        if weights is None:
+            result = sum(values) / len(values)
+        else:
+            result = sum(v * w for v, w in zip(values, weights)) / float(sum(weights))
+    elif op == "sum":
+        result = sum(values)
+    elif op == "prod":
+        result = math.prod(values)
+    elif op == "max":
+        result = max(values)
+    else:
+        result = min(values)
+    return np.array(result, dtype=dtype)
 
 
 def accumulate(op, acc, value, w_acc=None, w_value=None):

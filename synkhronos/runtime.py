@@ -32,6 +32,7 @@ class Runtime:
     closed: bool = False
     counter: object = field(default_factory=itertools.count)
     restore: list = field(default_factory=list)  # callables undoing fork() in master
+    check: object = None            # master: raises WorkerDiedError if a worker exited
 
     @property
     def is_master(self):

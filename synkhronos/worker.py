@@ -27,6 +27,7 @@ def loop(rt):
         import cProfile
         profiler = cProfile.Profile()
         profiler.enable()
+    debug = logger.isEnabledFor(logging.DEBUG)
     last = 0
     while True:
         seq = control.wait_command(rank, last, check)
@@ -43,7 +44,8 @@ def loop(rt):
             control.write_error(rank, header, exc)
             control.abort(seq)
             status = FAILED
-        log.debug("rank %d ran %s in %.6f s", rank, cmd.name, time.perf_counter() - t0)
+        if debug:
+            log.debug("rank %d ran %s in %.6f s", rank, cmd.name, time.perf_counter() - t0)
         if cmd == Command.QUIT:
             if profiler is not None:
                 profiler.disable()

@@ -1,0 +1,135 @@
+"""Call overhead and MLP training throughput: synkhronos vs. bare PyTensor, in one run.
+
+Prints:
+  1. latency of a synk call on tiny inputs (2 ranks) against the bare PyTensor call;
+  2. samples/s of an MLP (784-1024-1024-10, batch 512, SGD) trained data-parallel on
+     2 ranks against the serial PyTensor step with 1 and with 2 BLAS threads.
+
+Usage: python bench/call_overhead.py [--steps N] [--calls N]
+"""
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+from threadpoolctl import threadpool_limits
+
+import synkhronos as synk
+
+LAYERS = (784, 1024, 1024, 10)
+BATCH = 512
+N_DATA = 8192
+LR = 0.01
+
+
+def timed_calls(fn, n, repeats=7):
+    """Median over ``repeats`` of the mean seconds per call over ``n`` calls."""
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out.append((time.perf_counter() - t0) / n)
+    return statistics.median(out)
+
+
+def build_mlp(rng):
+    params = []
+    for i, (n_in, n_out) in enumerate(zip(LAYERS[:-1], LAYERS[1:])):
+        w = rng.normal(0, np.sqrt(2.0 / n_in), (n_in, n_out)).astype("float32")
+        params.append(pytensor.shared(w, name=f"W{i}"))
+        params.append(pytensor.shared(np.zeros(n_out, "float32"), name=f"b{i}"))
+    x = pt.matrix("x")
+    y = pt.ivector("y")
+    h = x
+    for i in range(0, len(params) - 2, 2):
+        h = pt.maximum(h @ params[i] + params[i + 1], 0)
+    logits = h @ params[-2] + params[-1]
+    loss = -pt.mean(pt.log(pt.special.softmax(logits, axis=-1))[pt.arange(y.shape[0]), y])
+    return x, y, params, loss
+
+
+def serial_throughput(rng, data_x, data_y, steps, threads):
+    x, y, params, loss = build_mlp(rng)
+    grads = pytensor.grad(loss, params)
+    step = pytensor.function([x, y], loss, updates=[(p, p - LR * g) for p, g in zip(params, grads)])
+    idx = rng.integers(0, N_DATA, BATCH)
+    step(data_x[idx], data_y[idx])  # compile and load every library first
+    with threadpool_limits(limits=threads):
+        def one():
+            i = rng.integers(0, N_DATA, BATCH)
+            step(data_x[i], data_y[i])
+        one()
+        sec = timed_calls(one, steps, repeats=3)
+    return BATCH / sec
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=15, help="training steps per repeat")
+    parser.add_argument("--calls", type=int, default=2000, help="tiny calls per repeat")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    data_x = rng.normal(size=(N_DATA, LAYERS[0])).astype("float32")
+    data_y = rng.integers(0, LAYERS[-1], N_DATA).astype("int32")
+
+    # Serial baselines first: fork() limits every process to one BLAS thread.
+    serial1 = serial_throughput(rng, data_x, data_y, args.steps, 1)
+    serial2 = serial_throughput(rng, data_x, data_y, args.steps, 2)
+
+    tiny_x = pt.matrix("tx")
+    bare = pytensor.function([tiny_x], pt.sum(tiny_x))
+    tiny = rng.normal(size=(8, 4)).astype("float32")
+
+    synk.fork(2, use_gpu=False)
+    f_tiny = synk.function([tiny_x], pt.sum(tiny_x))
+    x, y, params, loss = build_mlp(np.random.default_rng(1))
+    grads = pytensor.grad(loss, params)
+    sizes = [int(np.prod(p.get_value().shape)) for p in params]
+    flat = pytensor.shared(np.zeros(sum(sizes), "float32"), name="flat_grad")
+    f_grad = synk.function([x, y], loss,
+                           updates=[(flat, pt.concatenate([g.flatten() for g in grads]))])
+    upd, offset = [], 0
+    for p, n in zip(params, sizes):
+        upd.append((p, p - LR * flat[offset:offset + n].reshape(p.shape)))
+        offset += n
+    f_update = synk.function([], updates=upd)
+    synk.distribute()
+
+    tiny_d = synk.data(tiny)
+    bare_s = timed_calls(lambda: bare(tiny), args.calls)
+    synk_s = timed_calls(lambda: f_tiny(tiny_d), args.calls)
+
+    xd = synk.data(data_x)
+    yd = synk.data(data_y)
+
+    def train_step():
+        idx = rng.integers(0, N_DATA, BATCH)
+        f_grad(xd, yd, batch=idx)
+        synk.all_reduce(flat, op="avg")
+        f_update()
+    train_step()
+    synk_tp = BATCH / timed_calls(train_step, args.steps, repeats=3)
+    synk.close()
+
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}, "
+          f"pytensor {pytensor.__version__}")
+    print("\n== call latency, tiny input (8x4 float32, sum), 2 ranks ==")
+    print(f"bare pytensor call      {bare_s * 1e6:8.1f} us")
+    print(f"synk call (2 ranks)     {synk_s * 1e6:8.1f} us")
+    print(f"overhead                {(synk_s - bare_s) * 1e6:8.1f} us   (target < 50 us)")
+    print(f"\n== MLP {'-'.join(map(str, LAYERS))}, batch {BATCH}, SGD: samples/s ==")
+    print(f"serial, 1 BLAS thread   {serial1:8.0f}")
+    print(f"serial, 2 BLAS threads  {serial2:8.0f}")
+    print(f"synk, 2 ranks           {synk_tp:8.0f}")
+    print(f"ratio vs 1 thread       {synk_tp / serial1:8.2f}x  (target >= 1.8x)")
+    print(f"ratio vs 2 threads      {synk_tp / serial2:8.2f}x  (target > 1.0x)")
+
+
+if __name__ == "__main__":
+    main()
