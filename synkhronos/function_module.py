@@ -63,6 +63,9 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
     out_vars, out_ops, return_list = _parse_outputs(outputs)
     upd_pairs, upd_ops = _parse_updates(updates)
     sliceable = _var_list(sliceable_shareds, "sliceable_shareds", shared=True)
+    if rt.device == "gpu":
+        # GPU mode: shared variables live on the device as JAX arrays.
+        kwargs.setdefault("mode", "JAX")
     fn = pytensor.function(inputs + bcast_inputs, out_vars, updates=upd_pairs or None,
                            givens=givens, **kwargs)
     used = {id(s) for s in fn.get_shared()}
@@ -448,6 +451,9 @@ class Function:
         else:
             results = self._run_slices(arrays, n_scattered, shared_sel, num_slices, out_idx)
         weight = 1.0 if rows is None else float(rows)
+        if results is not None:
+            # Backends other than NumPy's (JAX) return their own array types.
+            results = [r if type(r) is np.ndarray else np.asarray(r) for r in results]
         if rt.is_master:
             return None if results is None else (results, weight)
         rt.backend.contribute(results, weight)

@@ -25,14 +25,19 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
          max_n_var=1000, max_dim=16):
     """Start one worker process per additional rank; the caller becomes the master.
 
-    Call before building any PyTensor function that synkhronos should run.  In
+    Call before building any PyTensor function that synkhronos should run, and,
+    in GPU mode, before anything initialises CUDA or JAX in this process.  In
     CPU mode (no GPU, or ``use_gpu=False``) there is one rank per usable core by
     default; each process is limited to one BLAS thread and, when there are
-    enough cores, pinned to its own core.  The master is a rank and computes too.
+    enough cores, pinned to its own core.  In GPU mode there is one rank per
+    GPU; each rank sees only its own GPU and functions compile with PyTensor's
+    JAX backend.  The master is a rank and computes too.
 
     Args:
-        n_parallel: number of ranks (default: every usable core).  Any value
-            >= 1 is accepted in CPU mode, more ranks than cores included.
+        n_parallel: number of ranks (default: every usable core, or every
+            GPU).  Any value >= 1 is accepted: in CPU mode more ranks than
+            cores, in GPU mode ranks share GPUs round robin (then NCCL is not
+            used, since it needs one GPU per rank).
         use_gpu: None picks GPU mode when NVIDIA GPUs are present, False forces
             CPU mode, True requires GPUs.
         master_rank: the rank of the calling process.
@@ -50,6 +55,8 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
         ValueError: ``n_parallel`` < 1, or ``master_rank`` not in
             ``range(n_parallel)``.
         RuntimeError: ``use_gpu=True`` without a GPU.
+        SynkStateError: GPU mode, but CUDA or JAX is already initialised in
+            this process (a forked worker could not use its GPU).
     """
     rt = get_runtime()
     if rt is not None and not rt.closed:
@@ -60,12 +67,19 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
     if use_gpu and n_gpus == 0:
         raise RuntimeError("fork: use_gpu=True but no NVIDIA GPU was found; "
                            "use use_gpu=False (or None) for CPU mode")
-    if n_gpus and use_gpu is None:
-        logger.warning("%d GPU(s) found but GPU mode is not available in this "
-                       "version; running in CPU mode", n_gpus)
+    gpu_mode = n_gpus > 0
+    if gpu_mode:
+        used = gpu.cuda_in_use()
+        if used is not None:
+            raise SynkStateError(
+                f"fork: {used} already initialised CUDA in this process, and a forked "
+                "worker cannot use a GPU after that. Call synk.fork() first, before "
+                "anything touches the GPU (jax.devices(), JAX arrays or functions, "
+                "cupy, torch.cuda); importing those packages alone is fine. "
+                "Or pass use_gpu=False for CPU mode.")
     cores = sorted(os.sched_getaffinity(0))
     if n_parallel is None:
-        n_parallel = len(cores)
+        n_parallel = n_gpus if gpu_mode else len(cores)
     _check_int("n_parallel", n_parallel, 1)
     _check_int("master_rank", master_rank, 0)
     if master_rank >= n_parallel:
@@ -78,7 +92,10 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
     from .comm import get_backend
     ctx = multiprocessing.get_context("fork")
     rt = Runtime(rank=master_rank, n_parallel=n_parallel, master_rank=master_rank,
-                 master_pid=os.getpid(), max_n_var=max_n_var, max_dim=max_dim)
+                 master_pid=os.getpid(), max_n_var=max_n_var, max_dim=max_dim,
+                 device="gpu" if gpu_mode else "cpu")
+    rt.n_gpus = n_gpus
+    rt.gpu_ids = gpu.visible_ids(n_gpus)
     rt.profile_workers = bool(profile_workers)
     rt.cores = cores
     spin_s = default_spin_s(n_parallel, len(cores))
@@ -86,9 +103,13 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
     rt.backend = get_backend(os.environ.get("SYNK_BACKEND", "shm"))(rt, spin_s)
     set_runtime(rt)
 
-    # Limit thread pools before forking: the children inherit the limits, and
-    # changing OpenBLAS's pool after a fork leaves it slowing every round trip.
-    _limit_threads(rt)
+    if gpu_mode:
+        # The environment is inherited; each worker narrows it to its own GPU.
+        _select_gpu(rt, master_rank)
+    else:
+        # Limit thread pools before forking: the children inherit the limits, and
+        # changing OpenBLAS's pool after a fork leaves it slowing every round trip.
+        _limit_threads(rt)
     # Children must not keep the janitor's pipe open, or it never sees EOF.
     read_fd, write_fd = os.pipe()
     for rank in rt.worker_ranks:
@@ -113,10 +134,28 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
     # while the workers are still there to be told to quit.
     atexit.unregister(_close_at_exit)
     atexit.register(_close_at_exit)
-    _pin(rt, master_rank, restore=True)
-    logger.info("forked %d workers (cpu mode, master rank %d, %d ranks on %d cores)",
-                n_parallel - 1, master_rank, n_parallel, len(cores))
+    if not gpu_mode:
+        _pin(rt, master_rank, restore=True)
+    logger.info("forked %d workers (%s mode, master rank %d, %d ranks on %d %s)",
+                n_parallel - 1, rt.device, master_rank, n_parallel,
+                n_gpus if gpu_mode else len(cores), "GPUs" if gpu_mode else "cores")
     return n_parallel
+
+
+def _select_gpu(rt, rank):
+    per_gpu = -(-rt.n_parallel // rt.n_gpus)
+    if rt.is_master:
+        saved = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES",
+                                                "XLA_PYTHON_CLIENT_MEM_FRACTION")}
+
+        def restore():
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        rt.restore.append(restore)
+    gpu.select_device(rt.gpu_ids[gpu.device_for_rank(rank, rt.n_gpus)], per_gpu)
 
 
 def _check_int(name, value, low):
@@ -182,7 +221,10 @@ def _worker_main(rt, rank, read_fd, write_fd):
     rt.rank = rank
     rt.procs = {}
     rt.restore = []
-    _pin(rt, rank)
+    if rt.device == "gpu":
+        _select_gpu(rt, rank)
+    else:
+        _pin(rt, rank)
     from . import worker
     worker.loop(rt)
 

@@ -33,6 +33,8 @@ class Runtime:
     counter: object = field(default_factory=itertools.count)
     restore: list = field(default_factory=list)  # callables undoing fork() in master
     check: object = None            # master: raises WorkerDiedError if a worker exited
+    n_gpus: int = 0
+    gpu_ids: list = field(default_factory=list)  # CUDA device ids, indexed round robin by rank
 
     @property
     def is_master(self):
