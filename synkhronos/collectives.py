@@ -1,2 +1,565 @@
 """Collectives on shared variables: broadcast, scatter, gather, all_gather, reduce,
-all_reduce, set_value, get_value, get_lengths, get_shapes."""
+all_reduce, set_value, get_value, get_lengths, get_shapes.
+
+Each collective checks its arguments in the master, posts one command that
+names the variables by their index in ``rt.shareds``, and runs the same local
+function on every rank, the master included.  All variables of one call go
+through the backend together: one pack, one set of barriers.
+
+Results for one variable come back as one array; for a list or tuple of
+variables, as a tuple (also for a list of one).  The ``nccl`` flags are
+accepted for the GPU mode and mean nothing on CPU.
+"""
+
+import logging
+
+import numpy as np
+
+from . import reducers
+from . import scatter as rows
+from . import sharedvars as sv
+from .control import Command, handler, run_command
+from .data_module import Data
+from .runtime import require_distributed
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
+           "set_value", "get_value", "get_lengths", "get_shapes"]
+
+
+def _ret(results, single):
+    return results[0] if single else tuple(results)
+
+
+def _descs(items):
+    """Data objects travel as descriptors (workers read them in place); arrays as None."""
+    return [sv.describe(v) if isinstance(v, Data) else None for v in items]
+
+
+# ---- broadcast --------------------------------------------------------------
+def broadcast(shared_vars, values=None, nccl=True):
+    """Give every rank the master's value of shared variables (or ``values``).  Master only.
+
+    Args:
+        shared_vars: a shared variable, its name, or a list/tuple of either.
+        values: None to send the master's current values, else one value per
+            variable (NumPy array or Data), which every rank, the master
+            included, then holds.
+        nccl: use NCCL where available (GPU mode only).
+
+    Raises:
+        SynkStateError: before distribute().
+        TypeError: a value of the wrong dtype, or not a shared variable.
+        ValueError: a variable no distributed function uses, or a value of
+            the wrong ndim.
+        WorkerError: a rank failed while receiving.
+    """
+    rt = require_distributed("broadcast()")
+    idx, single = sv.resolve(rt, shared_vars, "broadcast")
+    items = None
+    if values is not None:
+        values = sv.value_list(values, len(idx), single, "broadcast")
+        items = [sv.condition(rt, rt.shareds[i], v, "broadcast") for i, v in zip(idx, values)]
+    payload = (idx, None if items is None else _descs(items))
+    run_command(rt, Command.BROADCAST, payload, lambda seq: _broadcast_local(rt, payload, items))
+
+
+def _broadcast_local(rt, payload, items=None):
+    idx, descs = payload
+    shareds = [rt.shareds[i] for i in idx]
+    descs = descs or [None] * len(idx)
+    via = [k for k, d in enumerate(descs) if d is None]
+    root = rt.master_rank
+    if rt.rank == root:
+        if via:
+            arrays = [sv.get_array(shareds[k]) if items is None else items[k] for k in via]
+            rt.backend.broadcast(arrays, root)
+        if items is not None:
+            for var, value in zip(shareds, items):
+                sv.store(var, value.data if isinstance(value, Data) else value)
+        return
+    if via:
+        outs = [sv.writable_out(shareds[k]) for k in via]
+        got = rt.backend.broadcast(None, root, out=outs)
+        for k, value, out in zip(via, got, outs):
+            sv.store(shareds[k], value, out)
+    for var, desc in zip(shareds, descs):
+        if desc is not None:
+            sv.store(var, sv.data_view(rt, desc))
+
+
+@handler(Command.BROADCAST)
+def _broadcast_worker(rt, payload):
+    _broadcast_local(rt, payload)
+
+
+# ---- scatter ----------------------------------------------------------------
+def scatter(shared_vars, values, batch=None):
+    """Split values along axis 0 over the ranks into shared variables.  Master only.
+
+    Rows are split as for function inputs: as evenly as possible, the first
+    ranks taking one more.  Data values are read by every rank in place.
+
+    Args:
+        shared_vars: a shared variable, its name, or a list/tuple of either.
+        values: one NumPy array or Data per variable.
+        batch: rows to scatter, applied to each value first: an int ``k``
+            (rows ``[:k]``), a slice, or a list / 1-d int array of indices.
+
+    Raises:
+        SynkStateError: before distribute().
+        TypeError: a value of the wrong dtype, or a malformed ``batch``.
+        ValueError: a variable no distributed function uses, a value of the
+            wrong ndim (0-d values cannot be split), or ``batch`` selecting
+            rows a value does not have.
+        WorkerError: a rank failed while receiving.
+    """
+    rt = require_distributed("scatter()")
+    idx, single = sv.resolve(rt, shared_vars, "scatter")
+    values = sv.value_list(values, len(idx), single, "scatter")
+    sel = None if batch is None else rows.normalize_batch(batch, "scatter: batch")
+    n = rt.n_parallel
+    items, sels = [], []
+    per_rank = [[] for _ in range(n)]
+    for i, value in zip(idx, values):
+        var = rt.shareds[i]
+        item = sv.condition(rt, var, value, "scatter")
+        arr = item.data if isinstance(item, Data) else item
+        if arr.ndim == 0:
+            raise ValueError(f"scatter: {var} is 0-d; scatter splits values along axis 0")
+        s = _select(sel, len(arr), var, "scatter")
+        n_rows = rows.selection_length(s, len(arr))
+        for lo, hi in rows.split_ranges(n_rows, n):
+            sv.check_static_shape(var, (hi - lo,) + arr.shape[1:], "scatter")
+        items.append(item)
+        sels.append(s)
+        if not isinstance(item, Data):
+            for r, (lo, hi) in enumerate(rows.split_ranges(n_rows, n)):
+                per_rank[r].append(rows.take(arr, s, lo, hi))
+    payload = (idx, _descs(items), [s if isinstance(v, Data) else None
+                                    for s, v in zip(sels, items)])
+    run_command(rt, Command.SCATTER, payload, lambda seq: _scatter_local(rt, payload, per_rank))
+
+
+def _select(sel, length, var, where):
+    """Resolve ``sel`` against a value of ``length`` rows; raise if it reaches past them."""
+    s = rows.resolve(sel, length)
+    need = rows.rows_needed(s, length)
+    if need > length:
+        raise ValueError(f"{where}: batch selects row {need - 1} but the value for {var} "
+                         f"has {length} rows")
+    return s
+
+
+def _scatter_local(rt, payload, per_rank=None):
+    idx, descs, sels = payload
+    shareds = [rt.shareds[i] for i in idx]
+    via = [k for k, d in enumerate(descs) if d is None]
+    root = rt.master_rank
+    if via:
+        got = rt.backend.scatter(per_rank if rt.rank == root else None, root)
+        for k, value in zip(via, got):
+            sv.store(shareds[k], value)
+    for var, desc, s in zip(shareds, descs, sels):
+        if desc is not None:
+            view = sv.data_view(rt, desc)
+            lo, hi = rows.rank_range(rows.selection_length(s, len(view)), rt.n_parallel, rt.rank)
+            sv.store(var, rows.take(view, s, lo, hi))
+
+
+@handler(Command.SCATTER)
+def _scatter_worker(rt, payload):
+    _scatter_local(rt, payload)
+
+
+# ---- gather and all_gather --------------------------------------------------
+def gather(shared_vars, nd_up=1, nccl=True):
+    """Return every rank's value of shared variables, in rank order.  Master only.
+
+    The variables keep their values.  Values whose shapes differ between
+    ranks are gathered exactly (the original's NCCL path cropped or padded
+    them): with ``nd_up=0`` they are concatenated as they are; ``nd_up=1``
+    needs equal shapes and raises otherwise.
+
+    Args:
+        shared_vars: a shared variable, its name, or a list/tuple of either.
+        nd_up: 1 stacks the values on a new leading axis (one entry per
+            rank); 0 concatenates them along axis 0.
+        nccl: use NCCL where available (GPU mode only).
+
+    Returns:
+        One array, or a tuple of arrays for a list/tuple of variables.
+
+    Raises:
+        SynkStateError: before distribute().
+        ValueError: a variable no distributed function uses, ``nd_up`` not 0
+            or 1, ``nd_up=0`` on a 0-d variable, or shapes across ranks that
+            cannot be stacked (``nd_up=1``) or concatenated (``nd_up=0``).
+        WorkerError: a rank failed while sending.
+    """
+    rt = require_distributed("gather()")
+    idx, single = sv.resolve(rt, shared_vars, "gather", unique=False)
+    if isinstance(nd_up, bool) or nd_up not in (0, 1):
+        raise ValueError(f"gather: nd_up must be 0 or 1; got {nd_up!r}")
+    if nd_up == 0:
+        for i in idx:
+            if rt.shareds[i].ndim == 0:
+                raise ValueError(f"gather: {rt.shareds[i]} is 0-d and cannot be concatenated; "
+                                 "use nd_up=1")
+    payload = (idx, nd_up)
+    return _ret(run_command(rt, Command.GATHER, payload, lambda seq: _gather_local(rt, payload)),
+                single)
+
+
+def _gather_local(rt, payload):
+    idx, nd_up = payload
+    shareds = [rt.shareds[i] for i in idx]
+    got = rt.backend.gather([sv.get_array(v) for v in shareds], rt.master_rank)
+    if got is None:
+        return None
+    join = np.stack if nd_up else np.concatenate
+    return [_join(join, [got[q][k] for q in range(rt.n_parallel)], var, "gather")
+            for k, var in enumerate(shareds)]
+
+
+def _join(join, parts, var, where):
+    """Stack or concatenate per-rank values; name every rank's shape if they don't fit."""
+    try:
+        if join is np.stack and len({p.shape for p in parts}) > 1:
+            raise ValueError("shapes differ")
+        return join(parts)
+    except ValueError:
+        shapes = ", ".join(f"rank {q}: {p.shape}" for q, p in enumerate(parts))
+        how = ("stacked (nd_up=1); use nd_up=0 to concatenate along axis 0"
+               if join is np.stack else "concatenated along axis 0")
+        raise ValueError(f"{where}: the values of {var} ({shapes}) cannot be {how}") from None
+
+
+@handler(Command.GATHER)
+def _gather_worker(rt, payload):
+    _gather_local(rt, payload)
+
+
+def all_gather(shared_vars, nccl=True):
+    """Give every rank the concatenation, along axis 0, of all ranks' values.  Master only.
+
+    Each variable's value becomes the rank-ordered concatenation of every
+    rank's value (lengths may differ; the other axes must agree).  The ndim
+    does not change.
+
+    Args:
+        shared_vars: a shared variable, its name, or a list/tuple of either.
+        nccl: use NCCL where available (GPU mode only).
+
+    Raises:
+        SynkStateError: before distribute().
+        ValueError: a variable no distributed function uses, a 0-d variable,
+            one whose type fixes its length, or values whose shapes beyond
+            axis 0 differ between ranks (then no rank changes).
+        WorkerError: a rank failed.
+    """
+    rt = require_distributed("all_gather()")
+    idx, single = sv.resolve(rt, shared_vars, "all_gather")
+    for i in idx:
+        var = rt.shareds[i]
+        if var.ndim == 0:
+            raise ValueError(f"all_gather: {var} is 0-d and cannot be concatenated")
+        if rt.n_parallel > 1 and var.type.shape[0] is not None:
+            raise ValueError(f"all_gather: {var} has a fixed length {var.type.shape[0]}, "
+                             "which the concatenation would change")
+    run_command(rt, Command.ALL_GATHER, idx, lambda seq: _all_gather_local(rt, idx))
+
+
+def _all_gather_local(rt, idx):
+    shareds = [rt.shareds[i] for i in idx]
+    got = rt.backend.all_gather([sv.get_array(v) for v in shareds])
+    joined = [_join(np.concatenate, [got[q][k] for q in range(rt.n_parallel)], var, "all_gather")
+              for k, var in enumerate(shareds)]
+    for var, value in zip(shareds, joined):
+        var.set_value(value, borrow=True)
+
+
+@handler(Command.ALL_GATHER)
+def _all_gather_worker(rt, idx):
+    _all_gather_local(rt, idx)
+
+
+# ---- reduce and all_reduce --------------------------------------------------
+def _check_reduce(rt, shared_vars, op, in_place, where):
+    reducers.check_op(op, where)
+    idx, single = sv.resolve(rt, shared_vars, where, unique=in_place)
+    if in_place and op == "avg":
+        for i in idx:
+            var = rt.shareds[i]
+            if np.dtype(var.dtype).kind in "iub":
+                raise TypeError(f"{where}: op 'avg' on {var} of dtype {var.dtype} gives "
+                                "floats, which the variable cannot hold; use 'sum'")
+    return idx, single
+
+
+def reduce(shared_vars, op="avg", in_place=True, nccl=True):
+    """Reduce shared variables over all ranks into the master.  Master only.
+
+    Workers' values do not change.
+
+    Args:
+        shared_vars: a shared variable, its name, or a list/tuple of either.
+        op: "avg", "sum", "prod", "max" or "min" ("avg" is sum, then scale).
+        in_place: True overwrites the master's values; False returns the
+            results and changes nothing.
+        nccl: use NCCL where available (GPU mode only).
+
+    Returns:
+        None if ``in_place``, else one array, or a tuple of arrays for a
+        list/tuple of variables.
+
+    Raises:
+        SynkStateError: before distribute().
+        TypeError: ``op="avg"`` in place on an integer variable.
+        ValueError: unknown op, a variable no distributed function uses, or
+            values whose shapes differ between ranks (nothing changes then).
+        WorkerError: a rank failed while reducing.
+    """
+    rt = require_distributed("reduce()")
+    idx, single = _check_reduce(rt, shared_vars, op, in_place, "reduce")
+    payload = (idx, op, bool(in_place))
+    result = run_command(rt, Command.REDUCE, payload, lambda seq: _reduce_local(rt, payload))
+    return None if in_place else _ret(result, single)
+
+
+def _reduce_local(rt, payload):
+    idx, op, in_place = payload
+    shareds = [rt.shareds[i] for i in idx]
+    arrays = [sv.get_array(v) for v in shareds]
+    root = rt.master_rank
+    outs = None
+    if in_place and rt.rank == root:
+        outs = [sv.writable_out(v, reducers.result_dtype(op, a.dtype))
+                for v, a in zip(shareds, arrays)]
+    result = rt.backend.reduce(arrays, op, root, out=outs)
+    if rt.rank != root:
+        return None
+    if not in_place:
+        return result
+    for var, value, out in zip(shareds, result, outs):
+        sv.store(var, value, out)
+
+
+@handler(Command.REDUCE)
+def _reduce_worker(rt, payload):
+    _reduce_local(rt, payload)
+
+
+def all_reduce(shared_vars, op="avg", nccl=True):
+    """Reduce shared variables over all ranks; every rank keeps the result.  Master only.
+
+    Args:
+        shared_vars: a shared variable, its name, or a list/tuple of either.
+        op: "avg", "sum", "prod", "max" or "min" ("avg" is sum, then scale).
+        nccl: use NCCL where available (GPU mode only).
+
+    Raises:
+        SynkStateError: before distribute().
+        TypeError: ``op="avg"`` on an integer variable.
+        ValueError: unknown op, a variable no distributed function uses, or
+            values whose shapes differ between ranks (nothing changes then).
+        WorkerError: a rank failed while reducing.
+    """
+    rt = require_distributed("all_reduce()")
+    idx, _ = _check_reduce(rt, shared_vars, op, True, "all_reduce")
+    payload = (idx, op)
+    run_command(rt, Command.ALL_REDUCE, payload, lambda seq: _all_reduce_local(rt, payload))
+
+
+def _all_reduce_local(rt, payload):
+    idx, op = payload
+    shareds = [rt.shareds[i] for i in idx]
+    arrays = [sv.get_array(v) for v in shareds]
+    outs = [sv.writable_out(v, a.dtype) for v, a in zip(shareds, arrays)]
+    result = rt.backend.all_reduce(arrays, op, out=outs)
+    for var, value, out in zip(shareds, result, outs):
+        sv.store(var, value, out)
+
+
+@handler(Command.ALL_REDUCE)
+def _all_reduce_worker(rt, payload):
+    _all_reduce_local(rt, payload)
+
+
+# ---- one rank's values ------------------------------------------------------
+def set_value(rank, shared_vars, values, batch=None):
+    """Set shared variables' values in one rank.  Master only.
+
+    Args:
+        rank: the rank to write to.
+        shared_vars: a shared variable, its name, or a list/tuple of either.
+        values: one NumPy array or Data per variable.
+        batch: rows of each value to use (as in ``scatter``).
+
+    Raises:
+        SynkStateError: before distribute().
+        TypeError: a value of the wrong dtype, a non-int rank, or a malformed
+            ``batch``.
+        ValueError: a rank out of range, a variable no distributed function
+            uses, a value of the wrong ndim, or ``batch`` selecting rows a
+            value does not have (or given for a 0-d value).
+        WorkerError: the rank failed while storing.
+    """
+    rt = require_distributed("set_value()")
+    rank = sv.check_rank(rt, rank, "set_value")
+    idx, single = sv.resolve(rt, shared_vars, "set_value")
+    values = sv.value_list(values, len(idx), single, "set_value")
+    sel = None if batch is None else rows.normalize_batch(batch, "set_value: batch")
+    items, sels = [], []
+    for i, value in zip(idx, values):
+        var = rt.shareds[i]
+        item = sv.condition(rt, var, value, "set_value")
+        arr = item.data if isinstance(item, Data) else item
+        s = None
+        if sel is not None:
+            if arr.ndim == 0:
+                raise ValueError(f"set_value: batch needs values with rows; {var} is 0-d")
+            s = _select(sel, len(arr), var, "set_value")
+            n_rows = rows.selection_length(s, len(arr))
+            sv.check_static_shape(var, (n_rows,) + arr.shape[1:], "set_value")
+            if not isinstance(item, Data):
+                item = rows.take(arr, s, 0, n_rows)
+                s = None
+        items.append(item)
+        sels.append(s)
+    if rank == rt.rank:
+        for i, item, s in zip(idx, items, sels):
+            arr = item.data if isinstance(item, Data) else item
+            if s is not None:
+                arr = rows.take(arr, s, 0, rows.selection_length(s, len(arr)))
+            sv.store(rt.shareds[i], arr)
+        return
+    placeholder = np.empty(0, np.uint8)
+    pieces = [v for v in items if not isinstance(v, Data)]
+    per_rank = [pieces if r == rank else [placeholder] * len(pieces)
+                for r in range(rt.n_parallel)]
+    payload = (rank, idx, _descs(items), sels)
+    run_command(rt, Command.SET_VALUE, payload, lambda seq: _set_value_local(rt, payload, per_rank))
+
+
+def _set_value_local(rt, payload, per_rank=None):
+    rank, idx, descs, sels = payload
+    root = rt.master_rank
+    via = [k for k, d in enumerate(descs) if d is None]
+    got = None
+    if via:
+        got = rt.backend.scatter(per_rank if rt.rank == root else None, root)
+    if rt.rank != rank:
+        return
+    shareds = [rt.shareds[i] for i in idx]
+    for k, value in zip(via, got):
+        sv.store(shareds[k], value)
+    for var, desc, s in zip(shareds, descs, sels):
+        if desc is not None:
+            view = sv.data_view(rt, desc)
+            if s is not None:
+                view = rows.take(view, s, 0, rows.selection_length(s, len(view)))
+            sv.store(var, view)
+
+
+@handler(Command.SET_VALUE)
+def _set_value_worker(rt, payload):
+    _set_value_local(rt, payload)
+
+
+def get_value(rank, shared_vars):
+    """Return shared variables' values in one rank (copies).  Master only.
+
+    Args:
+        rank: the rank to read from.
+        shared_vars: a shared variable, its name, or a list/tuple of either.
+
+    Returns:
+        One array, or a tuple of arrays for a list/tuple of variables.
+
+    Raises:
+        SynkStateError: before distribute().
+        TypeError: a non-int rank.
+        ValueError: a rank out of range, or a variable no distributed
+            function uses.
+        WorkerError: the rank failed while sending.
+    """
+    rt = require_distributed("get_value()")
+    rank = sv.check_rank(rt, rank, "get_value")
+    idx, single = sv.resolve(rt, shared_vars, "get_value", unique=False)
+    if rank == rt.rank:
+        return _ret([np.array(sv.get_array(rt.shareds[i])) for i in idx], single)
+
+    def after(_):
+        arrays, _weight = rt.backend.collect()[rank]
+        return _ret([np.array(a) for a in arrays], single)
+    return run_command(rt, Command.GET_VALUE, (rank, idx), after=after)
+
+
+@handler(Command.GET_VALUE)
+def _get_value_worker(rt, payload):
+    rank, idx = payload
+    mine = [sv.get_array(rt.shareds[i]) for i in idx] if rt.rank == rank else None
+    rt.backend.contribute(mine)
+
+
+def get_shapes(shared_vars):
+    """Return the shape of shared variables in every rank.  Master only.
+
+    Args:
+        shared_vars: a shared variable, its name, or a list/tuple of either.
+
+    Returns:
+        For one variable, a list with one shape tuple per rank; for a
+        list/tuple of variables, a tuple of such lists.
+
+    Raises:
+        SynkStateError: before distribute().
+        ValueError: a variable no distributed function uses.
+        WorkerError: a rank failed.
+    """
+    rt = require_distributed("get_shapes()")
+    idx, single = sv.resolve(rt, shared_vars, "get_shapes", unique=False)
+    return _ret(_shapes(rt, idx), single)
+
+
+def get_lengths(shared_vars):
+    """Return the length (size of axis 0) of shared variables in every rank.  Master only.
+
+    Args:
+        shared_vars: a shared variable, its name, or a list/tuple of either.
+
+    Returns:
+        For one variable, a list with one int per rank; for a list/tuple of
+        variables, a tuple of such lists.
+
+    Raises:
+        SynkStateError: before distribute().
+        ValueError: a variable no distributed function uses, or a 0-d one.
+        WorkerError: a rank failed.
+    """
+    rt = require_distributed("get_lengths()")
+    idx, single = sv.resolve(rt, shared_vars, "get_lengths", unique=False)
+    for i in idx:
+        if rt.shareds[i].ndim == 0:
+            raise ValueError(f"get_lengths: {rt.shareds[i]} is 0-d and has no length")
+    return _ret([[s[0] for s in shapes] for shapes in _shapes(rt, idx)], single)
+
+
+def _shapes(rt, idx):
+    """Return, per variable, the list of its shape in each rank."""
+    mine = [sv.get_array(rt.shareds[i]).shape for i in idx]
+
+    def after(_):
+        parts = rt.backend.collect()
+        per_rank = [mine if q == rt.rank else [tuple(int(x) for x in a) for a in parts[q][0]]
+                    for q in range(rt.n_parallel)]
+        return [[per_rank[q][k] for q in range(rt.n_parallel)] for k in range(len(idx))]
+    return run_command(rt, Command.GET_SHAPES, idx, after=after)
+
+
+@handler(Command.GET_SHAPES)
+def _get_shapes_worker(rt, idx):
+    rt.backend.contribute([np.array(sv.get_array(rt.shareds[i]).shape, dtype=np.int64)
+                           for i in idx])

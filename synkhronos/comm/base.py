@@ -3,6 +3,14 @@
 Backends know arrays, not PyTensor: every method takes NumPy arrays (a list,
 one entry per variable) and returns NumPy arrays.  Every rank of the command
 calls the same method with the same ``op``, ``root`` and number of arrays.
+
+Arrays returned by broadcast, gather, all_gather and scatter may be views into
+communication buffers (or read-only message buffers): they are valid until
+this rank's next backend call or the end of the command, and callers copy
+what they keep.  reduce and all_reduce return arrays the caller owns: fresh
+ones, or the ``out`` buffers given (``out`` is a list with one array or None
+per input; an entry of another shape or dtype than the result is ignored).
+``out`` may be the input array itself.
 """
 
 from abc import ABC, abstractmethod
@@ -30,7 +38,7 @@ class Backend(ABC):
         """Return once every rank has called barrier() in this command."""
 
     @abstractmethod
-    def reduce(self, arrays, op, root, weight=None):
+    def reduce(self, arrays, op, root, weight=None, out=None):
         """Reduce ``arrays`` across ranks into ``root``.
 
         ``op`` is one op name or a list with one per array.  ``arrays`` may be
@@ -40,12 +48,16 @@ class Backend(ABC):
         """
 
     @abstractmethod
-    def all_reduce(self, arrays, op, weight=None):
+    def all_reduce(self, arrays, op, weight=None, out=None):
         """Reduce ``arrays`` across ranks; return the reduced list on every rank."""
 
     @abstractmethod
-    def broadcast(self, arrays, root):
-        """Return the root's ``arrays`` on every rank (others pass None)."""
+    def broadcast(self, arrays, root, out=None):
+        """Return the root's ``arrays`` on every rank (others pass None).
+
+        A non-root rank's ``out`` entries that match the root's arrays in
+        shape and dtype receive the data and are returned.
+        """
 
     @abstractmethod
     def gather(self, arrays, root):

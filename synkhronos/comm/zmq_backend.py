@@ -1,0 +1,323 @@
+"""ZeroMQ backend: collectives as messages between ranks, over ipc:// sockets.
+
+The portable fallback (``SYNK_BACKEND=zmq``).  Every rank binds one PULL
+socket (its inbox) at ``ipc://<tmpdir>/r<rank>`` and connects a PUSH socket to
+every other rank's inbox.  A message is a header (command, step, sender), a
+pickled description of the arrays and one frame per array, sent without
+copying.  Messages are matched by (command, step, sender), so messages of an
+aborted or unfinished command are dropped, never mistaken for new ones.
+
+ZeroMQ contexts do not survive fork(): the backend is built in the master
+before fork, and each process opens its own context and sockets on first
+use, after the fork.
+"""
+
+import logging
+import os
+import pickle
+import shutil
+import struct
+import tempfile
+import time
+
+import numpy as np
+import zmq
+
+from .. import reducers
+from . import parts
+from .base import Backend
+
+logger = logging.getLogger(__name__)
+
+CHECK_EVERY_MS = 10
+SPLIT_BYTES = 1 << 18
+CONTRIBUTE = -1  # the step of contribute() messages, read by collect()
+_HDR = struct.Struct("<3q")
+DIR_PREFIX = "synk_zmq_"
+
+
+class ZmqBackend(Backend):
+    """Collectives through ZeroMQ messages; select with ``SYNK_BACKEND=zmq``."""
+
+    def __init__(self, rt, spin_s):
+        super().__init__(rt, spin_s)
+        self.spin_s = spin_s
+        _sweep_stale_dirs()
+        self.dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{rt.master_pid}_")
+        self.master_pid = rt.master_pid
+        self._pid = None
+        self._ctx = None
+        self._inbox = None
+        self._peers = {}
+        self._poller = None
+        self._held = {}
+        self.seq = 0
+        self.k = 0
+        self._check = None
+        self._make_check = None
+
+    def _address(self, rank):
+        return f"ipc://{self.dir}/r{rank}"
+
+    # ---- sockets, opened per process after fork ------------------------
+    def _open(self):
+        if self._pid == os.getpid():
+            return
+        self._pid = os.getpid()
+        self._ctx = zmq.Context(io_threads=1)
+        self._inbox = self._ctx.socket(zmq.PULL)
+        self._inbox.setsockopt(zmq.LINGER, 0)
+        self._inbox.setsockopt(zmq.RCVHWM, 0)
+        self._inbox.bind(self._address(self.rank))
+        self._peers = {}
+        for q in range(self.n_parallel):
+            if q != self.rank:
+                s = self._ctx.socket(zmq.PUSH)
+                s.setsockopt(zmq.LINGER, 0)
+                s.setsockopt(zmq.SNDHWM, 0)
+                # A peer binds when it starts its first command: retry soon.
+                s.setsockopt(zmq.RECONNECT_IVL, 2)
+                s.connect(self._address(q))
+                self._peers[q] = s
+        self._poller = zmq.Poller()
+        self._poller.register(self._inbox, zmq.POLLIN)
+        self._held = {}
+
+    def begin(self, seq):
+        self._open()
+        self.seq = seq
+        self.k = 0
+        self._check = None
+        # Drop what earlier commands left (contributions nobody collected,
+        # messages of an aborted collective) so the inbox stays short.
+        self._held = {key: v for key, v in self._held.items() if key[0] >= seq}
+        while self._inbox.poll(0):
+            self._keep(self._inbox.recv_multipart(copy=False))
+
+    def _get_check(self):
+        if self._check is None:
+            if self._make_check is None:
+                from ..process import backend_check
+                self._make_check = backend_check
+            self._check = self._make_check(self.rt, self.seq)
+        return self._check
+
+    # ---- messages --------------------------------------------------------
+    def _send(self, q, arrays, step=None, weight=1.0):
+        """Send ``arrays`` (or None: no contribution) to rank ``q``."""
+        step = self.k if step is None else step
+        if arrays is None:
+            meta = (weight, None)
+            bufs = []
+        else:
+            arrays = [np.ascontiguousarray(a) for a in arrays]
+            meta = (weight, [(a.dtype.str, a.shape) for a in arrays])
+            bufs = [memoryview(a).cast("B") if a.size else b"" for a in arrays]
+        frames = [_HDR.pack(self.seq, step, self.rank), pickle.dumps(meta, protocol=5)] + bufs
+        self._peers[q].send_multipart(frames, copy=False)
+
+    def _keep(self, frames):
+        seq, step, src = _HDR.unpack(frames[0].bytes)
+        if seq >= self.seq:
+            self._held[(seq, step, src)] = frames
+
+    def _recv(self, q, step=None):
+        """Return (arrays or None, weight) sent by rank ``q`` in this step."""
+        key = (self.seq, self.k if step is None else step, q)
+        frames = self._held.pop(key, None)
+        if frames is None:
+            frames = self._wait(key)
+        weight, meta = pickle.loads(frames[1].bytes)
+        if meta is None:
+            return None, weight
+        arrays = [np.frombuffer(f.buffer, dtype).reshape(shape) if np.prod(shape) else
+                  np.empty(shape, dtype) for f, (dtype, shape) in zip(frames[2:], meta)]
+        return arrays, weight
+
+    def _wait(self, key):
+        inbox = self._inbox
+        spin_end = time.perf_counter() + self.spin_s
+        while True:
+            timeout = 0 if time.perf_counter() < spin_end else CHECK_EVERY_MS
+            if inbox.poll(timeout):
+                while inbox.poll(0):
+                    self._keep(inbox.recv_multipart(copy=False))
+                frames = self._held.pop(key, None)
+                if frames is not None:
+                    return frames
+            if timeout:
+                self._get_check()()
+
+    # ---- synchronisation ---------------------------------------------
+    def barrier(self):
+        self.k += 1
+        for q in self._peers:
+            self._send(q, [])
+        for q in self._peers:
+            self._recv(q)
+
+    # ---- reductions --------------------------------------------------
+    def reduce(self, arrays, op, root, weight=None, out=None):
+        self.k += 1
+        if self.rank != root:
+            self._send(root, arrays, weight=1.0 if weight is None else weight)
+            return None
+        got = self._from_all(arrays, 1.0 if weight is None else weight)
+        return self._combine_all(got, op, weight, out)
+
+    def all_reduce(self, arrays, op, weight=None, out=None):
+        self.k += 1
+        n = self.n_parallel
+        if n == 1:
+            return [] if arrays is None else [
+                parts.local_result(o, a, parts.out_entry(out, i))
+                for i, (o, a) in enumerate(zip(parts.op_list(op, len(arrays)), arrays))]
+        big = (arrays is not None and weight is None
+               and sum(a.nbytes for a in arrays) >= SPLIT_BYTES)
+        ops = None if arrays is None else parts.op_list(op, len(arrays))
+        if big and all(reducers.result_dtype(o, a.dtype) == a.dtype for o, a in zip(ops, arrays)):
+            return self._split_all_reduce(arrays, ops, out)
+        w = 1.0 if weight is None else weight
+        for q in self._peers:
+            self._send(q, arrays, weight=w)
+        got = [(arrays, w) if q == self.rank else self._recv(q) for q in range(n)]
+        return self._combine_all(got, op, weight, out)
+
+    def _from_all(self, arrays, weight):
+        return [(arrays, weight) if q == self.rank else self._recv(q)
+                for q in range(self.n_parallel)]
+
+    def _combine_all(self, got, op, weight, out):
+        ranks = [q for q, (a, _) in enumerate(got) if a is not None]
+        if not ranks:
+            return []
+        arrays = [got[q][0] for q in range(self.n_parallel)]
+        parts.check_alike(arrays, ranks, [0] * len(ranks))
+        first = arrays[ranks[0]]
+        ops = parts.op_list(op, len(first))
+        w = None if weight is None else [got[q][1] for q in ranks]
+        return [parts.combine(ops[i], [arrays[q][i] for q in ranks], w, parts.out_entry(out, i))
+                for i in range(len(first))]
+
+    def _split_all_reduce(self, arrays, ops, out):
+        """Reduce-scatter, then all-gather: each rank reduces its part of every array."""
+        n, me = self.n_parallel, self.rank
+        plan = parts.plan(arrays, n)
+        flat = [a.reshape(-1) for a in arrays]
+        # Shapes travel with the first message, so mismatches are caught before use.
+        for q in self._peers:
+            self._send(q, [np.array(a.shape + (a.dtype.num,), np.int64) for a in arrays]
+                       + [flat[i][lo:hi] for i, lo, hi in plan[q]])
+        result = [parts.result_buffer(a, parts.out_entry(out, i)) for i, a in enumerate(arrays)]
+        got = {q: self._recv(q)[0] for q in self._peers}
+        mine = [list(np.array(a.shape + (a.dtype.num,), np.int64)) for a in arrays]
+        for q, g in got.items():
+            if len(g) != len(arrays) + len(plan[me]) or \
+                    any(list(g[i]) != mine[i] for i in range(len(arrays))):
+                raise ValueError("cannot reduce arrays whose shapes or dtypes differ across "
+                                 f"ranks (rank {me} and rank {q})")
+        reduced = []
+        for j, (i, lo, hi) in enumerate(plan[me]):
+            srcs = [flat[i][lo:hi]] + [got[q][len(arrays) + j] for q in sorted(got)]
+            part = np.empty(hi - lo, arrays[i].dtype)
+            parts.reduce_into(ops[i], srcs, part)
+            reduced.append(part)
+        self.k += 1
+        for q in self._peers:
+            self._send(q, reduced)
+        flats = [r.reshape(-1) for r in result]
+        for j, (i, lo, hi) in enumerate(plan[me]):
+            parts.finish(ops[i], reduced[j], flats[i][lo:hi], n)
+        for q in self._peers:
+            for j, (i, lo, hi) in enumerate(plan[q]):
+                parts.finish(ops[i], self._recv(q)[0][j], flats[i][lo:hi], n)
+        return result
+
+    # ---- function-call results -----------------------------------------
+    def contribute(self, arrays, weight=1.0):
+        self._send(self.rt.master_rank, arrays, step=CONTRIBUTE, weight=weight)
+
+    def collect(self):
+        out = []
+        for q in range(self.n_parallel):
+            if q == self.rank:
+                out.append(None)
+                continue
+            arrays, weight = self._recv(q, CONTRIBUTE)
+            out.append(None if arrays is None else (arrays, weight))
+        return out
+
+    # ---- data movement -----------------------------------------------
+    def broadcast(self, arrays, root, out=None):
+        self.k += 1
+        if self.rank == root:
+            for q in self._peers:
+                self._send(q, arrays)
+            return list(arrays)
+        got = self._recv(root)[0]
+        result = []
+        for i, v in enumerate(got):
+            o = parts.out_entry(out, i)
+            if o is not None and o.shape == v.shape and o.dtype == v.dtype:
+                np.copyto(o, v)
+                v = o
+            result.append(v)
+        return result
+
+    def gather(self, arrays, root):
+        self.k += 1
+        if self.rank != root:
+            self._send(root, arrays)
+            return None
+        return [g for g, _ in self._from_all(arrays, 1.0)]
+
+    def all_gather(self, arrays):
+        self.k += 1
+        for q in self._peers:
+            self._send(q, arrays)
+        return [g for g, _ in self._from_all(arrays, 1.0)]
+
+    def scatter(self, per_rank, root):
+        self.k += 1
+        if self.rank == root:
+            n = len(per_rank[0])
+            if len(per_rank) != self.n_parallel or any(len(e) != n for e in per_rank):
+                raise ValueError("scatter: give one list per rank, all of the same length")
+            for q in self._peers:
+                self._send(q, per_rank[q])
+            return list(per_rank[root])
+        return self._recv(root)[0]
+
+    def close(self):
+        if self._pid == os.getpid():
+            for s in list(self._peers.values()) + [self._inbox]:
+                s.close(linger=0)
+            self._ctx.term()
+            self._pid = None
+        if os.getpid() == self.master_pid:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _sweep_stale_dirs():
+    """Remove socket directories of runs whose master is gone (a crash skips close())."""
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(DIR_PREFIX):
+            continue
+        pid = name[len(DIR_PREFIX):].split("_")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,181 @@
+"""Shared variables in collectives: look-up by variable or name, value checks, get and set.
+
+Every read or write of a shared variable's value by a collective goes through
+``get_array`` and ``store`` here, so a device mode that keeps values in device
+memory (JAX arrays) has one place to convert.
+"""
+
+import numbers
+
+import numpy as np
+from pytensor.compile import SharedVariable
+from pytensor.tensor import TensorType
+
+from . import data_module
+
+
+def resolve(rt, shared_vars, where, unique=True):
+    """Return (indices into ``rt.shareds``, whether one variable was given).
+
+    Args:
+        rt: the master's Runtime, after distribute().
+        shared_vars: a shared variable, its name, or a list/tuple of either.
+        where: the calling collective's name, for error messages.
+        unique: refuse a variable listed twice (collectives that write it).
+
+    Raises:
+        TypeError: not a shared variable, a name, or a list/tuple of them.
+        ValueError: a variable (or name) no distributed function uses, an
+            ambiguous name, a repeated variable, or more than ``max_n_var``.
+    """
+    single = not isinstance(shared_vars, (list, tuple))
+    items = [shared_vars] if single else list(shared_vars)
+    if not items:
+        raise ValueError(f"{where}: shared_vars is empty")
+    if len(items) > rt.max_n_var:
+        raise ValueError(f"{where}: {len(items)} shared variables exceed max_n_var="
+                         f"{rt.max_n_var} given to fork()")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            i = _by_name(rt, item, where)
+        elif isinstance(item, SharedVariable):
+            i = rt.shared_ids.get(id(item))
+            if i is None or rt.shareds[i] is not item:
+                raise ValueError(f"{where}: shared variable {item} is not used by any "
+                                 "function given to distribute()")
+        else:
+            raise TypeError(f"{where}: shared_vars must be a shared variable, its name, or a "
+                            f"list/tuple of them; got {type(item).__name__}")
+        var = rt.shareds[i]
+        if not isinstance(var.type, TensorType):
+            raise TypeError(f"{where}: {var} is not a tensor shared variable ({var.type})")
+        out.append(i)
+    if unique and len(set(out)) != len(out):
+        raise ValueError(f"{where}: a shared variable appears twice in shared_vars")
+    return out, single
+
+
+def _by_name(rt, name, where):
+    hits = [i for i, s in enumerate(rt.shareds) if s.name == name]
+    if not hits:
+        raise ValueError(f"{where}: no shared variable named {name!r} is used by a "
+                         "function given to distribute()")
+    if len(hits) > 1:
+        raise ValueError(f"{where}: {len(hits)} shared variables are named {name!r}; "
+                         "pass the variable itself")
+    return hits[0]
+
+
+def check_rank(rt, rank, where):
+    """Return ``rank`` if it names a rank of this run; raise otherwise."""
+    if isinstance(rank, (bool, np.bool_)) or not isinstance(rank, numbers.Integral):
+        raise TypeError(f"{where}: rank must be an int; got {type(rank).__name__}")
+    if not 0 <= rank < rt.n_parallel:
+        raise ValueError(f"{where}: rank must be in range(n_parallel={rt.n_parallel}); got {rank}")
+    return int(rank)
+
+
+def value_list(values, n, single, where):
+    """Return ``values`` as a list with one entry per variable."""
+    if single:
+        return [values]
+    if not isinstance(values, (list, tuple)) or len(values) != n:
+        got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
+        raise ValueError(f"{where}: values must be a list/tuple with one value per shared "
+                         f"variable ({n}); got {got}")
+    return list(values)
+
+
+def condition(rt, var, value, where):
+    """Check one value for ``var``; return a NumPy array or a Data object.
+
+    NumPy arrays must cast safely to the variable's dtype (as for function
+    inputs); other Python values are converted to it.  A Data object must
+    have the variable's dtype and ndim exactly.
+
+    Raises:
+        TypeError: the wrong dtype, or a value that does not convert.
+        ValueError: the wrong ndim or a shape the variable's type forbids, or
+            a Data object of a closed run or without memory.
+    """
+    dtype = np.dtype(var.dtype)
+    if isinstance(value, data_module.Data):
+        if value._rt is not rt:
+            raise ValueError(f"{where}: the value for {var} is a Data object of a closed run")
+        if value.dtype != dtype:
+            raise TypeError(f"{where}: {var} needs dtype {dtype}; got Data of {value.dtype}")
+        if value.ndim != var.ndim:
+            raise ValueError(f"{where}: {var} needs ndim {var.ndim}; got Data of ndim {value.ndim}")
+        if value.data is None:
+            raise ValueError(f"{where}: the value for {var} is a Data object holding no memory")
+        return value
+    if isinstance(value, np.ndarray):
+        if value.dtype != dtype:
+            if not np.can_cast(value.dtype, dtype, "safe"):
+                raise TypeError(f"{where}: {var} needs dtype {dtype}; got {value.dtype}")
+            value = value.astype(dtype)
+    else:
+        try:
+            value = np.asarray(value, dtype=dtype)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"{where}: cannot convert the value for {var} to {dtype}: {exc}") \
+                from exc
+    if value.ndim != var.ndim:
+        raise ValueError(f"{where}: {var} needs ndim {var.ndim}; got ndim {value.ndim}")
+    check_static_shape(var, value.shape, where)
+    return value
+
+
+def check_static_shape(var, shape, where):
+    """Raise ValueError if ``shape`` breaks a length fixed by the variable's type."""
+    for d, (fixed, got) in enumerate(zip(var.type.shape, shape)):
+        if fixed is not None and fixed != got:
+            raise ValueError(f"{where}: {var} has a fixed length {fixed} on axis {d}; "
+                             f"got shape {tuple(shape)}")
+
+
+def describe(value):
+    """Return what a worker needs to find a Data object's memory."""
+    return (value._ID, value._dtype.str, value._data.shape, value._minibatch)
+
+
+def data_view(rt, desc):
+    """Return this rank's view of a Data object described by ``describe``."""
+    return data_module.view(rt, desc)
+
+
+def get_array(var):
+    """Return the variable's current value in this process, not copied."""
+    return var.get_value(borrow=True, return_internal_type=True)
+
+
+def writable_out(var, dtype=None):
+    """Return the variable's storage if a collective may overwrite it in place, else None.
+
+    Writing into the existing array spares an allocation and its page faults,
+    which dominate large collectives; it needs a contiguous, writeable array
+    of the result's dtype.
+    """
+    arr = get_array(var)
+    if (type(arr) is np.ndarray and arr.flags.c_contiguous and arr.flags.writeable
+            and (dtype is None or arr.dtype == dtype)):
+        return arr
+    return None
+
+
+def store(var, result, out=None):
+    """Make ``result`` the variable's value in this process.
+
+    ``out`` is the storage handed to the backend as output buffer: if the
+    result is already there, nothing is left to do.  Anything else is copied,
+    since results may be views into communication buffers or user arrays.
+    """
+    if out is not None and result is out:
+        return
+    arr = get_array(var)
+    if (type(arr) is np.ndarray and arr.shape == result.shape and arr.dtype == result.dtype
+            and arr.flags.writeable and not np.may_share_memory(arr, result)):
+        np.copyto(arr, result)
+    else:
+        var.set_value(np.array(result, dtype=var.dtype), borrow=True)
