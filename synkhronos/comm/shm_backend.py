@@ -285,7 +285,17 @@ class ShmBackend(Backend):
         self._done()
         if not ranks:
             return [] if wants else None
-        parts.check_alike(got, ranks, [self._split_flag(q) for q in ranks])
+        flags = [self._split_flag(q) for q in ranks]
+        parts.check_alike(got, ranks, flags)
+        if flags[0] and len(ranks) < n:
+            # A rank gave nothing, so nobody reduces its part: contributors fill
+            # in the part they skipped and everyone reduces whole arrays.
+            if plan is not None:
+                for i, lo, hi in plan[me]:
+                    np.copyto(got[me][i].reshape(-1)[lo:hi], arrays[i].reshape(-1)[lo:hi])
+            self.barrier()
+            self._done()
+            plan = None
         if plan is None:
             if not wants:
                 return None

@@ -103,15 +103,21 @@ class ZmqBackend(Backend):
         return self._check
 
     # ---- messages --------------------------------------------------------
-    def _send(self, q, arrays, step=None, weight=1.0):
-        """Send ``arrays`` (or None: no contribution) to rank ``q``."""
+    def _send(self, q, arrays, step=None, weight=1.0, split=False):
+        """Send ``arrays`` (or None: no contribution) to rank ``q``.
+
+        ``split`` marks the first message of a split all_reduce (shapes and
+        the receiver's parts rather than whole arrays).
+        """
         step = self.k if step is None else step
         if arrays is None:
-            meta = (weight, None)
+            meta = (weight, None, split)
             bufs = []
         else:
-            arrays = [np.ascontiguousarray(a) for a in arrays]
-            meta = (weight, [(a.dtype.str, a.shape) for a in arrays])
+            # Not ascontiguousarray: it turns 0-d arrays into 1-d ones.
+            arrays = [np.asarray(a) for a in arrays]
+            arrays = [a if a.flags.c_contiguous else a.copy(order="C") for a in arrays]
+            meta = (weight, [(a.dtype.str, a.shape) for a in arrays], split)
             bufs = [memoryview(a).cast("B") if a.size else b"" for a in arrays]
         frames = [_HDR.pack(self.seq, step, self.rank), pickle.dumps(meta, protocol=5)] + bufs
         self._peers[q].send_multipart(frames, copy=False)
@@ -123,16 +129,20 @@ class ZmqBackend(Backend):
 
     def _recv(self, q, step=None):
         """Return (arrays or None, weight) sent by rank ``q`` in this step."""
+        return self._recv_msg(q, step)[:2]
+
+    def _recv_msg(self, q, step=None):
+        """Return (arrays or None, weight, split flag) sent by rank ``q`` in this step."""
         key = (self.seq, self.k if step is None else step, q)
         frames = self._held.pop(key, None)
         if frames is None:
             frames = self._wait(key)
-        weight, meta = pickle.loads(frames[1].bytes)
+        weight, meta, split = pickle.loads(frames[1].bytes)
         if meta is None:
-            return None, weight
+            return None, weight, split
         arrays = [np.frombuffer(f.buffer, dtype).reshape(shape) if np.prod(shape) else
                   np.empty(shape, dtype) for f, (dtype, shape) in zip(frames[2:], meta)]
-        return arrays, weight
+        return arrays, weight, split
 
     def _wait(self, key):
         inbox = self._inbox
@@ -167,21 +177,49 @@ class ZmqBackend(Backend):
 
     def all_reduce(self, arrays, op, weight=None, out=None):
         self.k += 1
-        n = self.n_parallel
+        n, me = self.n_parallel, self.rank
         if n == 1:
             return [] if arrays is None else [
                 parts.local_result(o, a, parts.out_entry(out, i))
                 for i, (o, a) in enumerate(zip(parts.op_list(op, len(arrays)), arrays))]
-        big = (arrays is not None and weight is None
-               and sum(a.nbytes for a in arrays) >= SPLIT_BYTES)
-        ops = None if arrays is None else parts.op_list(op, len(arrays))
-        if big and all(reducers.result_dtype(o, a.dtype) == a.dtype for o, a in zip(ops, arrays)):
-            return self._split_all_reduce(arrays, ops, out)
         w = 1.0 if weight is None else weight
+        ops = None if arrays is None else parts.op_list(op, len(arrays))
+        plan = None
+        if (arrays is not None and weight is None and sum(a.nbytes for a in arrays) >= SPLIT_BYTES
+                and all(reducers.result_dtype(o, a.dtype) == a.dtype
+                        for o, a in zip(ops, arrays))):
+            plan = parts.plan(arrays, n)
+        # First round: whole arrays, or (split) shapes plus the receiver's parts.
         for q in self._peers:
-            self._send(q, arrays, weight=w)
-        got = [(arrays, w) if q == self.rank else self._recv(q) for q in range(n)]
-        return self._combine_all(got, op, weight, out)
+            if plan is None:
+                self._send(q, arrays, weight=w)
+            else:
+                self._send(q, _shape_rows(arrays) + [a.reshape(-1)[lo:hi] for i, lo, hi
+                                                     in plan[q] for a in (arrays[i],)],
+                           weight=w, split=True)
+        got = {q: self._recv_msg(q) for q in self._peers}
+        splits = {q for q, g in got.items() if g[2]} | ({me} if plan is not None else set())
+        contributors = [q for q in range(n) if (arrays if q == me else got[q][0]) is not None]
+        if splits and len(contributors) < n:
+            # Some rank gave nothing: split parts can't be reassembled, so every
+            # contributor sends its whole arrays once more.
+            self.k += 1
+            if arrays is not None:
+                for q in self._peers:
+                    self._send(q, arrays, weight=w)
+            got = {q: self._recv_msg(q) for q in contributors if q != me}
+            splits = set()
+        if not splits:
+            table = [(arrays, w) if q == me else got[q][:2] if q in got else (None, 0.0)
+                     for q in range(n)]
+            return self._combine_all(table, op, weight, out)
+        if len(splits) < n or any(len(got[q][0]) < len(arrays) or
+                                  any(list(r) != list(m) for r, m in
+                                      zip(got[q][0], _shape_rows(arrays)))
+                                  for q in self._peers):
+            raise ValueError("cannot reduce arrays whose shapes or dtypes differ across ranks")
+        return self._split_finish(arrays, ops, out, plan, {q: got[q][0][len(arrays):]
+                                                          for q in self._peers})
 
     def _from_all(self, arrays, weight):
         return [(arrays, weight) if q == self.rank else self._recv(q)
@@ -199,38 +237,27 @@ class ZmqBackend(Backend):
         return [parts.combine(ops[i], [arrays[q][i] for q in ranks], w, parts.out_entry(out, i))
                 for i in range(len(first))]
 
-    def _split_all_reduce(self, arrays, ops, out):
-        """Reduce-scatter, then all-gather: each rank reduces its part of every array."""
+    def _split_finish(self, arrays, ops, out, plan, received):
+        """Reduce this rank's parts, then exchange reduced parts (all-gather)."""
         n, me = self.n_parallel, self.rank
-        plan = parts.plan(arrays, n)
         flat = [a.reshape(-1) for a in arrays]
-        # Shapes travel with the first message, so mismatches are caught before use.
-        for q in self._peers:
-            self._send(q, [np.array(a.shape + (a.dtype.num,), np.int64) for a in arrays]
-                       + [flat[i][lo:hi] for i, lo, hi in plan[q]])
-        result = [parts.result_buffer(a, parts.out_entry(out, i)) for i, a in enumerate(arrays)]
-        got = {q: self._recv(q)[0] for q in self._peers}
-        mine = [list(np.array(a.shape + (a.dtype.num,), np.int64)) for a in arrays]
-        for q, g in got.items():
-            if len(g) != len(arrays) + len(plan[me]) or \
-                    any(list(g[i]) != mine[i] for i in range(len(arrays))):
-                raise ValueError("cannot reduce arrays whose shapes or dtypes differ across "
-                                 f"ranks (rank {me} and rank {q})")
         reduced = []
         for j, (i, lo, hi) in enumerate(plan[me]):
-            srcs = [flat[i][lo:hi]] + [got[q][len(arrays) + j] for q in sorted(got)]
+            srcs = [flat[i][lo:hi]] + [received[q][j] for q in sorted(received)]
             part = np.empty(hi - lo, arrays[i].dtype)
             parts.reduce_into(ops[i], srcs, part)
             reduced.append(part)
         self.k += 1
         for q in self._peers:
             self._send(q, reduced)
+        result = [parts.result_buffer(a, parts.out_entry(out, i)) for i, a in enumerate(arrays)]
         flats = [r.reshape(-1) for r in result]
         for j, (i, lo, hi) in enumerate(plan[me]):
             parts.finish(ops[i], reduced[j], flats[i][lo:hi], n)
         for q in self._peers:
+            got = self._recv(q)[0]
             for j, (i, lo, hi) in enumerate(plan[q]):
-                parts.finish(ops[i], self._recv(q)[0][j], flats[i][lo:hi], n)
+                parts.finish(ops[i], got[j], flats[i][lo:hi], n)
         return result
 
     # ---- function-call results -----------------------------------------
@@ -296,6 +323,11 @@ class ZmqBackend(Backend):
             self._pid = None
         if os.getpid() == self.master_pid:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _shape_rows(arrays):
+    """Each array's shape and dtype number as an int64 row, to compare across ranks."""
+    return [np.array(a.shape + (a.dtype.num,), np.int64) for a in arrays]
 
 
 def _sweep_stale_dirs():
