@@ -39,4 +39,6 @@ __all__ = [
     "fork", "close", "function", "distribute", "data", "Data", "Function",
     "SynkError", "SynkStateError", "WorkerError", "WorkerDiedError",
     "BackendUnavailableError",
+    "broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
+    "set_value", "get_value", "get_lengths", "get_shapes",
 ]

@@ -11,16 +11,20 @@ variables, as a tuple (also for a list of one).  The ``nccl`` flags are
 accepted for the GPU mode and mean nothing on CPU.
 """
 
+import importlib
 import logging
 
 import numpy as np
 
 from . import reducers
-from . import scatter as rows
 from . import sharedvars as sv
 from .control import Command, handler, run_command
 from .data_module import Data
 from .runtime import require_distributed
+
+# By module path: the package attribute ``synkhronos.scatter`` becomes the
+# scatter() collective once the package has imported this module.
+rows = importlib.import_module("synkhronos.scatter")
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +128,7 @@ def scatter(shared_vars, values, batch=None):
     per_rank = [[] for _ in range(n)]
     for i, value in zip(idx, values):
         var = rt.shareds[i]
-        item = sv.condition(rt, var, value, "scatter")
+        item = sv.condition(rt, var, value, "scatter", whole=False)
         arr = item.data if isinstance(item, Data) else item
         if arr.ndim == 0:
             raise ValueError(f"scatter: {var} is 0-d; scatter splits values along axis 0")
@@ -414,7 +418,7 @@ def set_value(rank, shared_vars, values, batch=None):
     items, sels = [], []
     for i, value in zip(idx, values):
         var = rt.shareds[i]
-        item = sv.condition(rt, var, value, "set_value")
+        item = sv.condition(rt, var, value, "set_value", whole=sel is None)
         arr = item.data if isinstance(item, Data) else item
         s = None
         if sel is not None:

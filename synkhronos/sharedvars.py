@@ -87,12 +87,14 @@ def value_list(values, n, single, where):
     return list(values)
 
 
-def condition(rt, var, value, where):
+def condition(rt, var, value, where, whole=True):
     """Check one value for ``var``; return a NumPy array or a Data object.
 
     NumPy arrays must cast safely to the variable's dtype (as for function
     inputs); other Python values are converted to it.  A Data object must
-    have the variable's dtype and ndim exactly.
+    have the variable's dtype and ndim exactly.  ``whole``: the value becomes
+    the variable's value as it is (else the caller checks the rows it takes
+    against lengths the variable's type fixes).
 
     Raises:
         TypeError: the wrong dtype, or a value that does not convert.
@@ -109,6 +111,8 @@ def condition(rt, var, value, where):
             raise ValueError(f"{where}: {var} needs ndim {var.ndim}; got Data of ndim {value.ndim}")
         if value.data is None:
             raise ValueError(f"{where}: the value for {var} is a Data object holding no memory")
+        if whole:
+            check_static_shape(var, value.data.shape, where)
         return value
     if isinstance(value, np.ndarray):
         if value.dtype != dtype:
@@ -123,7 +127,8 @@ def condition(rt, var, value, where):
                 from exc
     if value.ndim != var.ndim:
         raise ValueError(f"{where}: {var} needs ndim {var.ndim}; got ndim {value.ndim}")
-    check_static_shape(var, value.shape, where)
+    if whole:
+        check_static_shape(var, value.shape, where)
     return value
 
 

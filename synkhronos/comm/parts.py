@@ -87,6 +87,17 @@ def combine(op, parts, weights, out):
     dtype = reducers.result_dtype(op, a.dtype)
     if out is None or out.shape != a.shape or out.dtype != dtype:
         out = None
+    else:
+        # ``out`` may be one of the inputs (this rank's own array): it must be
+        # the first one, read before anything is written to it.
+        for j in range(1, len(parts)):
+            if parts[j] is out:
+                parts = [out] + parts[:j] + parts[j + 1:]
+                a = out
+                break
+            if np.may_share_memory(parts[j], out):
+                out = None
+                break
     if weights is not None or dtype != a.dtype or len(parts) == 1:
         return reducers.combine(op, parts, weights, out)
     if out is None:

@@ -23,6 +23,7 @@ import numpy as np
 
 from .. import reducers
 from ..control import wait_until
+from ..errors import CommAborted
 from ..shmem import SharedArray
 from . import parts
 from .base import Backend
@@ -125,7 +126,28 @@ class ShmBackend(Backend):
             if q != rank:
                 slot = q * STRIDE + EPOCH
                 if mv[slot] < target:
-                    wait_until(lambda: mv[slot] >= target, self._get_check(), self.spin_s)
+                    wait_until(lambda: mv[slot] >= target, self._arrival_check(slot, target),
+                               self.spin_s)
+
+    def _arrival_check(self, slot, target):
+        """The abort check of a barrier wait, which an arrived rank overrides.
+
+        A rank posts its epoch before it can fail on what it read, so if it
+        aborted after arriving, this rank goes on and meets the same error
+        itself (the abort flag is read first, then the epoch: stores are not
+        reordered on x86, nor loads with loads).
+        """
+        check = self._get_check()
+        mv = self.mv
+
+        def arrival_check():
+            try:
+                check()
+            except CommAborted:
+                if mv[slot] >= target:
+                    return
+                raise
+        return arrival_check
 
     def _start(self):
         """Open a collective: wait until nobody still reads this command's slabs."""

@@ -24,12 +24,14 @@ import numpy as np
 import zmq
 
 from .. import reducers
+from ..errors import CommAborted
 from . import parts
 from .base import Backend
 
 logger = logging.getLogger(__name__)
 
 CHECK_EVERY_MS = 10
+ABORT_GRACE_MS = 50
 SPLIT_BYTES = 1 << 18
 CONTRIBUTE = -1  # the step of contribute() messages, read by collect()
 _HDR = struct.Struct("<3q")
@@ -156,7 +158,14 @@ class ZmqBackend(Backend):
                 if frames is not None:
                     return frames
             if timeout:
-                self._get_check()()
+                try:
+                    self._get_check()()
+                except CommAborted:
+                    # A rank that failed on what it received sent its own
+                    # message first: take it if it comes, to meet the same error.
+                    if inbox.poll(ABORT_GRACE_MS):
+                        continue
+                    raise
 
     # ---- synchronisation ---------------------------------------------
     def barrier(self):
