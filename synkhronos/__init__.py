@@ -25,13 +25,15 @@ def _default_float32():
 
 _default_float32()
 
-from .collectives import *  # noqa: E402,F401,F403
 from .data_module import Data, data  # noqa: E402
 from .distribute import distribute  # noqa: E402
 from .errors import (BackendUnavailableError, SynkError, SynkStateError,  # noqa: E402
                      WorkerDiedError, WorkerError)
 from .function_module import Function, function  # noqa: E402
 from .process import close, fork  # noqa: E402
+# Last: the collective scatter() replaces the name synkhronos.scatter, which
+# until here is the scatter module the modules above import.
+from .collectives import *  # noqa: E402,F401,F403
 
 __version__ = "0.1.0"
 
