@@ -380,7 +380,7 @@ def _all_reduce_local(rt, payload):
     idx, op = payload
     shareds = [rt.shareds[i] for i in idx]
     arrays = [sv.get_array(v) for v in shareds]
-    outs = [sv.writable_out(v, a.dtype) for v, a in zip(shareds, arrays)]
+    outs = [sv.out_of(a) for a in arrays]
     result = rt.backend.all_reduce(arrays, op, out=outs)
     for var, value, out in zip(shareds, result, outs):
         sv.store(var, value, out)

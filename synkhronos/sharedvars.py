@@ -10,6 +10,7 @@ import numbers
 import numpy as np
 from pytensor.compile import SharedVariable
 from pytensor.tensor import TensorType
+from pytensor.tensor.sharedvar import TensorSharedVariable
 
 from . import data_module
 
@@ -28,6 +29,11 @@ def resolve(rt, shared_vars, where, unique=True):
         ValueError: a variable (or name) no distributed function uses, an
             ambiguous name, a repeated variable, or more than ``max_n_var``.
     """
+    if type(shared_vars) is TensorSharedVariable:
+        # The common case, first: one variable known to distribute().
+        i = rt.shared_ids.get(id(shared_vars))
+        if i is not None and rt.shareds[i] is shared_vars:
+            return [i], True
     single = not isinstance(shared_vars, (list, tuple))
     items = [shared_vars] if single else list(shared_vars)
     if not items:
@@ -162,7 +168,11 @@ def writable_out(var, dtype=None):
     which dominate large collectives; it needs a contiguous, writeable array
     of the result's dtype.
     """
-    arr = get_array(var)
+    return out_of(get_array(var), dtype)
+
+
+def out_of(arr, dtype=None):
+    """``writable_out`` for a value already fetched with ``get_array``."""
     if (type(arr) is np.ndarray and arr.flags.c_contiguous and arr.flags.writeable
             and (dtype is None or arr.dtype == dtype)):
         return arr
