@@ -75,19 +75,23 @@ def _broadcast_local(rt, payload, items=None):
     descs = descs or [None] * len(idx)
     via = [k for k, d in enumerate(descs) if d is None]
     root = rt.master_rank
+    keys = [idx[k] for k in via]
     if rt.rank == root:
         if via:
             arrays = [sv.get_array(shareds[k]) if items is None else items[k] for k in via]
-            rt.backend.broadcast(arrays, root)
+            got = rt.backend.broadcast(arrays, root, keys=keys)
+            for k, value in zip(via, got):
+                sv.adopt(shareds[k], value, None if items is None else items[k])
         if items is not None:
             for var, value in zip(shareds, items):
-                sv.store(var, value.data if isinstance(value, Data) else value)
+                if isinstance(value, Data):
+                    sv.store(var, value.data)
         return
     if via:
         outs = [sv.writable_out(shareds[k]) for k in via]
-        got = rt.backend.broadcast(None, root, out=outs)
-        for k, value, out in zip(via, got, outs):
-            sv.store(shareds[k], value, out)
+        got = rt.backend.broadcast(None, root, out=outs, keys=keys)
+        for k, value in zip(via, got):
+            sv.adopt(shareds[k], value)
     for var, desc in zip(shareds, descs):
         if desc is not None:
             sv.store(var, sv.data_view(rt, desc))
@@ -381,9 +385,9 @@ def _all_reduce_local(rt, payload):
     shareds = [rt.shareds[i] for i in idx]
     arrays = [sv.get_array(v) for v in shareds]
     outs = [sv.out_of(a) for a in arrays]
-    result = rt.backend.all_reduce(arrays, op, out=outs)
-    for var, value, out in zip(shareds, result, outs):
-        sv.store(var, value, out)
+    result = rt.backend.all_reduce(arrays, op, out=outs, keys=idx)
+    for var, value in zip(shareds, result):
+        sv.adopt(var, value)
 
 
 @handler(Command.ALL_REDUCE)

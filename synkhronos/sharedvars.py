@@ -194,3 +194,16 @@ def store(var, result, out=None):
         np.copyto(arr, result)
     else:
         var.set_value(np.array(result, dtype=var.dtype), borrow=True)
+
+
+def adopt(var, value, user=None):
+    """Make ``value``, an array a backend handed over for keeping, the variable's value.
+
+    No copy, unless ``value`` is ``user`` (an array the caller was given,
+    which the variable must not alias).
+    """
+    if value is get_array(var):
+        return
+    if value is user:
+        value = np.array(value)
+    var.set_value(value, borrow=True)

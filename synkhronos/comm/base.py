@@ -11,6 +11,15 @@ what they keep.  reduce and all_reduce return arrays the caller owns: fresh
 ones, or the ``out`` buffers given (``out`` is a list with one array or None
 per input; an entry of another shape or dtype than the result is ignored).
 ``out`` may be the input array itself.
+
+``keys`` (all_reduce, broadcast) name one persistent buffer per array, e.g.
+a shared variable's index.  With keys, every result is the caller's to keep
+as its array: an ``out`` entry, a fresh array, or a buffer the backend keeps
+per key and writes again only in later calls with that key (the shm
+backend's homes, which the other ranks read in place, so an array passed
+back in costs no copy).  A root's results are its own input arrays unless
+replaced by such buffers.  With keys, all_reduce needs arrays from every
+rank.
 """
 
 from abc import ABC, abstractmethod
@@ -48,11 +57,11 @@ class Backend(ABC):
         """
 
     @abstractmethod
-    def all_reduce(self, arrays, op, weight=None, out=None):
+    def all_reduce(self, arrays, op, weight=None, out=None, keys=None):
         """Reduce ``arrays`` across ranks; return the reduced list on every rank."""
 
     @abstractmethod
-    def broadcast(self, arrays, root, out=None):
+    def broadcast(self, arrays, root, out=None, keys=None):
         """Return the root's ``arrays`` on every rank (others pass None).
 
         A non-root rank's ``out`` entries that match the root's arrays in

@@ -65,13 +65,19 @@ def finish(op, src, dst, n):
         np.copyto(dst, src)
 
 
-def reduce_into(op, srcs, out):
-    """Reduce ``srcs`` (equal-length flat arrays) into ``out``; ``avg`` is left as a sum."""
+def reduce_into(op, srcs, out, scale=None):
+    """Reduce ``srcs`` (equal-length flat arrays) into ``out``, then multiply by ``scale``.
+
+    ``out`` may be ``srcs[0]``.  With three or more sources or a scale, long
+    arrays go in blocks, so each block stays in cache between passes.
+    """
     ufunc = reducers.UFUNCS[op]
-    if len(srcs) == 2 or len(out) <= 2 * BLOCK:
+    if (len(srcs) == 2 and scale is None) or len(out) <= 2 * BLOCK:
         ufunc(srcs[0], srcs[1], out=out)
         for s in srcs[2:]:
             ufunc(out, s, out=out)
+        if scale is not None:
+            np.multiply(out, scale, out=out, casting="unsafe")
         return
     for lo in range(0, len(out), BLOCK):
         hi = lo + BLOCK
@@ -79,6 +85,8 @@ def reduce_into(op, srcs, out):
         ufunc(srcs[0][lo:hi], srcs[1][lo:hi], out=o)
         for s in srcs[2:]:
             ufunc(o, s[lo:hi], out=o)
+        if scale is not None:
+            np.multiply(o, scale, out=o, casting="unsafe")
 
 
 def combine(op, parts, weights, out):

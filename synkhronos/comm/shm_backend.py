@@ -25,7 +25,8 @@ from ..errors import CommAborted
 from ..shmem import SharedArray
 from . import parts
 from .base import Backend
-from .slabs import EPOCH, STRIDE, Slabs
+from .homes import Homes
+from .slabs import EPOCH, HOMES, MADV_POPULATE_WRITE, STRIDE, Slabs, populate
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,9 @@ class ShmBackend(Backend):
         self.spin_s = spin_s
         self.block = SharedArray(rt.segment_name("comm"), 8 * STRIDE * rt.n_parallel)
         self.mv = memoryview(self.block.buffer).cast("q")
-        self.slabs = Slabs(rt, self.mv, f"/synk_{rt.master_pid}_slab", self.max_dim)
+        homes = Homes(rt.master_pid, lambda seg: populate(seg, MADV_POPULATE_WRITE))
+        self.slabs = Slabs(rt, self.mv, f"/synk_{rt.master_pid}_slab", self.max_dim, homes)
+        self.homes = homes
         self.seq = 0
         self.k = 0
         self.fence = False
@@ -110,10 +113,10 @@ class ShmBackend(Backend):
     def reduce(self, arrays, op, root, weight=None, out=None):
         return self._reduce(arrays, op, weight, root, out)
 
-    def all_reduce(self, arrays, op, weight=None, out=None):
-        return self._reduce(arrays, op, weight, None, out)
+    def all_reduce(self, arrays, op, weight=None, out=None, keys=None):
+        return self._reduce(arrays, op, weight, None, out, keys)
 
-    def _reduce(self, arrays, op, weight, root, out):
+    def _reduce(self, arrays, op, weight, root, out, keys=None):
         self._start()
         n = self.n_parallel
         me = self.rank
@@ -131,6 +134,8 @@ class ShmBackend(Backend):
                 and sum(a.nbytes for a in arrays) >= SPLIT_BYTES
                 and all(reducers.result_dtype(o, a.dtype) == a.dtype for o, a in zip(ops, arrays))):
             plan = parts.plan(arrays, n)
+        if plan is not None and keys is not None:
+            return self._all_reduce_homes(arrays, ops, keys, plan)
         skip = None if plan is None else parts.skips(plan[me], len(arrays))
         lay = self.slabs.pack(arrays, 1.0 if weight is None else weight, skip)
         self.barrier()
@@ -145,7 +150,7 @@ class ShmBackend(Backend):
             ranks = [q for q in range(n) if got[q] is not None]
             if not ranks:
                 return [] if wants else None
-            flags = [self.slabs.split_flag(q) for q in ranks]
+            flags = [self.slabs.flag(q) for q in ranks]
             parts.check_alike(got, ranks, flags)
         if flags[0] and len(ranks) < n:
             # A rank gave nothing, so nobody reduces its part: contributors fill
@@ -182,6 +187,49 @@ class ShmBackend(Backend):
                 parts.finish(ops[i], got[q][i].reshape(-1)[lo:hi], flats[i][lo:hi], n)
         return result
 
+    def _all_reduce_homes(self, arrays, ops, keys, plan):
+        """Split all_reduce whose results land in (and stay in) this rank's homes.
+
+        Arrays already in their homes are read in place by the other ranks:
+        nothing is packed.  Others are copied in, all but the part this rank
+        reduces itself.  Each rank reduces its part into its home (scaling
+        averages there), then copies the other ranks' reduced parts from
+        their homes.
+        """
+        n, me = self.n_parallel, self.rank
+        homes = self.homes
+        refs, dsts = [], []
+        for k, a, (lo, hi) in zip(keys, arrays, parts.skips(plan[me], len(arrays))):
+            ref, dst = homes.get(me, k, a.shape, a.dtype)
+            refs.append(ref)
+            dsts.append(dst)
+            if a is not dst and not homes.holds(k, a):
+                src, flat = a.reshape(-1), dst.reshape(-1)
+                if lo > 0:
+                    np.copyto(flat[:lo], src[:lo])
+                if hi < a.size:
+                    np.copyto(flat[hi:], src[hi:])
+        self.slabs.pack_refs(arrays, refs)
+        self.barrier()
+        self._done()
+        got = [dsts if q == me else self.slabs.unpack(q) for q in range(n)]
+        if any(g is None for g in got):
+            raise ValueError("all_reduce with keys needs arrays from every rank")
+        parts.check_alike(got, range(n), [HOMES if q == me else self.slabs.flag(q)
+                                          for q in range(n)])
+        for i, lo, hi in plan[me]:
+            srcs = [arrays[i].reshape(-1)[lo:hi]]
+            srcs += [got[q][i].reshape(-1)[lo:hi] for q in range(n) if q != me]
+            parts.reduce_into(ops[i], srcs, dsts[i].reshape(-1)[lo:hi],
+                              1.0 / n if ops[i] == "avg" else None)
+        self.barrier()
+        self._done()
+        for q in range(n):
+            if q != me:
+                for i, lo, hi in plan[q]:
+                    np.copyto(dsts[i].reshape(-1)[lo:hi], got[q][i].reshape(-1)[lo:hi])
+        return dsts
+
     # ---- function-call results -----------------------------------------
     def contribute(self, arrays, weight=1.0):
         """Leave ``arrays`` for the root; only as the one backend call of a command."""
@@ -198,20 +246,37 @@ class ShmBackend(Backend):
         return out
 
     # ---- data movement -----------------------------------------------
-    def broadcast(self, arrays, root, out=None):
+    def broadcast(self, arrays, root, out=None, keys=None):
         self._start()
-        if self.rank == root:
-            self.slabs.pack(arrays)
+        me = self.rank
+        if me == root:
+            if keys is not None and sum(a.nbytes for a in arrays) >= SPLIT_BYTES:
+                # Large: the others read the root's homes in place.
+                arrays = list(arrays)
+                refs = []
+                for i, (k, a) in enumerate(zip(keys, arrays)):
+                    ref, dst = self.homes.get(me, k, a.shape, a.dtype)
+                    if a is not dst and not self.homes.holds(k, a):
+                        np.copyto(dst, a)
+                    refs.append(ref)
+                    arrays[i] = dst
+                self.slabs.pack_refs(arrays, refs)
+            else:
+                self.slabs.pack(arrays)
         self.barrier()
         self._done()
-        if self.rank == root:
+        if me == root:
             return list(arrays)
         result = []
         for i, v in enumerate(self.slabs.unpack(root)):
-            o = parts.out_entry(out, i)
-            if o is not None and o.shape == v.shape and o.dtype == v.dtype:
-                np.copyto(o, v)
-                v = o
+            dst = parts.out_entry(out, i)
+            if keys is not None and v.nbytes >= SPLIT_BYTES:
+                dst = self.homes.get(me, keys[i], v.shape, v.dtype)[1]
+            if dst is not None and dst.shape == v.shape and dst.dtype == v.dtype:
+                np.copyto(dst, v)
+                v = dst
+            elif keys is not None:
+                v = np.array(v)
             result.append(v)
         return result
 

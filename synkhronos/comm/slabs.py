@@ -20,7 +20,8 @@ INITIAL_SLAB = 1 << 20
 SMALL_COPY = 4096  # below this, bytes() copies beat making a NumPy view
 EPOCH, GEN, SIZE = 0, 1, 2  # per-rank slots in the control block
 STRIDE = 8
-HEAD = 32  # count, weight, split flag, spare
+HEAD = 32  # count, weight, flag (SPLIT or HOMES), spare
+SPLIT, HOMES = 1, 2  # header flags: own part not packed; arrays live in homes
 FIXED = 4  # header ints per array before its shape: dtype code, ndim, offset, nbytes
 # Fault pages in with one call rather than one trap per page (Linux >= 5.14).
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
@@ -50,7 +51,7 @@ def _align(n, to=ALIGN):
     return (n + to - 1) // to * to
 
 
-def _populate(seg, advice):
+def populate(seg, advice):
     try:
         seg.buffer.madvise(advice)
     except (OSError, ValueError, AttributeError):  # older kernel: pages fault in on use
@@ -77,8 +78,9 @@ class Slabs:
     where each rank publishes its slab's generation and size.
     """
 
-    def __init__(self, rt, mv, prefix, max_dim):
+    def __init__(self, rt, mv, prefix, max_dim, homes):
         self.rt = rt
+        self.homes = homes
         self.mv = mv
         self.prefix = prefix
         self.max_dim = max_dim
@@ -104,7 +106,7 @@ class Slabs:
             gen = entry[0] + 1
             size = _align(max(nbytes, 2 * seg.nbytes), 1 << 12)
             new = SharedArray(self._name(self.rank, gen), size)
-            _populate(new, MADV_POPULATE_WRITE)
+            populate(new, MADV_POPULATE_WRITE)
             seg.unlink()
             seg.close()
             entry[0], entry[1] = gen, new
@@ -123,7 +125,7 @@ class Slabs:
         if entry[0] != gen:
             entry[1].close()
             entry[1] = SharedArray.attach(self._name(q, gen), self.mv[q * STRIDE + SIZE])
-            _populate(entry[1], MADV_POPULATE_READ)
+            populate(entry[1], MADV_POPULATE_READ)
             entry[0] = gen
             self.views[q] = {}
         return entry[1]
@@ -171,7 +173,7 @@ class Slabs:
         arrays = [a if type(a) is np.ndarray else np.asarray(a) for a in arrays]
         lay = self.layout(arrays)
         buf = self.own(lay.total).buffer
-        _HEAD.pack_into(buf, 0, len(arrays), weight, skip is not None)
+        _HEAD.pack_into(buf, 0, len(arrays), weight, SPLIT if skip is not None else 0)
         buf[HEAD:lay.hlen] = lay.ints
         rank = self.rank
         for j, (a, (code, off, shape)) in enumerate(zip(arrays, lay.entries)):
@@ -188,6 +190,16 @@ class Slabs:
             else:
                 np.copyto(self.view(rank, off, code, shape), a)
         return lay
+
+    def pack_refs(self, arrays, refs):
+        """Write a header for arrays that live in this rank's homes (no data)."""
+        header = []
+        for a, ref in zip(arrays, refs):
+            header += (ord(a.dtype.char), a.ndim, ref, a.nbytes)
+            header += a.shape
+        buf = self.own(HEAD + 8 * len(header)).buffer
+        _HEAD.pack_into(buf, 0, len(arrays), 1.0, HOMES)
+        _ints(len(header)).pack_into(buf, HEAD, *header)
 
     def alike(self, lay):
         """Whether every rank packed this very header (so the same views fit all slabs)."""
@@ -212,13 +224,13 @@ class Slabs:
     def weight(self, q):
         return _HEAD.unpack_from(self.slab(q).buffer, 0)[1]
 
-    def split_flag(self, q):
+    def flag(self, q):
         return _HEAD.unpack_from(self.slab(q).buffer, 0)[2]
 
     def unpack(self, q):
         """Return views of rank ``q``'s packed arrays, or None if it gave none."""
         buf = self.slab(q).buffer
-        n = _HEAD.unpack_from(buf, 0)[0]
+        n, _, flag = _HEAD.unpack_from(buf, 0)
         if n < 0:
             return None
         out = []
@@ -227,7 +239,10 @@ class Slabs:
             code, ndim, offset, _ = _FIXED.unpack_from(buf, pos)
             shape = _ints(ndim).unpack_from(buf, pos + 32) if ndim else ()
             pos += 8 * (FIXED + ndim)
-            out.append(self.view(q, offset, code, shape))
+            if flag == HOMES:
+                out.append(self.homes.peer(q, offset, shape, _dtype(code)))
+            else:
+                out.append(self.view(q, offset, code, shape))
         return out
 
     def view(self, q, offset, code, shape):
@@ -250,3 +265,4 @@ class Slabs:
     def close(self):
         for _, seg in self.slabs.values():
             seg.close()
+        self.homes.close()

@@ -184,7 +184,7 @@ class ZmqBackend(Backend):
         got = self._from_all(arrays, 1.0 if weight is None else weight)
         return self._combine_all(got, op, weight, out)
 
-    def all_reduce(self, arrays, op, weight=None, out=None):
+    def all_reduce(self, arrays, op, weight=None, out=None, keys=None):
         self.k += 1
         n, me = self.n_parallel, self.rank
         if n == 1:
@@ -284,7 +284,7 @@ class ZmqBackend(Backend):
         return out
 
     # ---- data movement -----------------------------------------------
-    def broadcast(self, arrays, root, out=None):
+    def broadcast(self, arrays, root, out=None, keys=None):
         self.k += 1
         if self.rank == root:
             for q in self._peers:
@@ -297,6 +297,8 @@ class ZmqBackend(Backend):
             if o is not None and o.shape == v.shape and o.dtype == v.dtype:
                 np.copyto(o, v)
                 v = o
+            elif keys is not None:
+                v = np.array(v)  # message buffers are read-only
             result.append(v)
         return result
 

@@ -159,6 +159,43 @@ def _sequence(rt):
         np.testing.assert_array_equal(g[0], np.full(5, float(n - 1)))
 
 
+_KEPT = {}  # per process: arrays a keyed collective handed over, kept across commands
+
+
+def _keyed_reset(rt):
+    _KEPT.clear()
+
+
+def _keyed(rt, op, root):
+    """Keep keyed results as one's arrays, change them in place, reduce again.
+
+    After every round all ranks hold the same values x; each adds its rank in
+    place (as a function updating a variable's storage would), so the next
+    all_reduce must give op over ranks q of (x + q).
+    """
+    n, me = rt.n_parallel, rt.rank
+    shapes = [(BIG,), (BIG // 2, 2), (3,)]
+    keys = [10, 11, 12]
+    kept = _KEPT.get(op)
+    if kept is None:
+        bases = [[_value(q, s, np.float32, i) for i, s in enumerate(shapes)] for q in range(n)]
+        kept = [x.copy() for x in bases[me]]
+    else:
+        bases = [[x.copy() for x in kept] for _ in range(n)]
+        if hasattr(rt.backend, "homes") and n > 1:
+            assert rt.backend.homes.holds(keys[0], kept[0])  # no copy-in this time
+    for x in kept:
+        x += me
+    want = [_reduced(op, [bases[q][i] + q for q in range(n)]) for i in range(len(shapes))]
+    got = rt.backend.all_reduce(kept, op, keys=keys)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5)
+    b = rt.backend.broadcast(got if me == root else None, root, keys=keys)
+    for x, y in zip(b, got):
+        np.testing.assert_array_equal(x, y)
+    _KEPT[op] = b
+
+
 def _contribute(rt):
     if not rt.is_master:
         rt.backend.contribute([np.full(3, float(rt.rank)), np.arange(rt.rank)], weight=rt.rank)
@@ -239,6 +276,14 @@ class BackendSuite:
         run = start(n)
         run(_sequence)
         run(_sequence)
+
+    @pytest.mark.parametrize("n", [1, 2, 3])
+    def test_keyed_results_are_kept_and_reused(self, start, n):
+        run = start(n)
+        run(_keyed_reset)
+        for op in OPS:
+            for step in range(3):
+                run(_keyed, op, step % n)
 
     @pytest.mark.parametrize("n", [2, 3])
     def test_contribute_collect(self, start, n):
