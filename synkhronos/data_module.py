@@ -5,6 +5,7 @@ import math
 import numbers
 
 import numpy as np
+from pytensor.graph.basic import Variable
 
 from .control import Command, handler, run_command
 from .runtime import require_forked
@@ -46,7 +47,7 @@ def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=Fals
     """
     rt = require_forked("data()")
     if var is not None:
-        if not hasattr(var, "dtype") or not hasattr(var, "ndim"):
+        if not isinstance(var, Variable):
             raise TypeError(f"data: var must be a PyTensor variable; got {type(var).__name__}")
         if dtype is not None and np.dtype(dtype) != np.dtype(var.dtype):
             raise TypeError(f"data: dtype {dtype} disagrees with var's dtype {var.dtype}")
@@ -66,10 +67,15 @@ def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=Fals
     if dtype is None or ndim is None:
         raise TypeError("data: cannot tell dtype and ndim; give value, var, or dtype and ndim")
     obj = Data(next(rt.counter), dtype, ndim, minibatch=minibatch, name=name)
-    if value is not None:
-        obj.set_value(value, force_cast=force_cast, oversize=oversize)
-    elif shape is not None:
-        obj.set_shape(shape, oversize=oversize)
+    try:
+        if value is not None:
+            obj.set_value(value, force_cast=force_cast, oversize=oversize)
+        elif shape is not None:
+            obj.set_shape(shape, oversize=oversize)
+    except BaseException:
+        # A rejected value leaves no half-made Data registered in the run.
+        rt.datas.pop(obj._ID, None)
+        raise
     return obj
 
 

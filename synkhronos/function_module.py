@@ -313,11 +313,14 @@ class Function:
         n_rows = self._check_lengths(scattered, sel)
         if sel is not None:
             sel = scatter.resolve(sel, _common_length(scattered))
-        if num_slices != 1 and (type(num_slices) is not int or num_slices < 1):
+        if type(num_slices) is not int or num_slices != 1:
             if not (isinstance(num_slices, numbers.Integral) and not isinstance(num_slices, bool)
                     and num_slices >= 1):
                 raise ValueError(f"{self.name or 'function'}: num_slices must be an int >= 1; "
                                  f"got {num_slices!r}")
+            if num_slices > 1 and None in self._output_ops:
+                raise ValueError(f"{self.name or 'function'}: num_slices > 1 cannot combine the "
+                                 "slices of an output with op None; use 'gather' or a reduce op")
         sel_s = None
         if batch_s is not None:
             if not self._sliceable:
@@ -443,11 +446,17 @@ class Function:
                 shared_sel.append((value, my, length))
             if rows is None:
                 rows = shared_sel[0][2]
+        elif self._sliceable and rows is None:
+            # Weigh "avg" by the shared rows used, as with batch_s.
+            rows = len(self._sliceable[0].get_value(borrow=True))
         out_idx = list(range(len(self._outputs))) if subset is None else subset
         if rows == 0:
             results = None
         elif shared_sel is None and (num_slices == 1 or not n_scattered):
-            results = self._fn(*arrays, output_subset=subset) if subset is not None else self._fn(*arrays)
+            results = self._fn(*arrays)
+            if subset is not None:
+                # PyTensor 3 functions take no output_subset: compute all, keep some.
+                results = [results[i] for i in subset]
         else:
             results = self._run_slices(arrays, n_scattered, shared_sel, num_slices, out_idx)
         weight = 1.0 if rows is None else float(rows)
@@ -558,14 +567,13 @@ class Function:
 
 
 def _fold(op, acc, value, w_acc, w):
-    if op in ("gather", None):
+    if op == "gather":
         return (acc or []) + [np.asarray(value)]
     return reducers.accumulate(op, acc, value, w_acc, w)
 
 
 def _finish_fold(op, acc):
-    # Within a rank, slices of a None output are joined like "gather".
-    if op in ("gather", None):
+    if op == "gather":
         return _concat(acc)
     return acc
 

@@ -48,7 +48,12 @@ class SharedArray:
         dtype = np.dtype(dtype)
         if shape is None:
             shape = ((self.nbytes - offset) // dtype.itemsize,)
-        return np.ndarray(shape, dtype=dtype, buffer=self._mmap, offset=offset)
+        # frombuffer holds a buffer export, so close() cannot unmap memory a
+        # view still uses (np.ndarray(buffer=...) does not, and would segfault).
+        count = 1
+        for s in shape:
+            count *= int(s)
+        return np.frombuffer(self._mmap, dtype, count, offset).reshape(shape)
 
     @property
     def buffer(self):

@@ -43,10 +43,47 @@ def _no_leaks():
     yield
     rt = get_runtime()
     if rt is not None and not rt.closed:
+        if rt is _kept["runtime"]:
+            return  # a wider fixture owns it and checks for leaks when it closes it
         synk.close()
         pytest.fail("test left synkhronos forked")
+    _assert_no_segments()
+
+
+def _assert_no_segments():
     mine = [n for n in _segments() if n.startswith(f"synk_{os.getpid()}_")]
     assert not mine, f"segments left in /dev/shm: {mine}"
+
+
+_kept = {"runtime": None}
+
+
+class RuntimeKeeper:
+    """Forks a runtime that outlives single tests (for module-scoped fixtures).
+
+    Forking, building and distributing once per module keeps the suite fast;
+    ``close()`` runs the same leak checks as every test.
+    """
+
+    def fork(self, n_parallel=2, **kwargs):
+        n = synk.fork(n_parallel, use_gpu=False, **kwargs)
+        _kept["runtime"] = get_runtime()
+        return n
+
+    def close(self):
+        rt, _kept["runtime"] = _kept["runtime"], None
+        if rt is not None and not rt.closed:
+            synk.close()
+        assert get_runtime() is None
+        _assert_no_segments()
+
+
+@pytest.fixture(scope="session")
+def runtime_keeper():
+    """Return the RuntimeKeeper; a module fixture forks with it and closes at teardown."""
+    keeper = RuntimeKeeper()
+    yield keeper
+    keeper.close()
 
 
 @pytest.fixture

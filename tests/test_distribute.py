@@ -1,0 +1,170 @@
+"""function() and distribute(): call order, build-time argument checks, shared variables."""
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+
+import synkhronos as synk
+from synkhronos.runtime import get_runtime
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def test_function_and_distribute_need_fork():
+    x = pt.dmatrix("x")
+    with pytest.raises(synk.SynkStateError, match="fork"):
+        synk.function([x], x.sum())
+    with pytest.raises(RuntimeError, match="fork"):
+        synk.distribute()
+
+
+def test_call_order(forked, rng):
+    forked(2)
+    x = pt.dmatrix("x")
+    f = synk.function([x], (x.sum(axis=0), "sum"))
+    data = rng.standard_normal((5, 2))
+    d = synk.data(data)
+    with pytest.raises(synk.SynkStateError, match="distribute"):
+        f(d)
+    with pytest.raises(RuntimeError):
+        f(d)
+    synk.distribute()
+    np.testing.assert_allclose(f(d), data.sum(axis=0), rtol=1e-12)
+    with pytest.raises(synk.SynkStateError, match="distribute"):
+        synk.function([x], x.sum())
+    with pytest.raises(synk.SynkStateError, match="distribute"):
+        synk.distribute()
+    np.testing.assert_allclose(f(d), data.sum(axis=0), rtol=1e-12)
+    synk.close()
+    with pytest.raises(synk.SynkStateError, match="fork"):
+        f(data)
+    # A function of a closed run stays unusable after a new fork: build it again.
+    forked(2)
+    with pytest.raises(synk.SynkStateError):
+        f(data)
+    # and Data of the closed run is refused by the new run's functions
+    g = synk.function([x], (x.sum(axis=0), "sum"))
+    synk.distribute()
+    with pytest.raises(ValueError, match="closed run"):
+        g(d)
+    np.testing.assert_allclose(g(data), data.sum(axis=0), rtol=1e-12)
+
+
+def test_build_time_argument_checks(forked):
+    forked(2)
+    x, y = pt.dmatrix("x"), pt.dvector("y")
+    s = pytensor.shared(np.zeros(2), name="s")
+    t = pytensor.shared(np.zeros((3, 2)), name="t")
+    bad = [
+        (ValueError, "op", dict(inputs=[x], outputs=(x.sum(), "mean"))),
+        (ValueError, "op", dict(inputs=[x], outputs=[x.sum(), (x.max(), "maximum")])),
+        (ValueError, "op", dict(inputs=[x], updates=[(s, s + 1, "gather")])),
+        (ValueError, "op", dict(inputs=[x], updates=[(s, s + 1, None)])),
+        (ValueError, "sliceable_shareds", dict(inputs=[x], outputs=x.sum(),
+                                               sliceable_shareds=[t])),
+        (TypeError, "sliceable_shareds", dict(inputs=[x], outputs=x.sum(),
+                                              sliceable_shareds=[y])),
+        (TypeError, "inputs", dict(inputs="x", outputs=x.sum())),
+        (TypeError, "inputs", dict(inputs=[np.zeros(2)], outputs=x.sum())),
+        (TypeError, "shared", dict(inputs=[s], outputs=s.sum())),
+        (TypeError, "bcast_inputs", dict(inputs=[x], bcast_inputs=5, outputs=x.sum())),
+        (ValueError, "twice", dict(inputs=[x], bcast_inputs=[x], outputs=x.sum())),
+        (TypeError, "output", dict(inputs=[x], outputs=[(x.sum(), "sum", 1)])),
+        (TypeError, "outputs", dict(inputs=[x], outputs=3)),
+        (TypeError, "update", dict(inputs=[x], updates=[(s,)])),
+        (TypeError, "update", dict(inputs=[x], updates=[(x, x + 1)])),
+        (TypeError, "updates", dict(inputs=[x], updates=5)),
+    ]
+    for exc, words, kwargs in bad:
+        with pytest.raises(exc, match=words):
+            synk.function(**kwargs)
+    assert get_runtime().functions == []             # nothing half-built was kept
+    # The runtime is fine: good functions build, distribute and run.
+    f = synk.function([x], outputs=(x.sum(axis=0), "sum"), sliceable_shareds=None)
+    g = synk.function([x], outputs=x.sum() + t.sum(), sliceable_shareds=[t])
+    h = synk.function([x], updates={s: s + x.sum(axis=0)})     # a dict of updates
+    synk.distribute()
+    data = np.arange(8.0).reshape(4, 2)
+    np.testing.assert_allclose(f(data), data.sum(axis=0))
+    rank_sums = [p.sum() for p in np.array_split(data, 2)]
+    np.testing.assert_allclose(g(data), np.mean(rank_sums), rtol=1e-12)   # avg, equal rows
+    assert h(data) == []
+    np.testing.assert_allclose(s.get_value(), data[:2].sum(axis=0))
+
+
+def test_kwargs_pass_through_to_pytensor(forked, rng):
+    forked(2)
+    x = pt.dmatrix("x")
+    f = synk.function([x], (x.sum(axis=0), "sum"), mode="FAST_COMPILE", name="fc")
+    synk.distribute()
+    assert f.name == "fc"
+    data = rng.standard_normal((5, 3))
+    np.testing.assert_allclose(f(data), data.sum(axis=0), rtol=1e-12)
+
+
+def test_givens(forked, rng):
+    forked(3)
+    x = pt.dmatrix("x")
+    w = pt.dvector("w")
+    c = pytensor.shared(np.array([1.0, 2.0, 3.0]), name="c")
+    f = synk.function([x], outputs=((x * w).sum(axis=0), "sum"), givens={w: c * 2})
+    synk.distribute()
+    data = rng.standard_normal((7, 3))
+    np.testing.assert_allclose(f(data), (data * np.array([2.0, 4.0, 6.0])).sum(axis=0),
+                               rtol=1e-12)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_shared_variables_stay_shared_between_functions_in_every_rank(forked, rng, n):
+    forked(n)
+    x = pt.dmatrix("x")
+    s = pytensor.shared(np.zeros(3), name="s")
+    other = pytensor.shared(np.ones(3), name="other")
+    f_add = synk.function([x], updates=[(s, s + x.sum(axis=0))])
+    f_read = synk.function([], outputs=[(s, None), (other, None)])
+    f_both = synk.function([x], outputs=((s * other).sum(), None),
+                           updates=[(other, other + 1)], on_unused_input="ignore")
+    synk.distribute()
+    data = rng.standard_normal((8, 3))
+    f_add(synk.data(data))
+    f_add(synk.data(data))
+    parts = np.array_split(data, n)
+    s_rank, other_rank = f_read()
+    for r in range(n):
+        np.testing.assert_allclose(s_rank[r], 2 * parts[r].sum(axis=0), rtol=1e-12)
+        np.testing.assert_array_equal(other_rank[r], np.ones(3))
+    # f_both reads the s that f_add wrote, and updates other, which f_read sees.
+    got = f_both(synk.data(data))
+    for r in range(n):
+        np.testing.assert_allclose(got[r], (2 * parts[r].sum(axis=0)).sum(), rtol=1e-12)
+    _, other_rank = f_read()
+    for r in range(n):
+        np.testing.assert_array_equal(other_rank[r], np.full(3, 2.0))
+    # the master's own variables are those of its rank
+    np.testing.assert_allclose(s.get_value(), 2 * parts[0].sum(axis=0), rtol=1e-12)
+
+
+def test_distribute_carries_shared_values_set_before_it(forked):
+    forked(3)
+    s = pytensor.shared(np.zeros(2), name="s")
+    f = synk.function([], outputs=(s, None))
+    s.set_value(np.array([4.0, 5.0]))
+    synk.distribute()
+    for v in f():
+        np.testing.assert_array_equal(v, [4.0, 5.0])
+    # set_value after distribute() changes the master only
+    s.set_value(np.array([7.0, 8.0]))
+    got = f()
+    np.testing.assert_array_equal(got[0], [7.0, 8.0])
+    for v in got[1:]:
+        np.testing.assert_array_equal(v, [4.0, 5.0])
+
+
+def test_distribute_with_no_functions_and_one_rank(forked, rng):
+    forked(1)
+    synk.distribute()
+    forked_rt = get_runtime()
+    assert forked_rt.distributed
+    d = synk.data(rng.standard_normal((3, 2)))     # data after distribute()
+    assert d.shape == (3, 2)

@@ -1,0 +1,207 @@
+"""fork() and close(): return values, argument checks, order, pinning, restarts."""
+
+import multiprocessing
+import os
+
+import numpy as np
+import pytensor.tensor as pt
+import pytest
+from pytensor.graph.basic import Apply
+from pytensor.graph.op import Op
+
+import synkhronos as synk
+from synkhronos.runtime import get_runtime
+
+pytestmark = pytest.mark.timeout(60)
+
+N_CORES = len(os.sched_getaffinity(0))
+
+
+class ProcessInfo(Op):
+    """Return [rank, pid, number of allowed cores, most threads of any BLAS/OpenMP pool]
+    of the process that runs it, as a float64 vector (ignores its input's values)."""
+
+    __props__ = ()
+
+    def make_node(self, x):
+        x = pt.as_tensor_variable(x)
+        return Apply(self, [x], [pt.dvector()])
+
+    def perform(self, node, inputs, outputs):
+        from threadpoolctl import threadpool_info
+        threads = max([p["num_threads"] for p in threadpool_info()] or [1])
+        outputs[0][0] = np.array([get_runtime().rank, os.getpid(),
+                                  len(os.sched_getaffinity(0)), threads], dtype=np.float64)
+
+
+def _process_info(n):
+    """Build, distribute and call a function reporting each rank's process facts."""
+    x = pt.dmatrix("x")
+    f = synk.function([x], outputs=(ProcessInfo()(x), None), mode="FAST_COMPILE")
+    synk.distribute()
+    return [tuple(int(v) for v in r) for r in f(synk.data(np.zeros((n, 1))))]
+
+
+def test_fork_returns_the_number_of_ranks(forked):
+    assert forked(3) == 3
+    rt = get_runtime()
+    assert rt.n_parallel == 3 and rt.rank == 0 and rt.is_master
+    assert sorted(rt.procs) == [1, 2]
+    assert all(p.is_alive() for p in rt.procs.values())
+
+
+def test_default_n_parallel_is_the_usable_cores(forked):
+    assert forked(None) == N_CORES
+    assert get_runtime().n_parallel == N_CORES
+
+
+@pytest.mark.parametrize("kwargs, exc, name", [
+    (dict(n_parallel=0), ValueError, "n_parallel"),
+    (dict(n_parallel=-1), ValueError, "n_parallel"),
+    (dict(n_parallel=1.5), TypeError, "n_parallel"),
+    (dict(n_parallel="2"), TypeError, "n_parallel"),
+    (dict(n_parallel=True), TypeError, "n_parallel"),
+    (dict(n_parallel=2, master_rank=-1), ValueError, "master_rank"),
+    (dict(n_parallel=2, master_rank=2), ValueError, "master_rank"),
+    (dict(n_parallel=2, master_rank=1.0), TypeError, "master_rank"),
+    (dict(n_parallel=2, master_rank=None), TypeError, "master_rank"),
+    (dict(n_parallel=2, use_gpu="no"), TypeError, "use_gpu"),
+    (dict(n_parallel=2, max_n_var=0), ValueError, "max_n_var"),
+    (dict(n_parallel=2, max_dim=0), ValueError, "max_dim"),
+])
+def test_fork_rejects_bad_arguments(kwargs, exc, name):
+    kwargs.setdefault("use_gpu", False)
+    with pytest.raises(exc, match=name):
+        synk.fork(**kwargs)
+    assert get_runtime() is None
+    assert [p for p in multiprocessing.active_children() if p.name.startswith("synk-")] == []
+
+
+def test_fork_twice_raises_state_error(forked):
+    forked(2)
+    with pytest.raises(synk.SynkStateError, match="fork"):
+        synk.fork(2, use_gpu=False)
+    # Code written for the original catches RuntimeError.
+    with pytest.raises(RuntimeError):
+        synk.fork(2, use_gpu=False)
+    assert get_runtime().n_parallel == 2      # the first runtime is untouched
+
+
+def test_close_joins_workers_and_fork_works_again(forked):
+    forked(2)
+    procs = list(get_runtime().procs.values())
+    synk.close()
+    assert get_runtime() is None
+    assert all(not p.is_alive() for p in procs)
+    assert all(p.exitcode == 0 for p in procs)
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"synk_{os.getpid()}_")]
+    assert forked(3) == 3
+    info = _process_info(3)
+    assert [r[0] for r in info] == [0, 1, 2]
+
+
+def test_close_twice_warns(forked):
+    forked(1)
+    synk.close()
+    with pytest.warns(UserWarning, match="close"):
+        synk.close()
+
+
+def test_close_before_fork_warns():
+    with pytest.warns(UserWarning, match="close"):
+        synk.close()
+
+
+def test_one_rank_runs_in_the_master_alone(forked):
+    assert forked(1) == 1
+    assert get_runtime().procs == {}
+    info = _process_info(4)
+    assert info[0][:2] == (0, os.getpid())
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_master_rank_one_computes_rank_ones_share(forked, n):
+    forked(n, master_rank=1)
+    rt = get_runtime()
+    assert rt.rank == 1 and rt.is_master and sorted(rt.procs) == [r for r in range(n) if r != 1]
+    info = _process_info(n)
+    assert [r[0] for r in info] == list(range(n))          # rank order
+    assert info[1][1] == os.getpid()                       # the master ran rank 1's rows
+    for r in rt.procs:
+        assert info[r][1] == rt.procs[r].pid
+
+
+def test_master_rank_one_splits_data_like_any_rank(forked):
+    forked(3, master_rank=1)
+    x = pt.dmatrix("x")
+    f = synk.function([x], outputs=[(x.sum(axis=0), None), (x * 2, "gather")])
+    synk.distribute()
+    data = np.arange(21.0).reshape(7, 3)
+    per_rank, gathered = f(synk.data(data))
+    for got, share in zip(per_rank, np.array_split(data, 3)):
+        np.testing.assert_array_equal(got, share.sum(axis=0))
+    np.testing.assert_array_equal(gathered, data * 2)
+
+
+@pytest.mark.skipif(N_CORES < 2, reason="pinning needs two cores")
+def test_workers_are_pinned_and_single_threaded(forked):
+    n = N_CORES
+    forked(n)
+    rt = get_runtime()
+    info = _process_info(n)
+    cores = [os.sched_getaffinity(p.pid) for p in rt.procs.values()]
+    cores.append(os.sched_getaffinity(0))
+    assert all(len(c) == 1 for c in cores)
+    assert len(set.union(*cores)) == n                    # one core each
+    for rank, pid, n_allowed, threads in info:
+        assert n_allowed == 1
+        assert threads == 1
+    synk.close()
+    # close() gives the master its cores back.
+    assert len(os.sched_getaffinity(0)) == N_CORES
+
+
+def test_more_ranks_than_cores_are_not_pinned(forked):
+    n = N_CORES + 1
+    forked(n)
+    info = _process_info(n)
+    assert [r[0] for r in info] == list(range(n))
+    for rank, pid, n_allowed, threads in info:
+        assert n_allowed == N_CORES
+        assert threads == 1
+
+
+def test_use_gpu_true_without_gpus_raises():
+    from synkhronos import gpu
+    if gpu.count_gpus():
+        pytest.skip("this machine has GPUs")
+    with pytest.raises(RuntimeError, match="use_gpu"):
+        synk.fork(2, use_gpu=True)
+    assert get_runtime() is None
+
+
+def test_fork_with_use_gpu_none_runs_in_cpu_mode(forked):
+    from synkhronos import gpu
+    if gpu.count_gpus():
+        pytest.skip("this machine has GPUs")
+    assert synk.fork(2) == 2
+    assert get_runtime().device == "cpu"
+
+
+def test_profile_workers_writes_one_profile_per_worker(forked, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    forked(3, profile_workers=True)
+    _process_info(3)
+    synk.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["synk_worker_1.prof",
+                                                         "synk_worker_2.prof"]
+    import pstats
+    pstats.Stats(str(tmp_path / "synk_worker_1.prof"))      # a readable cProfile dump
+
+
+def test_thread_limits_are_restored_after_close(forked):
+    before = os.environ.get("OMP_NUM_THREADS")
+    forked(2)
+    assert os.environ["OMP_NUM_THREADS"] == "1"
+    synk.close()
+    assert os.environ.get("OMP_NUM_THREADS") == before
