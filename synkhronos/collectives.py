@@ -223,8 +223,10 @@ def gather(shared_vars, nd_up=1, nccl=True):
 def _gather_local(rt, payload):
     idx, nd_up = payload
     shareds = [rt.shareds[i] for i in idx]
-    got = rt.backend.gather([sv.get_array(v) for v in shareds], rt.master_rank)
-    if got is None:
+    got = rt.backend.gather([sv.get_array(v) for v in shareds], rt.master_rank, keys=idx)
+    if rt.rank != rt.master_rank:
+        for var, value in zip(shareds, got):
+            sv.adopt(var, value)
         return None
     join = np.stack if nd_up else np.concatenate
     return [_join(join, [got[q][k] for q in range(rt.n_parallel)], var, "gather")

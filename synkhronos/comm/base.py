@@ -12,14 +12,15 @@ ones, or the ``out`` buffers given (``out`` is a list with one array or None
 per input; an entry of another shape or dtype than the result is ignored).
 ``out`` may be the input array itself.
 
-``keys`` (all_reduce, broadcast) name one persistent buffer per array, e.g.
+``keys`` (all_reduce, broadcast, gather) name one persistent buffer per array, e.g.
 a shared variable's index.  With keys, every result is the caller's to keep
 as its array: an ``out`` entry, a fresh array, or a buffer the backend keeps
 per key and writes again only in later calls with that key (the shm
 backend's homes, which the other ranks read in place, so an array passed
 back in costs no copy).  A root's results are its own input arrays unless
-replaced by such buffers.  With keys, all_reduce needs arrays from every
-rank.
+replaced by such buffers; with keys, gather returns on a non-root rank
+the arrays it should keep (its own, or such buffers).  With keys,
+all_reduce needs arrays from every rank.
 """
 
 from abc import ABC, abstractmethod
@@ -69,7 +70,7 @@ class Backend(ABC):
         """
 
     @abstractmethod
-    def gather(self, arrays, root):
+    def gather(self, arrays, root, keys=None):
         """Return, at the root, a list over ranks of each rank's ``arrays`` (or None)."""
 
     @abstractmethod

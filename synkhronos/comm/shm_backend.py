@@ -280,21 +280,40 @@ class ShmBackend(Backend):
             result.append(v)
         return result
 
-    def gather(self, arrays, root):
-        return self._gather(arrays, root)
+    def gather(self, arrays, root, keys=None):
+        return self._gather(arrays, root, keys)
 
     def all_gather(self, arrays):
         return self._gather(arrays, None)
 
-    def _gather(self, arrays, root):
+    def _gather(self, arrays, root, keys=None):
         self._start()
-        lay = self.slabs.pack(arrays)
+        me = self.rank
+        lay = None
+        kept = None
+        if root == me:
+            lay = self.slabs.pack(arrays, header_only=True)
+        elif keys is not None and arrays is not None \
+                and sum(np.asarray(a).nbytes for a in arrays) >= SPLIT_BYTES:
+            # Large: the root reads this rank's homes in place; the caller keeps
+            # them as its arrays, so the next gather copies nothing here.
+            kept, refs = [], []
+            for k, a in zip(keys, arrays):
+                a = np.asarray(a)
+                ref, dst = self.homes.get(me, k, a.shape, a.dtype)
+                if a is not dst and not self.homes.holds(k, a):
+                    np.copyto(dst, a)
+                kept.append(dst)
+                refs.append(ref)
+            self.slabs.pack_refs(kept, refs)
+        else:
+            lay = self.slabs.pack(arrays)
         self.barrier()
         self._done()
-        if root is not None and root != self.rank:
-            return None
+        if root is not None and root != me:
+            return kept if kept is not None else (list(arrays) if keys is not None else None)
         alike = self.slabs.alike(lay)
-        return [(None if arrays is None else list(arrays)) if q == self.rank
+        return [(None if arrays is None else list(arrays)) if q == me
                 else self.slabs.views_of(q, lay) if alike else self.slabs.unpack(q)
                 for q in range(self.n_parallel)]
 

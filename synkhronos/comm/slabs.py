@@ -158,23 +158,26 @@ class Slabs:
         lay = self.layouts[key] = _Layout(ints, HEAD + len(ints), entries, offset)
         return lay
 
-    def pack(self, arrays, weight=1.0, skip=None):
+    def pack(self, arrays, weight=1.0, skip=None, header_only=False):
         """Write ``arrays`` (or None: no contribution) and a weight into this rank's slab.
 
         Header: count (-1: no contribution), weight (float64), split flag,
         then per array dtype code, ndim, offset, nbytes and the shape.
         ``skip``, if given, lists per array an element range [lo, hi) whose
         bytes are not copied (the part this rank reduces from its own array).
-        Returns the layout, or None.
+        ``header_only`` writes no data (the root of a gather reads its own
+        arrays).  Returns the layout, or None.
         """
         if arrays is None:
             _HEAD.pack_into(self.own(HEAD).buffer, 0, -1, 0.0, 0)
             return None
         arrays = [a if type(a) is np.ndarray else np.asarray(a) for a in arrays]
         lay = self.layout(arrays)
-        buf = self.own(lay.total).buffer
+        buf = self.own(lay.hlen if header_only else lay.total).buffer
         _HEAD.pack_into(buf, 0, len(arrays), weight, SPLIT if skip is not None else 0)
         buf[HEAD:lay.hlen] = lay.ints
+        if header_only:
+            return lay
         rank = self.rank
         for j, (a, (code, off, shape)) in enumerate(zip(arrays, lay.entries)):
             if skip is not None:

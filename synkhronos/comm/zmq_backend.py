@@ -302,11 +302,11 @@ class ZmqBackend(Backend):
             result.append(v)
         return result
 
-    def gather(self, arrays, root):
+    def gather(self, arrays, root, keys=None):
         self.k += 1
         if self.rank != root:
             self._send(root, arrays)
-            return None
+            return None if keys is None else list(arrays)
         return [g for g, _ in self._from_all(arrays, 1.0)]
 
     def all_gather(self, arrays):

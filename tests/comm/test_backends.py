@@ -193,6 +193,15 @@ def _keyed(rt, op, root):
     b = rt.backend.broadcast(got if me == root else None, root, keys=keys)
     for x, y in zip(b, got):
         np.testing.assert_array_equal(x, y)
+    g = rt.backend.gather(b, root, keys=keys)
+    if me == root:
+        for entry in g:
+            for x, y in zip(entry, b):
+                np.testing.assert_array_equal(x, y)
+    else:
+        for x, y in zip(g, b):
+            np.testing.assert_array_equal(x, y)
+        b = g
     _KEPT[op] = b
 
 

@@ -1,0 +1,224 @@
+"""Collective latency and bandwidth: synkhronos backends vs. torch.distributed gloo vs. memcpy.
+
+In one run, for float32 shared variables of 4 B, 4 KB, 1 MB, 16 MB, 64 MB and
+256 MB on 2 ranks: all_reduce (sum), broadcast and gather (nd_up=1) through
+each synkhronos backend, the same three with torch.distributed (gloo, 2
+processes, 1 thread each, pinned like the synkhronos ranks), and a one-process
+NumPy memory copy of the same size (the limit a copy-based collective can
+approach).
+
+Bandwidth is the variable's size over the median time of one collective (for
+gather: the bytes of one rank's variable).  "x gloo" is our bandwidth over
+gloo's; "% memcpy" is our bandwidth over the one-process copy's.
+
+Usage: python bench/collectives.py [--backends shm,zmq] [--sizes 4,4096,...]
+       [--no-torch] [--markdown]
+torch is a bench-only extra: pip install -e ".[bench]".
+"""
+
+import argparse
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import time
+
+import numpy as np
+
+SIZES = [4, 4 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
+OPS = ["all_reduce", "broadcast", "gather"]
+N_RANKS = 2
+
+
+def reps_for(nbytes):
+    """Fewer repetitions for big sizes keep the run within a few minutes on 2 cores."""
+    if nbytes <= 4096:
+        return 2000
+    if nbytes <= 1 << 20:
+        return 200
+    if nbytes <= 16 << 20:
+        return 20
+    if nbytes <= 64 << 20:
+        return 8
+    return 4
+
+
+def label(nbytes):
+    for unit, div in (("MB", 1 << 20), ("KB", 1 << 10)):
+        if nbytes >= div:
+            return f"{nbytes // div} {unit}"
+    return f"{nbytes} B"
+
+
+def median_time(fn, reps, warmup):
+    for _ in range(warmup):
+        fn()
+    if reps >= 100:
+        # Cheap calls: time batches, so the clock costs nothing.
+        batches = []
+        per = reps // 10
+        for _ in range(10):
+            t0 = time.perf_counter()
+            for _ in range(per):
+                fn()
+            batches.append((time.perf_counter() - t0) / per)
+        return statistics.median(batches)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+# ---- synkhronos ----------------------------------------------------------------
+def bench_synk(backend, sizes):
+    os.environ["SYNK_BACKEND"] = backend
+    import pytensor
+    import pytensor.tensor as pt
+
+    import synkhronos as synk
+
+    synk.fork(N_RANKS, use_gpu=False)
+    try:
+        shareds = [pytensor.shared(np.zeros(max(n // 4, 1), "float32"), name=f"s{n}")
+                   for n in sizes]
+        synk.function([], [pt.sum(s) for s in shareds])
+        synk.distribute()
+        out = {}
+        for n, s in zip(sizes, shareds):
+            reps = reps_for(n)
+            warm = max(2, reps // 20)
+            calls = {
+                "all_reduce": lambda s=s: synk.all_reduce(s, op="sum"),
+                "broadcast": lambda s=s: synk.broadcast(s),
+                "gather": lambda s=s: synk.gather(s, nd_up=1),
+            }
+            for op in OPS:
+                out[(op, n)] = median_time(calls[op], reps, warm)
+        return out
+    finally:
+        synk.close()
+
+
+# ---- torch.distributed gloo ----------------------------------------------------------
+def _gloo_worker(rank, port, sizes, queue):
+    import torch
+    import torch.distributed as dist
+
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank % os.cpu_count()]})
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=N_RANKS)
+    out = {}
+    for n in sizes:
+        t = torch.zeros(max(n // 4, 1), dtype=torch.float32)
+        bufs = [torch.empty_like(t) for _ in range(N_RANKS)] if rank == 0 else None
+        reps = reps_for(n)
+        warm = max(2, reps // 20)
+        calls = {
+            "all_reduce": lambda: dist.all_reduce(t),
+            "broadcast": lambda: dist.broadcast(t, 0),
+            "gather": lambda: dist.gather(t, bufs, dst=0),
+        }
+        for op in OPS:
+            dist.barrier()
+            # Every rank runs the same count, so the collectives pair up.
+            out[(op, n)] = median_time(calls[op], reps, warm)
+    if rank == 0:
+        queue.put(out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def bench_gloo(sizes):
+    import socket
+
+    import torch  # noqa: F401 - fail here, not in the children, if it is missing
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_worker, args=(r, port, sizes, queue))
+             for r in range(N_RANKS)]
+    for p in procs:
+        p.start()
+    out = queue.get(timeout=900)
+    for p in procs:
+        p.join(60)
+    return out
+
+
+# ---- memcpy ------------------------------------------------------------------------
+def bench_memcpy(sizes):
+    out = {}
+    for n in sizes:
+        src = np.ones(max(n // 4, 1), "float32")
+        dst = np.zeros_like(src)
+        reps = reps_for(n)
+        out[n] = median_time(lambda: np.copyto(dst, src), reps, max(2, reps // 20))
+    return out
+
+
+# ---- report ------------------------------------------------------------------------
+def fmt_time(t):
+    return f"{t * 1e6:.1f} us" if t < 1e-3 else f"{t * 1e3:.2f} ms"
+
+
+def report(results, gloo, memcpy, sizes, backends, markdown):
+    cols = ["op", "size", "backend", "latency", "GB/s", "x gloo", "% memcpy"]
+    rows = []
+    for op in OPS:
+        for n in sizes:
+            nb = max(n, 4)
+            entries = [(b, results[b][(op, n)]) for b in backends]
+            if gloo:
+                entries.append(("gloo", gloo[(op, n)]))
+            for name, t in entries:
+                bw = nb / t / 1e9
+                xg = f"{gloo[(op, n)] / t:.2f}" if gloo and name != "gloo" else ""
+                pm = f"{100 * memcpy[n] / t:.0f}%"
+                rows.append([op, label(n), name, fmt_time(t), f"{bw:.2f}", xg, pm])
+    mc = [["memcpy", label(n), "numpy", fmt_time(memcpy[n]),
+           f"{max(n, 4) / memcpy[n] / 1e9:.2f}", "", "100%"] for n in sizes]
+    rows += mc
+    if markdown:
+        print("| " + " | ".join(cols) + " |")
+        print("|" + "---|" * len(cols))
+        for r in rows:
+            print("| " + " | ".join(r) + " |")
+        return
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backends", default="shm,zmq")
+    ap.add_argument("--sizes", default=",".join(str(s) for s in SIZES))
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--markdown", action="store_true")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    backends = args.backends.split(",")
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"{N_RANKS} ranks, float32")
+    t0 = time.perf_counter()
+    memcpy = bench_memcpy(sizes)
+    results = {b: bench_synk(b, sizes) for b in backends}
+    gloo = None
+    if not args.no_torch:
+        try:
+            gloo = bench_gloo(sizes)
+        except ImportError:
+            print("# torch not installed: pip install -e '.[bench]' for the gloo columns")
+    report(results, gloo, memcpy, sizes, backends, args.markdown)
+    print(f"# total {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
