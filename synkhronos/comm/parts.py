@@ -90,26 +90,26 @@ def reduce_into(op, srcs, out, scale=None):
 
 
 def combine(op, parts, weights, out):
-    """Reduce whole arrays (the small-message path), into ``out`` when it fits."""
+    """Reduce whole arrays (the small-message path), into ``out`` when it fits.
+
+    ``out`` may be one of ``parts`` (this rank's own array), not a partial
+    overlap of one.
+    """
     a = parts[0]
-    dtype = reducers.result_dtype(op, a.dtype)
-    if out is None or out.shape != a.shape or out.dtype != dtype:
-        out = None
-    else:
-        # ``out`` may be one of the inputs (this rank's own array): it must be
-        # the first one, read before anything is written to it.
+    if weights is not None or len(parts) == 1 or (op == "avg" and a.dtype.kind not in "fc"):
+        dtype = reducers.result_dtype(op, a.dtype)
+        if out is not None and (out.shape != a.shape or out.dtype != dtype):
+            out = None
+        return reducers.combine(op, parts, weights, out)
+    if out is None or out.shape != a.shape or out.dtype != a.dtype:
+        out = np.empty(a.shape, a.dtype)
+    elif out is not a:
+        # Read ``out`` first when it is an input: nothing is written before.
         for j in range(1, len(parts)):
             if parts[j] is out:
                 parts = [out] + parts[:j] + parts[j + 1:]
                 a = out
                 break
-            if np.may_share_memory(parts[j], out):
-                out = None
-                break
-    if weights is not None or dtype != a.dtype or len(parts) == 1:
-        return reducers.combine(op, parts, weights, out)
-    if out is None:
-        out = np.empty(a.shape, dtype)
     ufunc = reducers.UFUNCS[op]
     ufunc(a, parts[1], out=out)
     for p in parts[2:]:

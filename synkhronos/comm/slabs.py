@@ -132,7 +132,7 @@ class Slabs:
 
     def layout(self, arrays):
         """Return the cached header and offsets for arrays of these shapes and dtypes."""
-        key = tuple((a.shape, a.dtype) for a in arrays)
+        key = tuple([(a.shape, a.dtype) for a in arrays])
         lay = self.layouts.get(key)
         if lay is not None:
             return lay
