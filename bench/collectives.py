@@ -7,9 +7,10 @@ processes, 1 thread each, pinned like the synkhronos ranks), and a one-process
 NumPy memory copy of the same size (the limit a copy-based collective can
 approach).
 
-Bandwidth is the variable's size over the median time of one collective (for
-gather: the bytes of one rank's variable).  "x gloo" is our bandwidth over
-gloo's; "% memcpy" is our bandwidth over the one-process copy's.
+Each figure is timed repeatedly; "median" and "best" are per-call times.
+Bandwidth is the variable's size over the best time (for gather: the bytes
+of one rank's variable); "x gloo" and "% memcpy" compare best with best, so
+that other jobs on the machine disturb the comparison least.
 
 Usage: python bench/collectives.py [--backends shm,zmq] [--sizes 4,4096,...]
        [--no-torch] [--markdown]
@@ -50,25 +51,30 @@ def label(nbytes):
     return f"{nbytes} B"
 
 
-def median_time(fn, reps, warmup):
+def time_calls(fn, reps, warmup):
+    """Return (best, median) seconds per call.
+
+    Cheap calls are timed in 10 batches (so the clock costs nothing) and the
+    batch means are ranked; expensive ones call by call.  The best is the
+    least disturbed figure on a machine shared with other jobs.
+    """
     for _ in range(warmup):
         fn()
     if reps >= 100:
-        # Cheap calls: time batches, so the clock costs nothing.
-        batches = []
+        ts = []
         per = reps // 10
         for _ in range(10):
             t0 = time.perf_counter()
             for _ in range(per):
                 fn()
-            batches.append((time.perf_counter() - t0) / per)
-        return statistics.median(batches)
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+            ts.append((time.perf_counter() - t0) / per)
+    else:
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return min(ts), statistics.median(ts)
 
 
 # ---- synkhronos ----------------------------------------------------------------
@@ -95,7 +101,7 @@ def bench_synk(backend, sizes):
                 "gather": lambda s=s: synk.gather(s, nd_up=1),
             }
             for op in OPS:
-                out[(op, n)] = median_time(calls[op], reps, warm)
+                out[(op, n)] = time_calls(calls[op], reps, warm)
         return out
     finally:
         synk.close()
@@ -124,7 +130,7 @@ def _gloo_worker(rank, port, sizes, queue):
         for op in OPS:
             dist.barrier()
             # Every rank runs the same count, so the collectives pair up.
-            out[(op, n)] = median_time(calls[op], reps, warm)
+            out[(op, n)] = time_calls(calls[op], reps, warm)
     if rank == 0:
         queue.put(out)
     dist.barrier()
@@ -158,7 +164,7 @@ def bench_memcpy(sizes):
         src = np.ones(max(n // 4, 1), "float32")
         dst = np.zeros_like(src)
         reps = reps_for(n)
-        out[n] = median_time(lambda: np.copyto(dst, src), reps, max(2, reps // 20))
+        out[n] = time_calls(lambda: np.copyto(dst, src), reps, max(2, reps // 20))
     return out
 
 
@@ -168,7 +174,7 @@ def fmt_time(t):
 
 
 def report(results, gloo, memcpy, sizes, backends, markdown):
-    cols = ["op", "size", "backend", "latency", "GB/s", "x gloo", "% memcpy"]
+    cols = ["op", "size", "backend", "median", "best", "GB/s", "x gloo", "% memcpy"]
     rows = []
     for op in OPS:
         for n in sizes:
@@ -176,14 +182,12 @@ def report(results, gloo, memcpy, sizes, backends, markdown):
             entries = [(b, results[b][(op, n)]) for b in backends]
             if gloo:
                 entries.append(("gloo", gloo[(op, n)]))
-            for name, t in entries:
-                bw = nb / t / 1e9
-                xg = f"{gloo[(op, n)] / t:.2f}" if gloo and name != "gloo" else ""
-                pm = f"{100 * memcpy[n] / t:.0f}%"
-                rows.append([op, label(n), name, fmt_time(t), f"{bw:.2f}", xg, pm])
-    mc = [["memcpy", label(n), "numpy", fmt_time(memcpy[n]),
-           f"{max(n, 4) / memcpy[n] / 1e9:.2f}", "", "100%"] for n in sizes]
-    rows += mc
+            for name, (best, med) in entries:
+                xg = f"{gloo[(op, n)][0] / best:.2f}" if gloo and name != "gloo" else ""
+                rows.append([op, label(n), name, fmt_time(med), fmt_time(best),
+                             f"{nb / best / 1e9:.2f}", xg, f"{100 * memcpy[n][0] / best:.0f}%"])
+    rows += [["memcpy", label(n), "numpy", fmt_time(memcpy[n][1]), fmt_time(memcpy[n][0]),
+              f"{max(n, 4) / memcpy[n][0] / 1e9:.2f}", "", "100%"] for n in sizes]
     if markdown:
         print("| " + " | ".join(cols) + " |")
         print("|" + "---|" * len(cols))
