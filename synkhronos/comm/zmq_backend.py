@@ -247,26 +247,28 @@ class ZmqBackend(Backend):
                 for i in range(len(first))]
 
     def _split_finish(self, arrays, ops, out, plan, received):
-        """Reduce this rank's parts, then exchange reduced parts (all-gather)."""
+        """Reduce this rank's parts into the result, then exchange reduced parts.
+
+        The parts go out without copies, from the result itself: every rank
+        has received them before any command can change it again.
+        """
         n, me = self.n_parallel, self.rank
         flat = [a.reshape(-1) for a in arrays]
+        result = [parts.result_buffer(a, parts.out_entry(out, i)) for i, a in enumerate(arrays)]
+        flats = [r.reshape(-1) for r in result]
         reduced = []
         for j, (i, lo, hi) in enumerate(plan[me]):
             srcs = [flat[i][lo:hi]] + [received[q][j] for q in sorted(received)]
-            part = np.empty(hi - lo, arrays[i].dtype)
-            parts.reduce_into(ops[i], srcs, part)
-            reduced.append(part)
+            dst = flats[i][lo:hi]
+            parts.reduce_into(ops[i], srcs, dst, 1.0 / n if ops[i] == "avg" else None)
+            reduced.append(dst)
         self.k += 1
         for q in self._peers:
             self._send(q, reduced)
-        result = [parts.result_buffer(a, parts.out_entry(out, i)) for i, a in enumerate(arrays)]
-        flats = [r.reshape(-1) for r in result]
-        for j, (i, lo, hi) in enumerate(plan[me]):
-            parts.finish(ops[i], reduced[j], flats[i][lo:hi], n)
         for q in self._peers:
             got = self._recv(q)[0]
             for j, (i, lo, hi) in enumerate(plan[q]):
-                parts.finish(ops[i], got[j], flats[i][lo:hi], n)
+                np.copyto(flats[i][lo:hi], got[j])
         return result
 
     # ---- function-call results -----------------------------------------
