@@ -1,0 +1,9 @@
+"""Extensions: update rules split for data parallelism, a training-step helper, small layers.
+
+    from synkhronos.extensions import updates, train, layers
+"""
+
+from . import layers, train, updates
+from .train import make_serial_train_function, make_train_function
+
+__all__ = ["updates", "train", "layers", "make_train_function", "make_serial_train_function"]

@@ -1,0 +1,230 @@
+"""One callable training step: gradient function, one all-reduce, update function; and its serial twin."""
+
+import logging
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+from pytensor.compile import SharedVariable
+
+import synkhronos as synk
+
+from ..data_module import Data
+from . import updates as _updates
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["make_train_function", "make_serial_train_function", "TrainFunction",
+           "SerialTrainFunction"]
+
+
+def _rule(update_rule):
+    """Return the ``apply_*`` function for a rule name or a rule function."""
+    if callable(update_rule):
+        name = update_rule.__name__
+        name = name[len("apply_"):] if name.startswith("apply_") else name
+    else:
+        name = update_rule
+    apply = _updates.RULES.get(name)
+    if apply is None:
+        raise ValueError(f"make_train_function: update_rule must be one of "
+                         f"{', '.join(_updates.RULES)} (a name or the function); "
+                         f"got {update_rule!r}")
+    return apply
+
+
+def _output_list(outputs):
+    """``outputs`` as a list: None, one expression or pair, or a list of them."""
+    if outputs is None:
+        return []
+    if isinstance(outputs, list) or (isinstance(outputs, tuple) and not
+                                     (len(outputs) == 2 and isinstance(outputs[1], (str, type(None))))):
+        return list(outputs)
+    return [outputs]
+
+
+def _data_vars(x, y):
+    """Split x and y into explicit inputs and shared variables holding data."""
+    vars_ = [v for v in (x, y) if v is not None]
+    inputs = [v for v in vars_ if not isinstance(v, SharedVariable)]
+    shared = [v for v in vars_ if isinstance(v, SharedVariable)]
+    if inputs and shared:
+        raise TypeError("make_train_function: x and y must both be inputs or both be shared "
+                        "variables")
+    return inputs, shared
+
+
+class TrainFunction:
+    """A data-parallel training step made by ``make_train_function``.
+
+    Calling it runs, on every rank: the gradient function over the rank's share
+    of the batch, one all-reduce of the flat gradient, and the update
+    function.  Every rank then holds the same parameters.
+
+    Attributes:
+        f_grad: the synkhronos function computing the loss (and outputs) and
+            writing the flat gradient.
+        f_update: the synkhronos function applying the rule.
+        grad_shared: the flat gradient shared variable.
+        all_reduce_op: the op of the all-reduce ("sum" by default).
+    """
+
+    def __init__(self, f_grad, f_update, grad_shared, all_reduce_op):
+        self.f_grad = f_grad
+        self.f_update = f_update
+        self.grad_shared = grad_shared
+        self.all_reduce_op = all_reduce_op
+
+    def __call__(self, *data, batch=None, batch_s=None, num_slices=1):
+        """Run one training step on every rank; return the loss (and outputs).  Master only.
+
+        Args:
+            *data: Data objects (or arrays) for x and y, when they are inputs.
+            batch, batch_s, num_slices: as for ``Function.__call__``: rows of
+                the inputs, rows of the shared data, slices per rank.
+
+        Returns:
+            The loss averaged over the batch, or a list ``[loss, *outputs]``
+            when ``outputs`` were given.
+        """
+        out = self.f_grad(*data, batch=batch, batch_s=batch_s, num_slices=num_slices)
+        synk.all_reduce(self.grad_shared, op=self.all_reduce_op)
+        self.f_update()
+        return out
+
+
+def make_train_function(loss, params, x, y, update_rule="sgd", update_kwargs=None,
+                        outputs=None, extra_updates=None, weighted=True,
+                        all_reduce_op="sum", **kwargs):
+    """Build a data-parallel training step; call it after ``distribute()``.  Master only.
+
+    Call after ``fork()`` and before ``distribute()``: it builds two synkhronos
+    functions.  ``x`` and ``y`` are either both inputs (their data is scattered
+    and selected with ``batch=``) or both shared variables holding each rank's
+    data (listed as ``sliceable_shareds``, selected with ``batch_s=``).
+
+    Args:
+        loss: the scalar training loss, a mean over the rows of ``x``.
+        params: the shared variables to train.
+        x: the input variable (or shared variable of inputs).
+        y: the target variable (or shared variable of targets), or None.
+        update_rule: a rule name ("sgd", "momentum", "nesterov_momentum",
+            "adagrad", "rmsprop", "adadelta", "adam", "adamax") or one of the
+            functions of ``synkhronos.extensions.updates``.
+        update_kwargs: the rule's hyper-parameters, e.g.
+            ``{"learning_rate": 0.01}`` (sgd, momentum and nesterov_momentum
+            need a learning_rate).
+        outputs: more expressions to compute and return with the loss,
+            averaged over the batch (or ``(expression, op)`` pairs).
+        extra_updates: more ``(shared, update)`` pairs for the gradient
+            function, e.g. batch-norm running statistics (each rank keeps its
+            own; all-reduce them with op "avg" when they must agree).
+        weighted: weigh each rank's gradient by its rows (``x.shape[0]``), so
+            uneven splits give exactly the full batch's gradient; False weighs
+            ranks equally, as the original Synkhronos did.
+        all_reduce_op: "sum" or "avg" (the same result, see ``updates``).
+        **kwargs: passed on to ``synk.function`` (e.g. ``mode=``).
+
+    Returns:
+        TrainFunction
+
+    Raises:
+        ValueError: unknown update rule, or hyper-parameters missing.
+        TypeError: one of x and y is shared and the other is not.
+    """
+    apply = _rule(update_rule)
+    inputs, shared = _data_vars(x, y)
+    params = _updates._check_params(params, "make_train_function")
+    weight = x.shape[0] if weighted else None
+    grad_shared, grad_updates = _updates.make_flat_grad(loss, params, weight)
+    param_updates = apply(grad_shared, params, **(update_kwargs or {}))
+    extra = _output_list(outputs)
+    f_grad = synk.function(inputs, outputs=[loss] + extra if extra else loss,
+                           updates=grad_updates + list(extra_updates or []),
+                           sliceable_shareds=shared or None, **kwargs)
+    f_update = synk.function([], updates=param_updates, **kwargs)
+    logger.info("training step built: rule %s, %d parameters (%d values)",
+                apply.__name__[len("apply_"):], len(params), _updates.flat_size(params))
+    return TrainFunction(f_grad, f_update, grad_shared, all_reduce_op)
+
+
+class SerialTrainFunction:
+    """The serial twin of ``TrainFunction``: one plain PyTensor function per step.
+
+    Attributes:
+        fn: the compiled function (data inputs; or, for shared data, row indices).
+    """
+
+    def __init__(self, inputs, shared, outs, upd, return_list, kwargs):
+        self._inputs = inputs
+        self._shared = shared
+        self._outs = outs
+        self._upd = upd
+        self._return_list = return_list
+        self._kwargs = kwargs
+        self._fns = {}
+        self.fn = self._function(indexed=False)
+
+    def _function(self, indexed):
+        fn = self._fns.get(indexed)
+        if fn is None:
+            if indexed:
+                idx = pt.lvector("rows")
+                givens = [(s, s[idx]) for s in self._shared]
+                fn = pytensor.function([idx], self._outs, updates=self._upd, givens=givens,
+                                       **self._kwargs)
+            else:
+                fn = pytensor.function(self._inputs, self._outs, updates=self._upd,
+                                       **self._kwargs)
+            self._fns[indexed] = fn
+        return fn
+
+    def __call__(self, *data, batch=None, batch_s=None, num_slices=1):
+        """Run one training step in this process; return the loss (and outputs).
+
+        Args:
+            *data: arrays (or Data objects) for x and y, when they are inputs.
+            batch: rows of ``data`` to use (int, slice, or index list).
+            batch_s: rows of the shared data to use (slice or index list).
+            num_slices: only 1 (serial steps are not sliced).
+        """
+        if num_slices != 1:
+            raise ValueError("serial train function: num_slices must be 1")
+        if self._shared:
+            if data:
+                raise TypeError("serial train function: x and y are shared variables; "
+                                "select rows with batch_s, not data")
+            if batch_s is None:
+                out = self._function(indexed=False)()
+            else:
+                rows = np.arange(len(self._shared[0].get_value(borrow=True)))[batch_s]
+                out = self._function(indexed=True)(rows.astype(np.int64))
+        else:
+            arrays = [d.data if isinstance(d, Data) else np.asarray(d) for d in data]
+            if batch is not None:
+                batch = slice(0, batch) if isinstance(batch, (int, np.integer)) else batch
+                arrays = [a[batch] for a in arrays]
+            out = self.fn(*arrays)
+        return out if self._return_list else out[0]
+
+
+def make_serial_train_function(loss, params, x, y, update_rule="sgd", update_kwargs=None,
+                               outputs=None, extra_updates=None, weighted=True,
+                               all_reduce_op="sum", **kwargs):
+    """Build the serial twin of ``make_train_function``: plain PyTensor, no fork needed.
+
+    Same arguments (``weighted`` and ``all_reduce_op`` are accepted and
+    ignored), same rule code applied to the full batch's gradient, so the two
+    give the same parameter trajectory.  Use it for baselines and speedups.
+
+    Returns:
+        SerialTrainFunction
+    """
+    apply = _rule(update_rule)
+    inputs, shared = _data_vars(x, y)
+    params = _updates._check_params(params, "make_serial_train_function")
+    grads = pytensor.grad(loss, params)
+    upd = apply(grads, params, **(update_kwargs or {})) + list(extra_updates or [])
+    extra = [o[0] if isinstance(o, tuple) else o for o in _output_list(outputs)]
+    return SerialTrainFunction(inputs, shared, [loss] + extra, upd, bool(extra), kwargs)
+
