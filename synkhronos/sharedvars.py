@@ -5,6 +5,7 @@ Every read or write of a shared variable's value by a collective goes through
 memory (JAX arrays) has one place to convert.
 """
 
+import importlib
 import numbers
 
 import numpy as np
@@ -13,6 +14,10 @@ from pytensor.tensor import TensorType
 from pytensor.tensor.sharedvar import TensorSharedVariable
 
 from . import data_module
+
+# By module path: the package attribute ``synkhronos.scatter`` becomes the
+# scatter() collective once the package has been imported.
+rows = importlib.import_module("synkhronos.scatter")
 
 
 def resolve(rt, shared_vars, where, unique=True):
@@ -207,3 +212,23 @@ def adopt(var, value, user=None):
     if value is user:
         value = np.array(value)
     var.set_value(value, borrow=True)
+
+
+def ret(results, single):
+    """One result for one variable; a tuple for a list or tuple of them."""
+    return results[0] if single else tuple(results)
+
+
+def descs(items):
+    """Data objects travel as descriptors (workers read them in place); arrays as None."""
+    return [describe(v) if isinstance(v, data_module.Data) else None for v in items]
+
+
+def select(sel, length, var, where):
+    """Resolve ``sel`` against a value of ``length`` rows; raise if it reaches past them."""
+    s = rows.resolve(sel, length)
+    need = rows.rows_needed(s, length)
+    if need > length:
+        raise ValueError(f"{where}: batch selects row {need - 1} but the value for {var} "
+                         f"has {length} rows")
+    return s

@@ -1,0 +1,189 @@
+"""set_value, get_value, get_lengths, get_shapes: shared variables' values in single ranks.
+
+Part of the collectives (re-exported by ``collectives``), split off for size.
+"""
+
+import numpy as np
+
+from . import sharedvars as sv
+from .control import Command, handler, run_command
+from .data_module import Data
+from .runtime import require_distributed
+from .sharedvars import rows
+
+
+def set_value(rank, shared_vars, values, batch=None):
+    """Set shared variables' values in one rank.  Master only.
+
+    Args:
+        rank: the rank to write to.
+        shared_vars: a shared variable, its name, or a list/tuple of either.
+        values: one NumPy array or Data per variable.
+        batch: rows of each value to use (as in ``scatter``).
+
+    Raises:
+        SynkStateError: before distribute().
+        TypeError: a value of the wrong dtype, a non-int rank, or a malformed
+            ``batch``.
+        ValueError: a rank out of range, a variable no distributed function
+            uses, a value of the wrong ndim, or ``batch`` selecting rows a
+            value does not have (or given for a 0-d value).
+        WorkerError: the rank failed while storing.
+    """
+    rt = require_distributed("set_value()")
+    rank = sv.check_rank(rt, rank, "set_value")
+    idx, single = sv.resolve(rt, shared_vars, "set_value")
+    values = sv.value_list(values, len(idx), single, "set_value")
+    sel = None if batch is None else rows.normalize_batch(batch, "set_value: batch")
+    items, sels = [], []
+    for i, value in zip(idx, values):
+        var = rt.shareds[i]
+        item = sv.condition(rt, var, value, "set_value", whole=sel is None)
+        arr = item.data if isinstance(item, Data) else item
+        s = None
+        if sel is not None:
+            if arr.ndim == 0:
+                raise ValueError(f"set_value: batch needs values with rows; {var} is 0-d")
+            s = sv.select(sel, len(arr), var, "set_value")
+            n_rows = rows.selection_length(s, len(arr))
+            sv.check_static_shape(var, (n_rows,) + arr.shape[1:], "set_value")
+            if not isinstance(item, Data):
+                item = rows.take(arr, s, 0, n_rows)
+                s = None
+        items.append(item)
+        sels.append(s)
+    if rank == rt.rank:
+        for i, item, s in zip(idx, items, sels):
+            arr = item.data if isinstance(item, Data) else item
+            if s is not None:
+                arr = rows.take(arr, s, 0, rows.selection_length(s, len(arr)))
+            sv.store(rt.shareds[i], arr)
+        return
+    placeholder = np.empty(0, np.uint8)
+    pieces = [v for v in items if not isinstance(v, Data)]
+    per_rank = [pieces if r == rank else [placeholder] * len(pieces)
+                for r in range(rt.n_parallel)]
+    payload = (rank, idx, sv.descs(items), sels)
+    run_command(rt, Command.SET_VALUE, payload, lambda seq: _set_value_local(rt, payload, per_rank))
+
+
+def _set_value_local(rt, payload, per_rank=None):
+    rank, idx, descs, sels = payload
+    root = rt.master_rank
+    via = [k for k, d in enumerate(descs) if d is None]
+    got = None
+    if via:
+        got = rt.backend.scatter(per_rank if rt.rank == root else None, root)
+    if rt.rank != rank:
+        return
+    shareds = [rt.shareds[i] for i in idx]
+    for k, value in zip(via, got):
+        sv.store(shareds[k], value)
+    for var, desc, s in zip(shareds, descs, sels):
+        if desc is not None:
+            view = sv.data_view(rt, desc)
+            if s is not None:
+                view = rows.take(view, s, 0, rows.selection_length(s, len(view)))
+            sv.store(var, view)
+
+
+@handler(Command.SET_VALUE)
+def _set_value_worker(rt, payload):
+    _set_value_local(rt, payload)
+
+
+def get_value(rank, shared_vars):
+    """Return shared variables' values in one rank (copies).  Master only.
+
+    Args:
+        rank: the rank to read from.
+        shared_vars: a shared variable, its name, or a list/tuple of either.
+
+    Returns:
+        One array, or a tuple of arrays for a list/tuple of variables.
+
+    Raises:
+        SynkStateError: before distribute().
+        TypeError: a non-int rank.
+        ValueError: a rank out of range, or a variable no distributed
+            function uses.
+        WorkerError: the rank failed while sending.
+    """
+    rt = require_distributed("get_value()")
+    rank = sv.check_rank(rt, rank, "get_value")
+    idx, single = sv.resolve(rt, shared_vars, "get_value", unique=False)
+    if rank == rt.rank:
+        return sv.ret([np.array(sv.get_array(rt.shareds[i])) for i in idx], single)
+
+    def after(_):
+        arrays, _weight = rt.backend.collect()[rank]
+        return sv.ret([np.array(a) for a in arrays], single)
+    return run_command(rt, Command.GET_VALUE, (rank, idx), after=after)
+
+
+@handler(Command.GET_VALUE)
+def _get_value_worker(rt, payload):
+    rank, idx = payload
+    mine = [sv.get_array(rt.shareds[i]) for i in idx] if rt.rank == rank else None
+    rt.backend.contribute(mine)
+
+
+def get_shapes(shared_vars):
+    """Return the shape of shared variables in every rank.  Master only.
+
+    Args:
+        shared_vars: a shared variable, its name, or a list/tuple of either.
+
+    Returns:
+        For one variable, a list with one shape tuple per rank; for a
+        list/tuple of variables, a tuple of such lists.
+
+    Raises:
+        SynkStateError: before distribute().
+        ValueError: a variable no distributed function uses.
+        WorkerError: a rank failed.
+    """
+    rt = require_distributed("get_shapes()")
+    idx, single = sv.resolve(rt, shared_vars, "get_shapes", unique=False)
+    return sv.ret(_shapes(rt, idx), single)
+
+
+def get_lengths(shared_vars):
+    """Return the length (size of axis 0) of shared variables in every rank.  Master only.
+
+    Args:
+        shared_vars: a shared variable, its name, or a list/tuple of either.
+
+    Returns:
+        For one variable, a list with one int per rank; for a list/tuple of
+        variables, a tuple of such lists.
+
+    Raises:
+        SynkStateError: before distribute().
+        ValueError: a variable no distributed function uses, or a 0-d one.
+        WorkerError: a rank failed.
+    """
+    rt = require_distributed("get_lengths()")
+    idx, single = sv.resolve(rt, shared_vars, "get_lengths", unique=False)
+    for i in idx:
+        if rt.shareds[i].ndim == 0:
+            raise ValueError(f"get_lengths: {rt.shareds[i]} is 0-d and has no length")
+    return sv.ret([[s[0] for s in shapes] for shapes in _shapes(rt, idx)], single)
+
+
+def _shapes(rt, idx):
+    """Return, per variable, the list of its shape in each rank."""
+    mine = [sv.get_array(rt.shareds[i]).shape for i in idx]
+
+    def after(_):
+        parts = rt.backend.collect()
+        per_rank = [mine if q == rt.rank else [tuple(int(x) for x in a) for a in parts[q][0]]
+                    for q in range(rt.n_parallel)]
+        return [[per_rank[q][k] for q in range(rt.n_parallel)] for k in range(len(idx))]
+    return run_command(rt, Command.GET_SHAPES, idx, after=after)
+
+
+@handler(Command.GET_SHAPES)
+def _get_shapes_worker(rt, idx):
+    rt.backend.contribute([np.array(sv.get_array(rt.shareds[i]).shape, dtype=np.int64)
+                           for i in idx])
