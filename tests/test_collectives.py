@@ -94,7 +94,7 @@ def test_get_set_gather_and_shapes(backend, forked, n):
         if k != "z":
             np.testing.assert_array_equal(synk.gather(sh[k], nd_up=0),
                                           np.concatenate([p[k] for p in per_rank]))
-    both = synk.gather([sh["v"], "m"], nd_up=1)
+    both = synk.gather([sh["v"], "m"], nd_up=1, nccl=False)
     assert isinstance(both, tuple) and both[1].shape == (n, 3, 4)
     assert synk.get_shapes(sh["m"]) == [(3, 4)] * n
     assert synk.get_shapes([sh["z"], sh["v"]]) == ([()] * n, [(5,)] * n)
@@ -131,8 +131,10 @@ def test_reduce_and_all_reduce_every_op(backend, forked, n):
         assert synk.all_reduce([sh[k] for k in names], op=op) is None
         for k in names:
             _check_ranks(sh[k], [want[k]] * n)
-        synk.all_reduce(sh["v"], op)
+        synk.all_reduce(sh["v"], op, nccl=False)  # nccl means nothing on CPU
         _check_ranks(sh["v"], [_reduced(op, [want["v"]] * n)] * n)
+        np.testing.assert_allclose(synk.reduce(sh["m"], op, in_place=False, nccl=False),
+                                   _reduced(op, [want["m"]] * n), rtol=1e-6)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
@@ -140,7 +142,7 @@ def test_broadcast_scatter_all_gather(backend, forked, n):
     forked(n)
     sh, _ = _build()
     per_rank = _set_all(sh, n)
-    synk.broadcast([sh["v"], sh["big"], sh["z"]])
+    synk.broadcast([sh["v"], sh["big"], sh["z"]], nccl=False)
     for k in ("v", "big", "z"):
         _check_ranks(sh[k], [per_rank[0][k]] * n)
     _check_ranks(sh["m"], [p["m"] for p in per_rank])
@@ -178,7 +180,7 @@ def test_broadcast_scatter_all_gather(backend, forked, n):
         with pytest.raises(ValueError, match="differ across ranks"):
             synk.all_reduce(sh["m"], "sum")
         _check_ranks(sh["m"], parts)  # a failed reduction changes nothing
-    synk.all_gather([sh["m"], "v"])
+    synk.all_gather([sh["m"], "v"], nccl=False)
     _check_ranks(sh["m"], [np.concatenate(parts)] * n)
     _check_ranks(sh["v"], [np.concatenate(np.array_split(big[:4], n))] * n)
 

@@ -174,8 +174,8 @@ def _keyed(rt, op, root):
     all_reduce must give op over ranks q of (x + q).
     """
     n, me = rt.n_parallel, rt.rank
-    shapes = [(BIG,), (BIG // 2, 2), (3,)]
-    keys = [10, 11, 12]
+    shapes = [(BIG,), (BIG // 2, 2), (3,), (0,), ()]
+    keys = [10, 11, 12, 13, 14]
     kept = _KEPT.get(op)
     if kept is None:
         bases = [[_value(q, s, np.float32, i) for i, s in enumerate(shapes)] for q in range(n)]
