@@ -31,8 +31,6 @@ from .errors import (BackendUnavailableError, SynkError, SynkStateError,  # noqa
                      WorkerDiedError, WorkerError)
 from .function_module import Function, function  # noqa: E402
 from .process import close, fork  # noqa: E402
-# Last: the collective scatter() replaces the name synkhronos.scatter, which
-# until here is the scatter module the modules above import.
 from .collectives import *  # noqa: E402,F401,F403
 
 __version__ = "0.1.0"

@@ -21,7 +21,7 @@ from .control import Command, handler, run_command
 from .data_module import Data
 from .rank_values import get_lengths, get_shapes, get_value, set_value  # noqa: F401
 from .runtime import require_distributed
-from .sharedvars import rows
+from . import split as rows
 
 logger = logging.getLogger(__name__)
 

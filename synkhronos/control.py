@@ -87,11 +87,20 @@ def spin_until(pred, check, spin_s):
         if n & 127 == 0:
             now = time.perf_counter()
             if now > next_check:
-                check()
+                _check(pred, check)
                 next_check = now + CHECK_EVERY_S
             if now > spin_end:
                 return pred()
     return True
+
+
+def _check(pred, check):
+    """Run ``check``; an abort seen after the awaited rank arrived does not count."""
+    try:
+        check()
+    except CommAborted:
+        if not pred():
+            raise
 
 
 def wait_until(pred, check, spin_s, poll_max_s=1e-3):
@@ -105,7 +114,7 @@ def wait_until(pred, check, spin_s, poll_max_s=1e-3):
         delay = min(2 * delay, poll_max_s)
         now = time.perf_counter()
         if now > next_check:
-            check()
+            _check(pred, check)
             next_check = now + CHECK_EVERY_S
 
 

@@ -9,7 +9,7 @@ import pytensor.tensor as pt
 from pytensor.compile import SharedVariable
 from pytensor.graph.basic import Variable
 
-from . import reducers, scatter
+from . import reducers, split
 from . import data_module
 from .control import Command, handler, run_command
 from .errors import SynkStateError
@@ -309,10 +309,10 @@ class Function:
                 datas.append(self._as_data(rt, i, v))
         n_scattered = len(self._inputs)
         scattered = datas[:n_scattered]
-        sel = None if batch is None else scatter.normalize_batch(batch)
+        sel = None if batch is None else split.normalize_batch(batch)
         n_rows = self._check_lengths(scattered, sel)
         if sel is not None:
-            sel = scatter.resolve(sel, _common_length(scattered))
+            sel = split.resolve(sel, _common_length(scattered))
         if type(num_slices) is not int or num_slices != 1:
             if not (isinstance(num_slices, numbers.Integral) and not isinstance(num_slices, bool)
                     and num_slices >= 1):
@@ -326,7 +326,7 @@ class Function:
             if not self._sliceable:
                 raise ValueError(f"{self.name or 'function'}: batch_s needs sliceable_shareds "
                                  "in function()")
-            sel_s = scatter.normalize_batch_s(batch_s, rt.n_parallel)
+            sel_s = split.normalize_batch_s(batch_s, rt.n_parallel)
         subset = None
         if output_subset is not None:
             subset = self._check_subset(output_subset)
@@ -401,15 +401,15 @@ class Function:
             return lengths.pop()
         if full:
             length = min(len(d) for d, _ in full)
-            need = scatter.rows_needed(sel, length)
+            need = split.rows_needed(sel, length)
             for d, v in full:
                 if len(d) < need:
                     raise ValueError(f"{name}: batch needs {need} rows but input {v} has {len(d)}")
-            n_rows = scatter.selection_length(sel, length)
+            n_rows = split.selection_length(sel, length)
         else:
             if sel[0] == "range" and sel[2] is None:
                 raise ValueError(f"{name}: an open-ended batch slice needs a non-minibatch input")
-            n_rows = scatter.selection_length(sel, 0)
+            n_rows = split.selection_length(sel, 0)
         for d, v in zip(scattered, self._inputs):
             if d.minibatch and len(d) < n_rows:
                 raise ValueError(f"{name}: minibatch input {v} has {len(d)} rows; "
@@ -428,9 +428,9 @@ class Function:
             arrays = [data_module.view(rt, desc) for desc in descs]
         rows = None
         if n_scattered:
-            lo, hi = scatter.rank_range(n_rows, rt.n_parallel, rank)
+            lo, hi = split.rank_range(n_rows, rt.n_parallel, rank)
             for i in range(n_scattered):
-                arrays[i] = scatter.take(arrays[i], sel, lo, hi, descs[i][3] and sel is not None)
+                arrays[i] = split.take(arrays[i], sel, lo, hi, descs[i][3] and sel is not None)
             rows = hi - lo
         shared_sel = None
         if self._sliceable and (sel_s is not None or num_slices > 1):
@@ -438,10 +438,10 @@ class Function:
             for s in self._sliceable:
                 value = s.get_value(borrow=True)
                 my = None if sel_s is None else sel_s[rank]
-                my = scatter.resolve(my, len(value))
-                length = scatter.selection_length(my, len(value))
-                if my is not None and scatter.rows_needed(my, len(value)) > len(value):
-                    raise IndexError(f"batch_s selects row {scatter.rows_needed(my, len(value)) - 1}"
+                my = split.resolve(my, len(value))
+                length = split.selection_length(my, len(value))
+                if my is not None and split.rows_needed(my, len(value)) > len(value):
+                    raise IndexError(f"batch_s selects row {split.rows_needed(my, len(value)) - 1}"
                                      f" but shared variable {s} has {len(value)} rows in rank {rank}")
                 shared_sel.append((value, my, length))
             if rows is None:
@@ -495,8 +495,8 @@ class Function:
         fn = self._variant(shared_sel is not None, defer)
         n_out = len(self._outputs)
         scat_len = len(arrays[0]) if n_scattered else None
-        scat_parts = scatter.split_ranges(scat_len, num_slices) if n_scattered else None
-        sh_parts = [scatter.split_ranges(length, num_slices) for _, _, length in shared_sel] \
+        scat_parts = split.split_ranges(scat_len, num_slices) if n_scattered else None
+        sh_parts = [split.split_ranges(length, num_slices) for _, _, length in shared_sel] \
             if shared_sel else None
         acc_out = [None] * n_out
         acc_upd = [None] * len(self._updates)
@@ -511,7 +511,7 @@ class Function:
             if shared_sel:
                 for j, (value, my, _) in enumerate(shared_sel):
                     lo, hi = sh_parts[j][k]
-                    call.append(scatter.take(value, my, lo, hi))
+                    call.append(split.take(value, my, lo, hi))
                 if not n_scattered:
                     w = float(sh_parts[0][k][1] - sh_parts[0][k][0])
             if w == 0 and num_slices > 1:

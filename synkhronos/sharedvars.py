@@ -5,7 +5,6 @@ Every read or write of a shared variable's value by a collective goes through
 memory (JAX arrays) has one place to convert.
 """
 
-import importlib
 import numbers
 
 import numpy as np
@@ -14,10 +13,7 @@ from pytensor.tensor import TensorType
 from pytensor.tensor.sharedvar import TensorSharedVariable
 
 from . import data_module
-
-# By module path: the package attribute ``synkhronos.scatter`` becomes the
-# scatter() collective once the package has been imported.
-rows = importlib.import_module("synkhronos.scatter")
+from . import split as rows
 
 
 def resolve(rt, shared_vars, where, unique=True):
