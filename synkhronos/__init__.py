@@ -31,7 +31,9 @@ from .errors import (BackendUnavailableError, SynkError, SynkStateError,  # noqa
                      WorkerDiedError, WorkerError)
 from .function_module import Function, function  # noqa: E402
 from .process import close, fork  # noqa: E402
-from .collectives import *  # noqa: E402,F401,F403
+from .collectives import (all_gather, all_reduce, broadcast, gather,  # noqa: E402
+                          get_lengths, get_shapes, get_value, reduce, scatter,
+                          set_value)
 
 __version__ = "0.1.0"
 

@@ -145,17 +145,21 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
 def _select_gpu(rt, rank):
     per_gpu = -(-rt.n_parallel // rt.n_gpus)
     if rt.is_master:
-        saved = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES",
-                                                "XLA_PYTHON_CLIENT_MEM_FRACTION")}
-
-        def restore():
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-        rt.restore.append(restore)
+        _save_env(rt, ("CUDA_VISIBLE_DEVICES", "XLA_PYTHON_CLIENT_MEM_FRACTION"))
     gpu.select_device(rt.gpu_ids[gpu.device_for_rank(rank, rt.n_gpus)], per_gpu)
+
+
+def _save_env(rt, names):
+    """Have close() put these environment variables back as they are now."""
+    saved = {k: os.environ.get(k) for k in names}
+
+    def restore():
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    rt.restore.append(restore)
 
 
 def _check_int(name, value, low):
@@ -179,17 +183,9 @@ def _limit_threads(rt):
     """
     from threadpoolctl import threadpool_limits
 
-    saved = {k: os.environ.get(k) for k in THREAD_ENV}
+    _save_env(rt, THREAD_ENV)
     for k in THREAD_ENV:
         os.environ[k] = "1"
-
-    def restore_env():
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    rt.restore.append(restore_env)
     limiter = threadpool_limits(limits=1)
     rt.restore.append(limiter.restore_original_limits)
 

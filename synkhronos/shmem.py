@@ -111,14 +111,15 @@ def sweep_stale():
         if len(parts) >= 3 and parts[0] == PREFIX and parts[1].isdigit():
             pids.add(int(parts[1]))
     for pid in pids:
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             removed += sweep(pid)
     if removed:
         logger.info("removed %d stale shared-memory segments", len(removed))
     return removed
 
 
-def _pid_alive(pid):
+def pid_alive(pid):
+    """Return whether a process with this pid exists."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -31,6 +31,8 @@ class Backend(ABC):
 
     def __init__(self, rt, spin_s):
         self.rt = rt
+        self.seq = 0
+        self._check = None
         self.n_parallel = rt.n_parallel
         self.max_n_var = rt.max_n_var
         self.max_dim = rt.max_dim
@@ -39,6 +41,13 @@ class Backend(ABC):
     def rank(self):
         """This process's rank (the runtime's, which fork() sets in each worker)."""
         return self.rt.rank
+
+    def _get_check(self):
+        """Return (once per command) the check that raises on a dead or aborted rank."""
+        if self._check is None:
+            from ..process import backend_check  # process imports the backends
+            self._check = backend_check(self.rt, self.seq)
+        return self._check
 
     def begin(self, seq):
         """Start command ``seq``: reset per-command state, arm the abort check."""

@@ -50,7 +50,6 @@ class ShmBackend(Backend):
         self.k = 0
         self.fence = False
         self._check = None
-        self._make_check = None
 
     # ---- synchronisation ---------------------------------------------
     def begin(self, seq):
@@ -59,13 +58,6 @@ class ShmBackend(Backend):
         self.fence = False
         self._check = None
 
-    def _get_check(self):
-        if self._check is None:
-            if self._make_check is None:
-                from ..process import backend_check
-                self._make_check = backend_check
-            self._check = self._make_check(self.rt, self.seq)
-        return self._check
 
     def barrier(self):
         self.k += 1

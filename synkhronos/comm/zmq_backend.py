@@ -25,6 +25,7 @@ import zmq
 
 from .. import reducers
 from ..errors import CommAborted
+from ..shmem import pid_alive
 from . import parts
 from .base import Backend
 
@@ -56,7 +57,6 @@ class ZmqBackend(Backend):
         self.seq = 0
         self.k = 0
         self._check = None
-        self._make_check = None
 
     def _address(self, rank):
         return f"ipc://{self.dir}/r{rank}"
@@ -96,13 +96,6 @@ class ZmqBackend(Backend):
         while self._inbox.poll(0):
             self._keep(self._inbox.recv_multipart(copy=False))
 
-    def _get_check(self):
-        if self._check is None:
-            if self._make_check is None:
-                from ..process import backend_check
-                self._make_check = backend_check
-            self._check = self._make_check(self.rt, self.seq)
-        return self._check
 
     # ---- messages --------------------------------------------------------
     def _send(self, q, arrays, step=None, weight=1.0, split=False):
@@ -354,15 +347,7 @@ def _sweep_stale_dirs():
         if not name.startswith(DIR_PREFIX):
             continue
         pid = name[len(DIR_PREFIX):].split("_")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
