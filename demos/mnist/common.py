@@ -1,0 +1,181 @@
+"""What the three MNIST demos share: options, data loading, the model, progress output.
+
+Data: ``--data PATH`` reads MNIST from a directory of the standard IDX files
+(``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``,
+``t10k-labels-idx1-ubyte``, each optionally ``.gz``) or from an ``.npz`` with
+``x_train, y_train, x_test, y_test``.  Without it the demos use the 8x8
+handwritten digits that ship inside scikit-learn (1797 images; nothing is
+downloaded), split 80/20 into train and test sets.
+"""
+
+import argparse
+import gzip
+import os
+import struct
+import sys
+import time
+
+import numpy as np
+
+IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+
+def parse_args(description, argv=None, parallel=True):
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--data", default=None,
+                   help="MNIST IDX directory or .npz file (default: scikit-learn's digits)")
+    p.add_argument("--batch-size", type=int, default=128, help="global minibatch size")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--hidden", type=int, default=1024, help="units per hidden layer")
+    p.add_argument("--learning-rate", type=float, default=0.002, help="Adam's step size")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    if parallel:
+        p.add_argument("--n-parallel", type=int, default=None,
+                       help="ranks (default: every usable core)")
+        p.add_argument("--serial-epochs", type=int, default=2,
+                       help="epochs of the serial twin timed for the speedup (0: skip)")
+    return p.parse_args(argv)
+
+
+def read_idx(path):
+    """Read one IDX file (optionally gzipped) into a NumPy array."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        raw = f.read()
+    zero, dtype_code, ndim = struct.unpack(">HBB", raw[:4])
+    if zero != 0 or dtype_code not in IDX_DTYPES:
+        raise ValueError(f"{path}: not an IDX file")
+    shape = struct.unpack(f">{ndim}I", raw[4:4 + 4 * ndim])
+    data = np.frombuffer(raw, dtype=IDX_DTYPES[dtype_code], offset=4 + 4 * ndim)
+    return data.reshape(shape)
+
+
+def _find(directory, stem):
+    for name in (stem, stem + ".gz", stem.replace("-idx", ".idx"), stem.replace("-idx", ".idx") + ".gz"):
+        path = os.path.join(directory, name)
+        if os.path.exists(path):
+            return path
+    raise FileNotFoundError(f"{directory}: no {stem}[.gz]")
+
+
+def load_data(path=None, seed=0):
+    """Return ``(x_train, y_train, x_test, y_test, name)``: float32 rows in [0, 1], int64 labels."""
+    if path is None:
+        from sklearn.datasets import load_digits
+        digits = load_digits()
+        x = (digits.data / 16.0).astype(np.float32)
+        y = digits.target.astype(np.int64)
+        order = np.random.default_rng(seed).permutation(len(x))
+        n_train = int(0.8 * len(x))
+        tr, te = order[:n_train], order[n_train:]
+        return x[tr], y[tr], x[te], y[te], "scikit-learn digits (8x8)"
+    if path.endswith(".npz"):
+        with np.load(path) as f:
+            parts = [f["x_train"], f["y_train"], f["x_test"], f["y_test"]]
+        name = os.path.basename(path)
+    else:
+        parts = [read_idx(_find(path, s)) for s in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                                                    "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")]
+        name = f"MNIST IDX files in {path}"
+    x_train, y_train, x_test, y_test = parts
+
+    def images(a):
+        a = a.reshape(len(a), -1).astype(np.float32)
+        return a / 255.0 if a.max() > 1 else a
+
+    return (images(x_train), y_train.astype(np.int64), images(x_test), y_test.astype(np.int64), name)
+
+
+def build_mlp(n_in, n_hidden, n_classes, seed):
+    """Return ``(forward, params)``: a ReLU MLP with two hidden layers."""
+    from synkhronos.extensions import layers as L
+    rng = np.random.default_rng(seed)
+    layers = [L.Dense(n_in, n_hidden, rng, name="h1"), L.Dense(n_hidden, n_hidden, rng, name="h2"),
+              L.Dense(n_hidden, n_classes, rng, init="glorot", name="out")]
+
+    def forward(x):
+        h = L.relu(layers[0](x))
+        h = L.relu(layers[1](h))
+        return layers[2](h)
+
+    return forward, [p for layer in layers for p in layer.params]
+
+
+def loss_and_accuracy(forward, x, y):
+    """Return the mean cross-entropy loss and the accuracy of ``forward(x)`` on labels ``y``."""
+    from synkhronos.extensions import layers as L
+    logits = forward(x)
+    return L.softmax_cross_entropy(logits, y).mean(), L.accuracy(logits, y)
+
+
+def batches(n_rows, batch_size, rng):
+    """Shuffled index arrays covering ``range(n_rows)``; the last one may be shorter."""
+    order = rng.permutation(n_rows)
+    return [order[i:i + batch_size] for i in range(0, n_rows, batch_size)]
+
+
+def progress(iterable, desc, args, total=None):
+    if args.no_progress:
+        return iterable
+    from tqdm import tqdm
+    return tqdm(iterable, desc=desc, total=total, leave=False, file=sys.stderr)
+
+
+class EpochLog:
+    """Prints one line per epoch and keeps the epoch times (compile time excluded)."""
+
+    def __init__(self, label):
+        self.label = label
+        self.times = []
+        self.last_accuracy = None
+
+    def record(self, epoch, seconds, train_loss, test_loss, test_accuracy):
+        self.times.append(seconds)
+        self.last_accuracy = test_accuracy
+        print(f"[{self.label}] epoch {epoch:3d}  {seconds:6.2f} s  train loss {train_loss:.4f}  "
+              f"test loss {test_loss:.4f}  test accuracy {100 * test_accuracy:.2f}%", flush=True)
+
+    @property
+    def epoch_time(self):
+        return float(np.median(self.times))
+
+
+def serial_epochs(args, data, n_epochs, label="serial"):
+    """Train the serial twin for ``n_epochs`` in this process; return its EpochLog.
+
+    Same model, initial values, rule and batches as the data-parallel demos, in
+    plain PyTensor, so its epoch time is the baseline of the speedup.
+    """
+    import pytensor.tensor as pt
+    from synkhronos.extensions import make_serial_train_function
+    import pytensor
+
+    x_train, y_train, x_test, y_test, _ = data
+    x = pt.matrix("x")
+    y = pt.lvector("y")
+    forward, params = build_mlp(x_train.shape[1], args.hidden, 10, args.seed)
+    loss, acc = loss_and_accuracy(forward, x, y)
+    step = make_serial_train_function(loss, params, x, y, update_rule="adam",
+                                      update_kwargs={"learning_rate": args.learning_rate})
+    f_test = pytensor.function([x, y], [loss, acc])
+    rng = np.random.default_rng(args.seed)
+    step(x_train, y_train, batch=np.arange(min(args.batch_size, len(x_train))))  # compile: warm-up
+    log = EpochLog(label)
+    for epoch in range(1, n_epochs + 1):
+        t0 = time.perf_counter()
+        losses = [step(x_train, y_train, batch=idx)
+                  for idx in progress(batches(len(x_train), args.batch_size, rng), label, args)]
+        dt = time.perf_counter() - t0
+        test_loss, test_acc = f_test(x_test, y_test)
+        log.record(epoch, dt, float(np.mean(losses)), float(test_loss), float(test_acc))
+    return log
+
+
+def report_speedup(parallel, serial, n_parallel):
+    """Print the speedup of the data-parallel epochs over the serial twin's."""
+    if serial is None or not serial.times:
+        return
+    speedup = serial.epoch_time / parallel.epoch_time
+    print(f"epoch time: serial {serial.epoch_time:.3f} s, data-parallel on {n_parallel} ranks "
+          f"{parallel.epoch_time:.3f} s: speedup {speedup:.2f}x", flush=True)
