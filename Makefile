@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test,demo]"
+	$(BIN)/python -m pip install -q -e ".[test,demo,docs]"
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -18,6 +18,9 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python demos/mnist/train_mnist_cpu_data.py
+
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
 
 bench: $(STAMP)
 	$(BIN)/python bench/call_overhead.py

@@ -80,8 +80,9 @@ class TrainFunction:
 
         Args:
             *data: Data objects (or arrays) for x and y, when they are inputs.
-            batch, batch_s, num_slices: as for ``Function.__call__``: rows of
-                the inputs, rows of the shared data, slices per rank.
+            batch: rows of the inputs (as for ``Function.__call__``).
+            batch_s: rows of each rank's shared data, when x and y are shared.
+            num_slices: run each rank's rows in this many slices.
 
         Returns:
             The loss averaged over the batch, or a list ``[loss, *outputs]``
