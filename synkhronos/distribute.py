@@ -4,6 +4,7 @@ import logging
 import pickle
 import time
 
+from . import sharedvars as sv
 from .control import Command, handler, run_command
 from .errors import SynkStateError
 from .runtime import require_forked
@@ -46,6 +47,10 @@ def _install(rt, functions, shareds):
     rt.functions = list(functions)
     rt.shareds = list(shareds)
     rt.shared_ids = {id(s): i for i, s in enumerate(shareds)}
+    for s in shareds:
+        # JAX functions' shared values go to the device once, here, rather
+        # than from the host at every call until their first update.
+        sv.place(s)
     rt.distributed = True
 
 

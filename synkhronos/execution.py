@@ -8,7 +8,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
-from . import data_module, reducers, split
+from . import data_module, reducers, sharedvars, split
 
 
 def execute(f, rt, msg):
@@ -120,7 +120,7 @@ def run_slices(f, arrays, n_scattered, shared_sel, num_slices, out_idx):
         w_acc += w
     for (var, _), value in zip(f._updates, acc_upd):
         if value is not None:
-            var.set_value(value, borrow=True)
+            sharedvars.adopt(var, value)  # a JAX function's variable stays on the device
     return [_finish_fold(f._output_ops[i], acc_out[i]) for i in out_idx]
 
 def collect(f, rt, mine, subset):

@@ -8,7 +8,7 @@ import pytensor
 from pytensor.compile import SharedVariable
 from pytensor.graph.basic import Variable
 
-from . import execution, reducers, split
+from . import execution, gpu, reducers, split
 from . import data_module
 from .control import Command, handler, run_command
 from .errors import SynkStateError
@@ -44,7 +44,8 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
         Function
 
     Raises:
-        SynkStateError: not forked yet, or already distributed (a ``RuntimeError``).
+        SynkStateError: not forked yet, or already distributed (a ``RuntimeError``);
+            or a JAX-mode function when JAX ran in this process before fork().
         TypeError: an argument of the wrong form.
         ValueError: an unknown reduce op, or a sliceable shared variable the
             function does not use.
@@ -71,6 +72,15 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
     for s in sliceable:
         if id(s) not in used:
             raise ValueError(f"function: sliceable_shareds entry {s} is not used by this function")
+    if gpu.uses_jax(fn):
+        if rt.jax_before_fork:
+            raise SynkStateError(
+                "function: JAX already ran in this process before fork(), so the workers "
+                "cannot run JAX-mode functions (their first JAX call would hang). Call "
+                "synk.fork() before any JAX computation, or use another mode.")
+        for s in fn.get_shared():
+            # Collectives keep these values on the device (see sharedvars).
+            s.tag.synk_jax = True
     f = Function(len(rt.functions), fn, inputs, bcast_inputs, out_vars, out_ops, return_list,
                  upd_pairs, upd_ops, givens, sliceable, kwargs)
     f._rt = rt

@@ -1,10 +1,15 @@
-"""GPU discovery and selection, without creating a CUDA context in the master."""
+"""GPU discovery and selection (without a CUDA context in the master), and device arrays:
+where they live, and handing them between JAX, CuPy and NumPy (DLPack, zero-copy on the device)."""
 
 import logging
 import os
 import shutil
 import subprocess
 import sys
+
+import numpy as np
+
+from .errors import BackendUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +64,8 @@ def cuda_in_use():
     A child forked after CUDA (or JAX's GPU backend) initialised cannot use
     the GPU, so ``fork()`` refuses to go on in GPU mode.
     """
-    if "jax" in sys.modules:
-        try:
-            from jax._src import xla_bridge
-            if getattr(xla_bridge, "_backends", None):
-                return "JAX"
-        except Exception:  # a JAX without this internal: fall back to the checks below
-            pass
+    if jax_initialised():
+        return "JAX"
     torch = sys.modules.get("torch")
     if torch is not None:
         try:
@@ -76,6 +76,22 @@ def cuda_in_use():
     if _pid_has_gpu_context(os.getpid()):
         return "a CUDA library (this process holds a GPU context)"
     return None
+
+
+def jax_initialised():
+    """Return True if JAX has started a backend in this process.
+
+    A started backend owns thread pools; a forked child inherits the backend
+    but not its threads, and its first JAX computation hangs.  Importing JAX
+    alone starts nothing.
+    """
+    if "jax" not in sys.modules:
+        return False
+    try:
+        from jax._src import xla_bridge
+    except Exception:  # a JAX without this internal: assume nothing started
+        return False
+    return bool(getattr(xla_bridge, "_backends", None))
 
 
 def _pid_has_gpu_context(pid):
@@ -119,3 +135,86 @@ def select_device(device_id, ranks_per_gpu):
     if ranks_per_gpu > 1:
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION",
                               f"{0.7 / ranks_per_gpu:.2f}")
+
+
+# ---- device arrays ----------------------------------------------------------
+def is_jax_array(value):
+    """Return True if ``value`` is a JAX array (without importing JAX)."""
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(value, jax.Array)
+
+
+def is_cupy_array(value):
+    """Return True if ``value`` is a CuPy array (without importing CuPy)."""
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and isinstance(value, cupy.ndarray)
+
+
+def uses_jax(fn):
+    """Return True if the compiled PyTensor function ``fn`` runs on PyTensor's JAX backend."""
+    return type(fn.maker.linker).__name__ == "JAXLinker"
+
+
+def to_jax(value):
+    """Return ``value`` as a JAX array on this process's default device.
+
+    JAX arrays come back as they are; other device arrays (CuPy) are wrapped
+    without a copy through DLPack; NumPy arrays are copied, since they may be
+    views into communication buffers that the next collective overwrites.
+    """
+    import jax.numpy as jnp
+
+    if is_jax_array(value):
+        return value
+    if type(value) is np.ndarray:
+        return jnp.array(value, copy=True)
+    return jnp.from_dlpack(value)
+
+
+def to_host(value):
+    """Return ``value`` as a NumPy array: itself, or one device-to-host copy."""
+    if isinstance(value, np.ndarray) and not is_cupy_array(value):
+        return value
+    if is_cupy_array(value):
+        return value.get()  # CuPy refuses implicit conversion by np.asarray
+    return np.asarray(value)
+
+
+def to_cupy(value):
+    """Return ``value`` as a CuPy array on this rank's GPU, for NCCL.
+
+    JAX arrays are wrapped without a copy through DLPack, after their
+    computation finished: NCCL runs on its own stream, which knows nothing of
+    JAX's.  The result aliases JAX's buffer, which JAX assumes immutable, so
+    it must only be read.  NumPy arrays are copied to the device.
+    """
+    cupy = import_cupy()[0]
+    if isinstance(value, cupy.ndarray):
+        return value
+    if type(value) is np.ndarray:
+        return cupy.asarray(value)
+    if is_jax_array(value):
+        value.block_until_ready()
+    return cupy.from_dlpack(value)
+
+
+def import_cupy():
+    """Return ``(cupy, cupy.cuda.nccl)``.
+
+    Importing CuPy and its NCCL bindings creates no CUDA context.
+
+    Raises:
+        BackendUnavailableError: CuPy, or its NCCL support, is not installed.
+    """
+    try:
+        import cupy
+        from cupy.cuda import nccl
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            "the nccl backend needs the package cupy with NCCL: pip install cupy-cuda12x "
+            f"nvidia-nccl-cu12 (or synkhronos[gpu]); importing it failed: {exc}") from exc
+    if not getattr(nccl, "available", True):
+        # CuPy imports its NCCL module even when it found no NCCL library.
+        raise BackendUnavailableError(
+            "the nccl backend needs NCCL, which cupy did not find: pip install nvidia-nccl-cu12")
+    return cupy, nccl

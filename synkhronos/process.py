@@ -98,6 +98,12 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
     rt.gpu_ids = gpu.visible_ids(n_gpus)
     rt.profile_workers = bool(profile_workers)
     rt.cores = cores
+    if not gpu_mode and n_parallel > 1 and gpu.jax_initialised():
+        # The workers inherit JAX's backend without its threads: their first
+        # JAX call would hang.  function() refuses JAX-mode functions then.
+        rt.jax_before_fork = True
+        logger.warning("JAX already ran in this process before fork(); workers cannot run "
+                       "JAX-mode functions (call fork() before any JAX computation)")
     spin_s = default_spin_s(n_parallel, len(cores))
     rt.control = Control(rt, ctx, spin_s)
     rt.backend = get_backend(os.environ.get("SYNK_BACKEND", "shm"))(rt, spin_s)
@@ -323,6 +329,8 @@ def _teardown(rt):
     for data in list(rt.datas.values()):
         data._release()
     rt.datas.clear()
+    if rt.nccl is not None:
+        rt.nccl.close()
     rt.backend.close()
     rt.control.close()
     shmem.sweep(rt.master_pid)

@@ -173,7 +173,7 @@ def get_lengths(shared_vars):
 
 def _shapes(rt, idx):
     """Return, per variable, the list of its shape in each rank."""
-    mine = [sv.get_array(rt.shareds[i]).shape for i in idx]
+    mine = [tuple(sv.raw(rt.shareds[i]).shape) for i in idx]  # no device-to-host copy
 
     def after(_):
         parts = rt.backend.collect()
@@ -185,5 +185,5 @@ def _shapes(rt, idx):
 
 @handler(Command.GET_SHAPES)
 def _get_shapes_worker(rt, idx):
-    rt.backend.contribute([np.array(sv.get_array(rt.shareds[i]).shape, dtype=np.int64)
+    rt.backend.contribute([np.array(sv.raw(rt.shareds[i]).shape, dtype=np.int64)
                            for i in idx])

@@ -35,6 +35,9 @@ class Runtime:
     check: object = None            # master: raises WorkerDiedError if a worker exited
     n_gpus: int = 0
     gpu_ids: list = field(default_factory=list)  # CUDA device ids, indexed round robin by rank
+    nccl: object = None             # comm.nccl_backend.NcclBackend, made on first NCCL use
+    nccl_off: str = None            # master: why NCCL is not used ("" if it is), once decided
+    jax_before_fork: bool = False   # JAX ran in the master before fork(): workers cannot
 
     @property
     def is_master(self):

@@ -2,7 +2,10 @@
 
 Every read or write of a shared variable's value by a collective goes through
 ``get_array`` and ``store`` here, so a device mode that keeps values in device
-memory (JAX arrays) has one place to convert.
+memory (JAX arrays) has one place to convert.  A variable's values live on the
+device when it holds a JAX array or a JAX function uses it (``function()``
+tags it ``synk_jax``): collectives then write JAX arrays back, as PyTensor's
+JAX backend does after an update, so the next call finds them on the device.
 """
 
 import numbers
@@ -12,7 +15,7 @@ from pytensor.compile import SharedVariable
 from pytensor.tensor import TensorType
 from pytensor.tensor.sharedvar import TensorSharedVariable
 
-from . import data_module
+from . import data_module, gpu
 from . import split as rows
 
 
@@ -157,9 +160,28 @@ def data_view(rt, desc):
     return data_module.view(rt, desc)
 
 
-def get_array(var):
-    """Return the variable's current value in this process, not copied."""
+def raw(var):
+    """Return the variable's current value as stored: a NumPy or a device (JAX) array."""
     return var.get_value(borrow=True, return_internal_type=True)
+
+
+def on_device(var, value=None):
+    """Return True if the variable's values live as device arrays (``value``: its raw value)."""
+    if value is None:
+        value = raw(var)
+    return type(value) is not np.ndarray or getattr(var.tag, "synk_jax", False)
+
+
+def get_array(var):
+    """Return the variable's current value in this process as a NumPy array.
+
+    Not copied if it is one; a device array is copied to the host (read-only
+    views of JAX's buffer on CPU).
+    """
+    arr = var.get_value(borrow=True, return_internal_type=True)
+    if type(arr) is np.ndarray:
+        return arr
+    return gpu.to_host(arr)
 
 
 def writable_out(var, dtype=None):
@@ -167,9 +189,12 @@ def writable_out(var, dtype=None):
 
     Writing into the existing array spares an allocation and its page faults,
     which dominate large collectives; it needs a contiguous, writeable array
-    of the result's dtype.
+    of the result's dtype, in host memory, that stays the variable's kind.
     """
-    return out_of(get_array(var), dtype)
+    arr = raw(var)
+    if on_device(var, arr):
+        return None
+    return out_of(arr, dtype)
 
 
 def out_of(arr, dtype=None):
@@ -189,7 +214,11 @@ def store(var, result, out=None):
     """
     if out is not None and result is out:
         return
-    arr = get_array(var)
+    arr = raw(var)
+    if on_device(var, arr):
+        _put(var, gpu.to_jax(result))
+        return
+    result = gpu.to_host(result)
     if (type(arr) is np.ndarray and arr.shape == result.shape and arr.dtype == result.dtype
             and arr.flags.writeable and not np.may_share_memory(arr, result)):
         np.copyto(arr, result)
@@ -201,13 +230,46 @@ def adopt(var, value, user=None):
     """Make ``value``, an array a backend handed over for keeping, the variable's value.
 
     No copy, unless ``value`` is ``user`` (an array the caller was given,
-    which the variable must not alias).
+    which the variable must not alias), or the variable's values live on the
+    device (then it gets a device copy).
     """
-    if value is get_array(var):
+    arr = raw(var)
+    if value is arr:
+        return
+    if on_device(var, arr):
+        _put(var, gpu.to_jax(value))
         return
     if value is user:
         value = np.array(value)
     var.set_value(value, borrow=True)
+
+
+def keep(var, value):
+    """``adopt`` after a collective that did not change the value (gather, a broadcast's root).
+
+    A host variable takes the backend's buffer (which the other ranks may
+    read in place next time); a device variable keeps its own value.
+    """
+    if not on_device(var):
+        adopt(var, value)
+
+
+def like(var, value):
+    """Return ``value`` in the variable's kind: a JAX array or a NumPy array."""
+    return gpu.to_jax(value) if on_device(var) else gpu.to_host(value)
+
+
+def place(var):
+    """Move a tagged variable's host value to the device (after distribute(), every rank)."""
+    arr = raw(var)
+    if type(arr) is np.ndarray and getattr(var.tag, "synk_jax", False):
+        _put(var, gpu.to_jax(arr))
+
+
+def _put(var, value):
+    # set_value() would filter a JAX array back into NumPy; PyTensor's JAX
+    # backend writes its updates into the container's storage like this.
+    var.container.storage[0] = value
 
 
 def ret(results, single):
