@@ -7,14 +7,17 @@ function on every rank, the master included.  All variables of one call go
 through the backend together: one pack, one set of barriers.
 
 Results for one variable come back as one array; for a list or tuple of
-variables, as a tuple (also for a list of one).  The ``nccl`` flags are
-accepted for the GPU mode and mean nothing on CPU.
+variables, as a tuple (also for a list of one).  The ``nccl`` flags matter in
+GPU mode only: there, with one GPU per rank, broadcast, gather, all_gather,
+reduce and all_reduce run on the device through NCCL (``nccl_collectives``);
+gather and reduce then return JAX arrays.
 """
 
 import logging
 
 import numpy as np
 
+from . import nccl_collectives as ncc
 from . import reducers
 from . import sharedvars as sv
 from .control import Command, handler, run_command
@@ -53,13 +56,17 @@ def broadcast(shared_vars, values=None, nccl=True):
     if values is not None:
         values = sv.value_list(values, len(idx), single, "broadcast")
         items = [sv.condition(rt, rt.shareds[i], v, "broadcast") for i, v in zip(idx, values)]
-    payload = (idx, None if items is None else sv.descs(items))
+    # Given values are host data: only the variables' own values go through NCCL.
+    payload = (idx, None if items is None else sv.descs(items),
+               items is None and ncc.wanted(rt, nccl))
     run_command(rt, Command.BROADCAST, payload, lambda seq: _broadcast_local(rt, payload, items))
 
 
 def _broadcast_local(rt, payload, items=None):
-    idx, descs = payload
+    idx, descs, use_nccl = payload
     shareds = [rt.shareds[i] for i in idx]
+    if use_nccl and ncc.broadcast(rt, shareds):
+        return
     descs = descs or [None] * len(idx)
     via = [k for k, d in enumerate(descs) if d is None]
     root = rt.master_rank
@@ -69,7 +76,10 @@ def _broadcast_local(rt, payload, items=None):
             arrays = [sv.get_array(shareds[k]) if items is None else items[k] for k in via]
             got = rt.backend.broadcast(arrays, root, keys=keys)
             for k, value in zip(via, got):
-                sv.adopt(shareds[k], value, None if items is None else items[k])
+                if items is None:
+                    sv.keep(shareds[k], value)
+                else:
+                    sv.adopt(shareds[k], value, items[k])
         if items is not None:
             for var, value in zip(shareds, items):
                 if isinstance(value, Data):
@@ -193,18 +203,22 @@ def gather(shared_vars, nd_up=1, nccl=True):
             if rt.shareds[i].ndim == 0:
                 raise ValueError(f"gather: {rt.shareds[i]} is 0-d and cannot be concatenated; "
                                  "use nd_up=1")
-    payload = (idx, nd_up)
+    payload = (idx, nd_up, ncc.wanted(rt, nccl))
     return sv.ret(run_command(rt, Command.GATHER, payload, lambda seq: _gather_local(rt, payload)),
                 single)
 
 
 def _gather_local(rt, payload):
-    idx, nd_up = payload
+    idx, nd_up, use_nccl = payload
     shareds = [rt.shareds[i] for i in idx]
+    if use_nccl:
+        got = ncc.gather(rt, shareds, nd_up)
+        if got is not None:
+            return got if rt.rank == rt.master_rank else None
     got = rt.backend.gather([sv.get_array(v) for v in shareds], rt.master_rank, keys=idx)
     if rt.rank != rt.master_rank:
         for var, value in zip(shareds, got):
-            sv.adopt(var, value)
+            sv.keep(var, value)
         return None
     join = np.stack if nd_up else np.concatenate
     return [_join(join, [got[q][k] for q in range(rt.n_parallel)], var, "gather")
@@ -256,21 +270,25 @@ def all_gather(shared_vars, nccl=True):
         if rt.n_parallel > 1 and var.type.shape[0] is not None:
             raise ValueError(f"all_gather: {var} has a fixed length {var.type.shape[0]}, "
                              "which the concatenation would change")
-    run_command(rt, Command.ALL_GATHER, idx, lambda seq: _all_gather_local(rt, idx))
+    payload = (idx, ncc.wanted(rt, nccl))
+    run_command(rt, Command.ALL_GATHER, payload, lambda seq: _all_gather_local(rt, payload))
 
 
-def _all_gather_local(rt, idx):
+def _all_gather_local(rt, payload):
+    idx, use_nccl = payload
     shareds = [rt.shareds[i] for i in idx]
+    if use_nccl and ncc.all_gather(rt, shareds):
+        return
     got = rt.backend.all_gather([sv.get_array(v) for v in shareds])
     joined = [_join(np.concatenate, [got[q][k] for q in range(rt.n_parallel)], var, "all_gather")
               for k, var in enumerate(shareds)]
     for var, value in zip(shareds, joined):
-        var.set_value(value, borrow=True)
+        sv.adopt(var, value)
 
 
 @handler(Command.ALL_GATHER)
-def _all_gather_worker(rt, idx):
-    _all_gather_local(rt, idx)
+def _all_gather_worker(rt, payload):
+    _all_gather_local(rt, payload)
 
 
 # ---- reduce and all_reduce --------------------------------------------------
@@ -311,14 +329,18 @@ def reduce(shared_vars, op="avg", in_place=True, nccl=True):
     """
     rt = require_distributed("reduce()")
     idx, single = _check_reduce(rt, shared_vars, op, in_place, "reduce")
-    payload = (idx, op, bool(in_place))
+    payload = (idx, op, bool(in_place), ncc.wanted(rt, nccl))
     result = run_command(rt, Command.REDUCE, payload, lambda seq: _reduce_local(rt, payload))
     return None if in_place else sv.ret(result, single)
 
 
 def _reduce_local(rt, payload):
-    idx, op, in_place = payload
+    idx, op, in_place, use_nccl = payload
     shareds = [rt.shareds[i] for i in idx]
+    if use_nccl:
+        got = ncc.reduce(rt, shareds, op, in_place)
+        if got is not None:
+            return got if rt.rank == rt.master_rank and not in_place else None
     arrays = [sv.get_array(v) for v in shareds]
     root = rt.master_rank
     outs = None
@@ -356,13 +378,15 @@ def all_reduce(shared_vars, op="avg", nccl=True):
     """
     rt = require_distributed("all_reduce()")
     idx, _ = _check_reduce(rt, shared_vars, op, True, "all_reduce")
-    payload = (idx, op)
+    payload = (idx, op, ncc.wanted(rt, nccl))
     run_command(rt, Command.ALL_REDUCE, payload, lambda seq: _all_reduce_local(rt, payload))
 
 
 def _all_reduce_local(rt, payload):
-    idx, op = payload
+    idx, op, use_nccl = payload
     shareds = [rt.shareds[i] for i in idx]
+    if use_nccl and ncc.all_reduce(rt, shareds, op):
+        return
     arrays = [sv.get_array(v) for v in shareds]
     outs = [sv.out_of(a) for a in arrays]
     result = rt.backend.all_reduce(arrays, op, out=outs, keys=idx)
