@@ -28,6 +28,11 @@ RULES = list(HYPER)
 STEPS = [24, 20, 7, 2, 24]
 N_ROWS, N_IN, N_OUT = 64, 5, 3
 
+# The rule and layer checks compile many small graphs; PyTensor's Python
+# backend compiles them in a fraction of the time Numba needs on a cold cache.
+# The demos (tests/test_demos.py) run the same code on the default (Numba) backend.
+FAST = "FAST_COMPILE"
+
 
 # ---- the rules in NumPy (float64), written from Lasagne's definitions ----------
 
@@ -136,8 +141,8 @@ def test_rules_match_numpy(forked, problem, n_parallel):
     for name in RULES:
         x, y, W, b, loss = linreg(W0, b0, name)
         split = getattr(updates, name)(loss, [W, b], weight=x.shape[0], **HYPER[name])
-        f_grad = synk.function([x, y], loss, updates=split.grad_updates)
-        f_update = synk.function([], updates=split.param_updates)
+        f_grad = synk.function([x, y], loss, updates=split.grad_updates, mode=FAST)
+        f_update = synk.function([], updates=split.param_updates, mode=FAST)
         models[name] = (W, b, f_grad, f_update, split.grad_shared)
     synk.distribute()
     x_data, y_data = synk.data(X), synk.data(Y)
@@ -162,8 +167,8 @@ def test_unweighted_is_exact_on_even_splits(forked, problem):
     forked(2)
     x, y, W, b, loss = linreg(W0, b0, "plain")
     grad_updates, param_updates, grad_shared = updates.sgd(loss, [W, b], learning_rate=0.05)
-    f_grad = synk.function([x, y], loss, updates=grad_updates)
-    f_update = synk.function([], updates=param_updates)
+    f_grad = synk.function([x, y], loss, updates=grad_updates, mode=FAST)
+    f_update = synk.function([], updates=param_updates, mode=FAST)
     synk.distribute()
     batches = [np.arange(0, 16), np.arange(16, 48)]
     for idx in batches:
@@ -182,7 +187,7 @@ def test_serial_twin_matches_numpy(problem, name):
     X, Y, W0, b0, batches = problem
     x, y, W, b, loss = linreg(W0, b0, name)
     step = train.make_serial_train_function(loss, [W, b], x, y, update_rule=name,
-                                            update_kwargs=HYPER[name])
+                                            update_kwargs=HYPER[name], mode=FAST)
     for idx in batches:
         step(X, Y, batch=idx)
     W_np, b_np = numpy_trajectory(name, W0, b0, X, Y, batches)
@@ -204,7 +209,7 @@ def test_flat_helpers():
     grad_shared, grad_updates = updates.make_flat_grad((a.sum() + (c * c).sum()) * v.sum(),
                                                        [a, c], weight=v.shape[0])
     assert grad_updates[0][0] is grad_shared and grad_updates[0][2] == "sum"
-    fn = pytensor.function([v], [], updates=[u[:2] for u in grad_updates])
+    fn = pytensor.function([v], [], updates=[u[:2] for u in grad_updates], mode=FAST)
     fn(np.ones(3, dtype="float32"))
     got = grad_shared.get_value()
     np.testing.assert_allclose(got, np.r_[np.full(6, 9.0), 3 * 3 * 2 * np.arange(4), 3.0])
@@ -238,11 +243,12 @@ def test_train_function_batch_and_slices(forked, problem):
     x, y, W, b, loss = linreg(W0, b0, "par")
     step = train.make_train_function(loss, [W, b], x, y, update_rule=updates.adam,
                                      update_kwargs={"learning_rate": 0.01},
-                                     outputs=[(pt.sum((pt.dot(x, W) + b - y) ** 2), "sum")])
+                                     outputs=[(pt.sum((pt.dot(x, W) + b - y) ** 2), "sum")],
+                                     mode=FAST)
     synk.distribute()
     xs, ys, Ws, bs, loss_s = linreg(W0, b0, "ser")
     serial = train.make_serial_train_function(loss_s, [Ws, bs], xs, ys, update_rule="adam",
-                                              update_kwargs={"learning_rate": 0.01})
+                                              update_kwargs={"learning_rate": 0.01}, mode=FAST)
     x_data, y_data = synk.data(X), synk.data(Y)
     for k, idx in enumerate(batches):
         out, sse = step(x_data, y_data, batch=idx, num_slices=1 + k % 3)
@@ -264,7 +270,7 @@ def test_train_function_batch_s(forked, problem):
     b = pytensor.shared(b0.copy(), name="b")
     loss = pt.mean((pt.dot(x, W) + b - y) ** 2)
     step = train.make_train_function(loss, [W, b], x, y, update_rule="momentum",
-                                     update_kwargs={"learning_rate": 0.05})
+                                     update_kwargs={"learning_rate": 0.05}, mode=FAST)
     synk.distribute()
     synk.scatter([x, y], [X, Y])          # rank 0: rows 0..31, rank 1: rows 32..63
     xs = pytensor.shared(X, name="x_all")
@@ -273,7 +279,7 @@ def test_train_function_batch_s(forked, problem):
     bs = pytensor.shared(b0.copy(), name="bs")
     loss_s = pt.mean((pt.dot(xs, Ws) + bs - ys) ** 2)
     serial = train.make_serial_train_function(loss_s, [Ws, bs], xs, ys, update_rule="momentum",
-                                              update_kwargs={"learning_rate": 0.05})
+                                              update_kwargs={"learning_rate": 0.05}, mode=FAST)
     for lo, hi in [(0, 10), (5, 32), (20, 23)]:
         step(batch_s=slice(lo, hi))
         serial(batch_s=np.r_[lo:hi, 32 + lo:32 + hi])
@@ -297,7 +303,7 @@ def test_layers_forward_match_numpy(rng):
     f = pytensor.function([x4], [conv(x4), one(x4), L.max_pool2d(x4, 3, 2, pad=1),
                                  L.avg_pool2d(x4, 2), L.global_avg_pool(x4), bn(x4),
                                  bn(x4, deterministic=True), L.flatten2d(x4)],
-                          updates=bn.updates)
+                          updates=bn.updates, mode=FAST)
     y_conv, y_one, y_max, y_avg, y_gap, y_bn, y_bn_det, y_flat = f(xv)
     np.testing.assert_array_equal(y_flat, xv.reshape(2, -1))
 
@@ -332,7 +338,7 @@ def test_layers_forward_match_numpy(rng):
     g = pytensor.function([x2, t], [logits, L.softmax(logits), L.relu(x2),
                                     L.softmax_cross_entropy(logits, t),
                                     L.cross_entropy(L.softmax(logits), t),
-                                    L.accuracy(logits, t)])
+                                    L.accuracy(logits, t)], mode=FAST)
     xv2 = rng.standard_normal((5, 6)).astype("float32")
     tv = np.array([0, 1, 2, 3, 0])
     lg, sm, rl, ce, ce2, acc = g(xv2, tv)
@@ -358,7 +364,7 @@ def test_layer_gradients(rng):
     loss = L.softmax_cross_entropy(dense(L.flatten2d(h)), t).mean()
     params = conv.params + bn.params + dense.params
     grads = pytensor.grad(loss, params)
-    f = pytensor.function([x, t], [loss] + grads)
+    f = pytensor.function([x, t], [loss] + grads, mode=FAST)
     xv = rng.standard_normal((3, 4, 4, 2)).astype("float32")
     tv = np.array([0, 1, 3])
     out = f(xv, tv)
@@ -372,8 +378,8 @@ def test_layer_gradients(rng):
     y = L.conv2d(x64, W64, stride=1, pad=1)
     c = rng.standard_normal((1, 4, 4, 3))
     obj = (y * c).sum()
-    fg = pytensor.function([x64], pytensor.grad(obj, W64))
-    fo = pytensor.function([x64], obj)
+    fg = pytensor.function([x64], pytensor.grad(obj, W64), mode=FAST)
+    fo = pytensor.function([x64], obj, mode=FAST)
     xv64 = rng.standard_normal((1, 3, 3, 2))
     analytic = fg(xv64)
     W_val = W64.get_value()
