@@ -27,11 +27,9 @@ the same configuration start within about a minute.
 """
 
 import argparse
-import sys
 import time
 
 import numpy as np
-import pytensor
 import pytensor.tensor as pt
 
 import synkhronos as synk
@@ -179,4 +177,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main() and 0)
+    main()
