@@ -161,14 +161,19 @@ def to_jax(value):
     JAX arrays come back as they are; other device arrays (CuPy) are wrapped
     without a copy through DLPack; NumPy arrays are copied, since they may be
     views into communication buffers that the next collective overwrites.
+    Returns once the copy (if any) is done: JAX copies asynchronously, and
+    after a DLPack hand-over it does not keep the source alive for a copy.
     """
     import jax.numpy as jnp
 
     if is_jax_array(value):
         return value
     if type(value) is np.ndarray:
-        return jnp.array(value, copy=True)
-    return jnp.from_dlpack(value)
+        out = jnp.array(value, copy=True)
+    else:
+        out = jnp.from_dlpack(value)
+    out.block_until_ready()
+    return out
 
 
 def to_host(value):
