@@ -12,6 +12,22 @@ from synkhronos.runtime import get_runtime
 
 HANG_S = 100
 
+# JAX-mode runs (started by tests/test_jax_mode.py): SYNK_TEST_MODE=JAX makes
+# PyTensor's JAX backend every function's default mode, so the function and
+# collective suites run again on JAX arrays.  Read by test_collectives.py too.
+TEST_MODE = os.environ.get("SYNK_TEST_MODE") or None
+if TEST_MODE:
+    import pytensor
+
+    pytensor.config.mode = TEST_MODE
+    if TEST_MODE == "JAX":
+        import jax
+        import pytensor.link.jax.dispatch  # noqa: F401 - sets jax_enable_x64 from floatX
+
+        # float64 graphs in float64, as on the default backend (float32 floatX
+        # would make PyTensor's JAX backend compute them in float32).
+        jax.config.update("jax_enable_x64", True)
+
 
 def _segments():
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith("synk_"))

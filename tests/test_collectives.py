@@ -5,6 +5,8 @@ is read back with get_value() / gather() and compared with NumPy on the same
 per-rank values.
 """
 
+import os
+
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
@@ -14,6 +16,9 @@ import synkhronos as synk
 from synkhronos.runtime import get_runtime
 
 pytestmark = pytest.mark.timeout(90)
+
+# SYNK_TEST_MODE=JAX (see conftest.py, test_jax_mode.py) reruns this suite on JAX arrays.
+MODE = os.environ.get("SYNK_TEST_MODE") or "FAST_COMPILE"
 
 OPS = ["avg", "sum", "prod", "max", "min"]
 BIG = 70_001  # float32 elements: over the split threshold, odd on purpose
@@ -38,7 +43,7 @@ def _build(extra=()):
     }
     unused = pytensor.shared(np.zeros(2, "float32"), name="unused")
     total = sum(pt.sum(s) for s in list(shareds.values()) + list(extra))
-    synk.function([], [total], mode="FAST_COMPILE")
+    synk.function([], [total], mode=MODE)
     synk.distribute()
     return shareds, unused
 
@@ -190,7 +195,7 @@ def test_many_variables_take_one_pass(backend, forked, n):
     forked(n)
     params = [pytensor.shared(np.zeros(size, "float32"), name=f"p{j}")
               for j, size in enumerate([3, 1000, 7, 30_000, 1, 50_000] * 5)]
-    synk.function([], [sum(pt.sum(p) for p in params)], mode="FAST_COMPILE")
+    synk.function([], [sum(pt.sum(p) for p in params)], mode=MODE)
     synk.distribute()
     per_rank = [[np.full(p.get_value().shape, r + j, "float32") for j, p in enumerate(params)]
                 for r in range(n)]
@@ -213,7 +218,7 @@ def test_reference_shared_variable_example(backend, forked):
     s_init = np.ones(2, dtype="float32")
     x = pt.matrix("x")
     s = pytensor.shared(s_init, name="s")
-    f = synk.function([x], updates=[(s, pt.sum(x * s, axis=0))], mode="FAST_COMPILE")
+    f = synk.function([x], updates=[(s, pt.sum(x * s, axis=0))], mode=MODE)
     synk.distribute()
     x_dat = synk.data(np.array([[1, 1], [2, 2], [3, 3], [4, 4]]).astype("float32"))
     np.testing.assert_array_equal(s.get_value(), [1, 1])
@@ -262,7 +267,7 @@ def test_collectives_need_fork_and_distribute(forked):
     for name, call in _calls(s).items():
         with pytest.raises(RuntimeError, match=rf"{name}\(\) needs distribute"):
             call()
-    synk.function([], [pt.sum(s)], mode="FAST_COMPILE")
+    synk.function([], [pt.sum(s)], mode=MODE)
     synk.distribute()
     for call in _calls(s).values():
         call()

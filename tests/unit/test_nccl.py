@@ -1,0 +1,164 @@
+"""The NCCL path without processes or GPUs: tables, headers, when NCCL is chosen, missing CuPy.
+
+The end-to-end runs on a CPU stand-in for CuPy are in test_jax_mode.py; real
+GPUs in tests/gpu/.
+"""
+
+import logging
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import fake_cupy
+from synkhronos import gpu, nccl_collectives
+from synkhronos.comm import nccl_backend as nb
+from synkhronos.errors import BackendUnavailableError
+
+
+@pytest.fixture
+def cupy_stub(monkeypatch):
+    """The CPU stand-in as ``cupy`` for this test only."""
+    saved = {k: sys.modules.get(k) for k in ("cupy", "cupy.cuda", "cupy.cuda.nccl")}
+    nccl = fake_cupy.install()
+    yield nccl
+    for k, v in saved.items():
+        if v is None:
+            sys.modules.pop(k, None)
+        else:
+            sys.modules[k] = v
+
+
+@pytest.fixture
+def no_cupy(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
+
+
+def _rt(device="gpu", n_parallel=2, n_gpus=2):
+    return types.SimpleNamespace(device=device, n_parallel=n_parallel, n_gpus=n_gpus,
+                                 nccl_off=None, nccl=None, rank=0, master_rank=0)
+
+
+# ---- tables -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", ["avg", "sum", "prod", "max", "min"])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_every_op_on_floats(op, dtype):
+    nop, ndt = nb.nccl_op_name(op, dtype)
+    assert nop == ("NCCL_SUM" if op == "avg" else f"NCCL_{op.upper()}")
+    assert ndt == f"NCCL_{dtype.upper()}"
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int32", "uint32", "int64", "uint64"])
+def test_integers_reduce_but_do_not_average(dtype):
+    assert nb.nccl_op_name("sum", dtype) == ("NCCL_SUM", f"NCCL_{dtype.upper()}")
+    assert nb.nccl_op_name("max", dtype)[0] == "NCCL_MAX"
+    assert nb.nccl_op_name("avg", dtype) is None      # avg scales in place: floats only
+
+
+@pytest.mark.parametrize("dtype", ["bool", "int16", "uint16", "complex64"])
+def test_dtypes_nccl_cannot_reduce(dtype):
+    for op in ("sum", "max"):
+        assert nb.nccl_op_name(op, dtype) is None
+
+
+def test_unknown_op():
+    assert nb.nccl_op_name("mean", "float32") is None
+    assert nb.nccl_op_name(None, "float32") is None
+
+
+def test_constant_names_exist_in_the_stand_in(cupy_stub):
+    # The stand-in copies cupy.cuda.nccl's names; every name the tables use must be there.
+    for name in list(nb.NCCL_OPS.values()) + list(nb.NCCL_DTYPES.values()) + ["NCCL_UINT8"]:
+        assert isinstance(getattr(cupy_stub, name), int), name
+
+
+def test_header_round_trip():
+    values = [np.zeros((2, 3), "float32"), np.array(1.5), np.zeros(0, "int16"),
+              np.zeros((4,), "datetime64[s]")]
+    hdr = nb.header(values)
+    assert hdr.dtype == np.int64
+    assert nb.parse_header(hdr) == [("float32", (2, 3)), ("float64", ()), ("int16", (0,)),
+                                    (None, (4,))]
+    assert nb.parse_header(nb.header(None)) == []
+    assert nb.dtype_code("complex128") >= 0 and nb.dtype_code("U3") == -1
+
+
+# ---- when NCCL is used ----------------------------------------------------------------
+
+def test_nccl_in_gpu_mode_with_a_gpu_per_rank(cupy_stub, caplog):
+    rt = _rt()
+    with caplog.at_level(logging.WARNING, "synkhronos"):
+        assert nccl_collectives.wanted(rt, True)
+        assert nccl_collectives.wanted(rt, True)
+    assert rt.nccl_off == "" and not caplog.records
+    assert not nccl_collectives.wanted(rt, False)   # nccl=False: the host path, quietly
+
+
+def test_cpu_mode_never_uses_nccl_and_says_nothing(cupy_stub, caplog):
+    rt = _rt(device="cpu", n_gpus=0)
+    with caplog.at_level(logging.WARNING, "synkhronos"):
+        assert not nccl_collectives.wanted(rt, True)
+    assert not caplog.records and rt.nccl_off is None
+
+
+def test_ranks_sharing_a_gpu_fall_back_with_one_warning(cupy_stub, caplog):
+    rt = _rt(n_parallel=2, n_gpus=1)
+    with caplog.at_level(logging.WARNING, "synkhronos"):
+        for _ in range(3):
+            assert not nccl_collectives.wanted(rt, True)
+    assert len(caplog.records) == 1
+    assert "2 ranks share 1 GPU" in caplog.records[0].getMessage()
+    assert "NCCL" in caplog.records[0].getMessage()
+
+
+def test_missing_cupy_falls_back_with_a_warning_naming_it(no_cupy, caplog):
+    rt = _rt()
+    with caplog.at_level(logging.WARNING, "synkhronos"):
+        assert not nccl_collectives.wanted(rt, True)
+    assert len(caplog.records) == 1 and "cupy" in caplog.records[0].getMessage()
+
+
+def test_backend_without_cupy_raises_naming_it(no_cupy):
+    with pytest.raises(BackendUnavailableError, match="cupy"):
+        nb.NcclBackend(_rt())
+    with pytest.raises(BackendUnavailableError, match="pip install cupy-cuda12x"):
+        gpu.import_cupy()
+
+
+def test_cupy_without_nccl_raises_naming_nccl(cupy_stub, monkeypatch):
+    monkeypatch.setattr(cupy_stub, "available", False)
+    with pytest.raises(BackendUnavailableError, match="NCCL"):
+        gpu.import_cupy()
+    assert "NCCL" in nccl_collectives.why_not(_rt())
+
+
+def test_backend_is_made_once_and_connects_later(cupy_stub):
+    rt = _rt()
+    b = nccl_collectives.backend(rt)
+    assert nccl_collectives.backend(rt) is b and rt.nccl is b
+    assert b.comm is None                        # the first collective connects
+    b.close()
+
+
+# ---- device arrays, host side ------------------------------------------------------------
+
+def test_host_arrays_stay_and_device_arrays_come_back(cupy_stub):
+    a = np.arange(6.0)
+    assert gpu.to_host(a) is a
+    dev = fake_cupy.asarray(a)
+    assert gpu.is_cupy_array(dev) and not gpu.is_cupy_array(a)
+    back = gpu.to_host(dev)
+    assert type(back) is np.ndarray and np.array_equal(back, a)
+    assert gpu.to_cupy(dev) is dev
+    assert gpu.is_cupy_array(gpu.to_cupy(a))
+    assert not gpu.is_jax_array(a)
+
+
+def test_import_synkhronos_stays_light():
+    code = ("import sys, synkhronos, synkhronos.collectives; "
+            "bad = [m for m in ('cupy', 'jax', 'mpi4py') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
