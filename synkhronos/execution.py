@@ -8,7 +8,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
-from . import data_module, reducers, sharedvars, split
+from . import data_module, gpu, reducers, sharedvars, split
 
 
 def execute(f, rt, msg):
@@ -53,6 +53,10 @@ def execute(f, rt, msg):
             results = [results[i] for i in subset]
     else:
         results = run_slices(f, arrays, n_scattered, shared_sel, num_slices, out_idx)
+    if rows != 0 and f._updates and gpu.uses_jax(f._fn):
+        # JAX runs asynchronously and reads NumPy inputs (shared memory) in
+        # place: finish before the command ends and the master may reuse them.
+        gpu.wait([sharedvars.raw(var) for var, _ in f._updates])
     weight = 1.0 if rows is None else float(rows)
     if results is not None:
         # Backends other than NumPy's (JAX) return their own array types.

@@ -155,6 +155,13 @@ def uses_jax(fn):
     return type(fn.maker.linker).__name__ == "JAXLinker"
 
 
+def wait(values):
+    """Return once JAX finished computing ``values`` (a list; other arrays pass)."""
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        jax.block_until_ready(values)
+
+
 def to_jax(value):
     """Return ``value`` as a JAX array on this process's default device.
 

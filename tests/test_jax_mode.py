@@ -189,6 +189,33 @@ def test_batch_s_and_slices_on_jax_values(n):
     child.run(_case_slices_on_jax_values, n)
 
 
+def _case_inputs_reused_at_once(n):
+    child.enable_jax()
+    synk.fork(n, use_gpu=False)
+    rng = np.random.default_rng(5)
+    W0 = rng.standard_normal((300, 300)).astype("float32") / 30
+    W = pytensor.shared(W0, name="W")
+    acc = pytensor.shared(np.zeros(300, "float32"), name="acc")
+    x = pt.matrix("x", dtype="float32")
+    g = pt.tanh(pt.tanh(x @ W) @ W) @ W
+    f = synk.function([x], updates=[(acc, acc + g.sum(axis=0))], mode="JAX")
+    synk.distribute()
+    xs = [rng.standard_normal((400 * n, 300)).astype("float32") for _ in range(6)]
+    for a in xs:
+        f(a)        # NumPy input: copied into the same shared memory every call
+    want = [sum(np.tanh(np.tanh(p @ W0) @ W0) @ W0 for p in parts).sum(axis=0)
+            for parts in zip(*[np.array_split(a, n) for a in xs])]
+    for r in range(n):
+        np.testing.assert_allclose(synk.get_value(r, acc), want[r], rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_async_jax_calls_finish_before_inputs_are_reused(n):
+    # JAX reads NumPy inputs in place and asynchronously; a call with updates
+    # only must still be done with its inputs when it returns.
+    child.run(_case_inputs_reused_at_once, n)
+
+
 # ---- the NCCL path, on a CPU stand-in for CuPy ----------------------------------------
 
 def _nccl_log(rt, marks, names):
