@@ -94,6 +94,27 @@ def jax_initialised():
     return bool(getattr(xla_bridge, "_backends", None))
 
 
+def keep_jax_on_cpu():
+    """Make JAX use the CPU in this process and the ones it forks; return the undo.
+
+    Leaves a user's own JAX_PLATFORMS alone, and a JAX already started.
+    """
+    if os.environ.get("JAX_PLATFORMS") is not None or jax_initialised():
+        return lambda: None
+    os.environ["JAX_PLATFORMS"] = "cpu"  # read when JAX is imported
+    jax = sys.modules.get("jax")
+    before = None
+    if jax is not None:  # imported already: its config has read the environment
+        before = jax.config.jax_platforms
+        jax.config.update("jax_platforms", "cpu")
+
+    def undo():
+        os.environ.pop("JAX_PLATFORMS", None)
+        if jax is not None and not jax_initialised():
+            jax.config.update("jax_platforms", before)
+    return undo
+
+
 def _pid_has_gpu_context(pid):
     try:
         import pynvml

@@ -116,6 +116,8 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
         # Limit thread pools before forking: the children inherit the limits, and
         # changing OpenBLAS's pool after a fork leaves it slowing every round trip.
         _limit_threads(rt)
+        # CPU mode on a machine with GPUs: mode="JAX" must not put every rank on GPU 0.
+        rt.restore.append(gpu.keep_jax_on_cpu())
     # Children must not keep the janitor's pipe open, or it never sees EOF.
     read_fd, write_fd = os.pipe()
     for rank in rt.worker_ranks:

@@ -79,6 +79,14 @@ def _kinds(rt, names, jax_arrays):
             assert _is_jax(value) == jax_arrays, (rt.rank, s.name, type(value))
 
 
+def _jax_on_cpu(rt):
+    """Every rank: CPU mode keeps JAX on the CPU (even on a machine with GPUs)."""
+    import jax
+
+    assert os.environ.get("JAX_PLATFORMS") == "cpu"
+    assert {d.platform for d in jax.devices()} == {"cpu"}
+
+
 def _check_all(n, var, per_rank, rtol=1e-12):
     for r in range(n):
         np.testing.assert_allclose(synk.get_value(r, var), per_rank[r], rtol=rtol,
@@ -99,6 +107,7 @@ def _case_collectives_keep_jax(n):
                       mode="JAX")
     synk.function([], w.sum(), mode="FAST_COMPILE")
     synk.distribute()
+    run_all(_jax_on_cpu)
     jax_vars = {"v", "m"}
     run_all(_kinds, jax_vars, True)            # placed on the device by distribute()
     run_all(_kinds, {"w"}, False)
@@ -382,9 +391,12 @@ def _case_gpu_mode_simulated(module, case, n_gpus, *args):
 
     from synkhronos import gpu
 
+    import jax
+
     fake_cupy.install()
     gpu.count_gpus = lambda: n_gpus
     gpu_env.PLATFORM = "cpu"
+    jax.config.update("jax_platforms", "cpu")      # a simulation, even where GPUs exist
     getattr(importlib.import_module(module), case)(*args)
     assert get_runtime().device == "gpu"
 
