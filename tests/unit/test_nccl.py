@@ -19,7 +19,7 @@ from synkhronos.errors import BackendUnavailableError
 
 
 @pytest.fixture
-def cupy_stub(monkeypatch):
+def cupy_stub():
     """The CPU stand-in as ``cupy`` for this test only."""
     saved = {k: sys.modules.get(k) for k in ("cupy", "cupy.cuda", "cupy.cuda.nccl")}
     nccl = fake_cupy.install()
