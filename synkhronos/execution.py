@@ -43,7 +43,6 @@ def execute(f, rt, msg):
     elif f._sliceable and rows is None:
         # Weigh "avg" by the shared rows used, as with batch_s.
         rows = len(f._sliceable[0].get_value(borrow=True))
-    out_idx = list(range(len(f._outputs))) if subset is None else subset
     if rows == 0:
         results = None
     elif shared_sel is None and (num_slices == 1 or not n_scattered):
@@ -52,6 +51,7 @@ def execute(f, rt, msg):
             # PyTensor 3 functions take no output_subset: compute all, keep some.
             results = [results[i] for i in subset]
     else:
+        out_idx = list(range(len(f._outputs))) if subset is None else subset
         results = run_slices(f, arrays, n_scattered, shared_sel, num_slices, out_idx)
     if rows != 0 and f._updates and gpu.uses_jax(f._fn):
         # JAX runs asynchronously and reads NumPy inputs (shared memory) in
@@ -64,6 +64,7 @@ def execute(f, rt, msg):
     if rt.is_master:
         return None if results is None else (results, weight)
     rt.backend.contribute(results, weight)
+
 
 def variant(f, slice_shareds, defer):
     """Compile (once per process) the function used for batch_s and slicing."""

@@ -172,6 +172,20 @@ def serial_epochs(args, data, n_epochs, label="serial"):
     return log
 
 
+def finish(params, log, args, data, n_parallel):
+    """Check the replicas agree, close synkhronos, train the serial twin and print the speedup."""
+    import synkhronos as synk
+
+    # Every rank applied the same updates: the replicas agree.
+    for p in params:
+        replicas = synk.gather(p, nd_up=1)
+        assert np.array_equal(replicas[0], replicas[-1]), p.name
+    synk.close()
+    print(f"final test accuracy {100 * log.last_accuracy:.2f}%", flush=True)
+    serial = serial_epochs(args, data, args.serial_epochs) if args.serial_epochs else None
+    report_speedup(log, serial, n_parallel)
+
+
 def report_speedup(parallel, serial, n_parallel):
     """Print the speedup of the data-parallel epochs over the serial twin's."""
     if serial is None or not serial.times:

@@ -79,14 +79,7 @@ def main(argv=None):
         dt = time.perf_counter() - t0
         loss_value, acc_value = f_test(num_slices=2)
         log.record(epoch, dt, float(np.mean(losses)), float(loss_value), float(acc_value))
-    for p in params:
-        replicas = synk.gather(p, nd_up=1)
-        assert np.array_equal(replicas[0], replicas[-1]), p.name
-    synk.close()
-
-    print(f"final test accuracy {100 * log.last_accuracy:.2f}%", flush=True)
-    serial = common.serial_epochs(args, data, args.serial_epochs) if args.serial_epochs else None
-    common.report_speedup(log, serial, n_parallel)
+    common.finish(params, log, args, data, n_parallel)
     return log
 
 
