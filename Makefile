@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
+	$(BIN)/ruff check synkhronos tests demos bench
 	$(BIN)/python -m pytest
 
 demo: $(STAMP)

@@ -155,7 +155,7 @@ def nccl_all_reduce(shareds):
         t_bare = median_time(bare, calls)
         print(f"| {label} | {fmt(t_nccl)} | {fmt(t_host)} | {fmt(t_bare)} | "
               f"{4 * n / t_nccl / 1e9:.2f} |")
-    assert rt.nccl is not None and rt.nccl.comm is not None, "NCCL was not used"
+    assert rt.backend.device_arrays and rt.backend.comm is not None, "NCCL was not used"
     comm.destroy()
 
 

@@ -1,30 +1,31 @@
 """Collectives on shared variables: broadcast, scatter, gather, all_gather, reduce,
 all_reduce (and, from rank_values, set_value, get_value, get_lengths, get_shapes).
 
-Each collective checks its arguments in the master, posts one command that
-names the variables by their index in ``rt.shareds``, and runs the same local
-function on every rank, the master included.  All variables of one call go
-through the backend together: one pack, one set of barriers.
+Each collective checks its arguments in the master, posts one command whose
+message names the variables by their index in ``rt.shareds``, and runs the
+same local function on every rank, the master included.  All variables of
+one call go through the backend together: one pack, one set of barriers.
 
 Results for one variable come back as one array; for a list or tuple of
 variables, as a tuple (also for a list of one).  The ``nccl`` flags matter in
-GPU mode only: there, with one GPU per rank, broadcast, gather, all_gather,
-reduce and all_reduce run on the device through NCCL (``nccl_collectives``);
-gather and reduce then return JAX arrays.
+GPU mode only: there, with one GPU per rank, the run's backend is NCCL, and
+``nccl=False`` sends a call through the host backend it wraps instead; gather
+and reduce on the NCCL backend return values in each variable's kind (JAX
+arrays for variables that live on the device).
 """
 
 import logging
+from typing import NamedTuple
 
 import numpy as np
 
-from . import nccl_collectives as ncc
 from . import reducers
 from . import sharedvars as sv
+from . import split as rows
 from .control import Command, handler, run_command
 from .data_module import Data
 from .rank_values import get_lengths, get_shapes, get_value, set_value  # noqa: F401
 from .runtime import require_distributed
-from . import split as rows
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,18 @@ __all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce
            "set_value", "get_value", "get_lengths", "get_shapes"]
 
 
-# ---- broadcast --------------------------------------------------------------
+def _transport(rt, nccl):
+    """The backend a call uses: the run's, or its host backend for ``nccl=False``."""
+    return rt.backend if nccl else rt.backend.host
+
+
+def _values(be, shareds):
+    """The variables' values as the backend takes them: device arrays stay on the device."""
+    if be.device_arrays:
+        return [sv.raw(v) for v in shareds]
+    return [sv.get_array(v) for v in shareds]
+
+
 def broadcast(shared_vars, values=None, nccl=True):
     """Give every rank the master's value of shared variables (or ``values``).  Master only.
 
@@ -57,50 +69,56 @@ def broadcast(shared_vars, values=None, nccl=True):
         values = sv.value_list(values, len(idx), single, "broadcast")
         items = [sv.condition(rt, rt.shareds[i], v, "broadcast") for i, v in zip(idx, values)]
     # Given values are host data: only the variables' own values go through NCCL.
-    payload = (idx, None if items is None else sv.descs(items),
-               items is None and ncc.wanted(rt, nccl))
-    run_command(rt, Command.BROADCAST, payload, lambda seq: _broadcast_local(rt, payload, items))
+    msg = BroadcastMsg(idx, None if items is None else sv.descs(items),
+                       items is None and bool(nccl))
+    run_command(rt, Command.BROADCAST, msg, lambda seq: _broadcast_local(rt, msg, items))
 
 
-def _broadcast_local(rt, payload, items=None):
-    idx, descs, use_nccl = payload
-    shareds = [rt.shareds[i] for i in idx]
-    if use_nccl and ncc.broadcast(rt, shareds):
-        return
-    descs = descs or [None] * len(idx)
+class BroadcastMsg(NamedTuple):
+    """BROADCAST: the master's values (``descs`` None) or given ones (a DataDesc or None each)."""
+
+    idx: list
+    descs: list
+    nccl: bool
+
+
+def _broadcast_local(rt, msg, items=None):
+    shareds = [rt.shareds[i] for i in msg.idx]
+    descs = msg.descs or [None] * len(shareds)
     via = [k for k, d in enumerate(descs) if d is None]
     root = rt.master_rank
-    keys = [idx[k] for k in via]
+    be = _transport(rt, msg.nccl)
+    keys = [msg.idx[k] for k in via]
     if rt.rank == root:
         if via:
-            arrays = [sv.get_array(shareds[k]) if items is None else items[k] for k in via]
-            got = rt.backend.broadcast(arrays, root, keys=keys)
+            arrays = (_values(be, [shareds[k] for k in via]) if items is None
+                      else [items[k] for k in via])
+            got = be.broadcast(arrays, root, keys=keys)
             for k, value in zip(via, got):
                 if items is None:
-                    sv.keep(shareds[k], value)
+                    sv.keep(rt, shareds[k], value)
                 else:
-                    sv.adopt(shareds[k], value, items[k])
+                    sv.adopt(rt, shareds[k], value, items[k])
         if items is not None:
             for var, value in zip(shareds, items):
                 if isinstance(value, Data):
-                    sv.store(var, value.data)
+                    sv.store(rt, var, value.data)
         return
     if via:
-        outs = [sv.writable_out(shareds[k]) for k in via]
-        got = rt.backend.broadcast(None, root, out=outs, keys=keys)
+        outs = [sv.writable_out(rt, shareds[k]) for k in via]
+        got = be.broadcast(None, root, out=outs, keys=keys)
         for k, value in zip(via, got):
-            sv.adopt(shareds[k], value)
+            sv.adopt(rt, shareds[k], value)
     for var, desc in zip(shareds, descs):
         if desc is not None:
-            sv.store(var, sv.data_view(rt, desc))
+            sv.store(rt, var, sv.data_view(rt, desc))
 
 
 @handler(Command.BROADCAST)
-def _broadcast_worker(rt, payload):
-    _broadcast_local(rt, payload)
+def _broadcast_worker(rt, msg):
+    _broadcast_local(rt, msg)
 
 
-# ---- scatter ----------------------------------------------------------------
 def scatter(shared_vars, values, batch=None):
     """Split values along axis 0 over the ranks into shared variables.  Master only.
 
@@ -143,33 +161,39 @@ def scatter(shared_vars, values, batch=None):
         if not isinstance(item, Data):
             for r, (lo, hi) in enumerate(rows.split_ranges(n_rows, n)):
                 per_rank[r].append(rows.take(arr, s, lo, hi))
-    payload = (idx, sv.descs(items), [s if isinstance(v, Data) else None
-                                    for s, v in zip(sels, items)])
-    run_command(rt, Command.SCATTER, payload, lambda seq: _scatter_local(rt, payload, per_rank))
+    msg = ScatterMsg(idx, sv.descs(items), [s if isinstance(v, Data) else None
+                                            for s, v in zip(sels, items)])
+    run_command(rt, Command.SCATTER, msg, lambda seq: _scatter_local(rt, msg, per_rank))
 
 
-def _scatter_local(rt, payload, per_rank=None):
-    idx, descs, sels = payload
-    shareds = [rt.shareds[i] for i in idx]
-    via = [k for k, d in enumerate(descs) if d is None]
+class ScatterMsg(NamedTuple):
+    """SCATTER: per variable a DataDesc and row selection (Data values), or None (sent arrays)."""
+
+    idx: list
+    descs: list
+    sels: list
+
+
+def _scatter_local(rt, msg, per_rank=None):
+    shareds = [rt.shareds[i] for i in msg.idx]
+    via = [k for k, d in enumerate(msg.descs) if d is None]
     root = rt.master_rank
     if via:
         got = rt.backend.scatter(per_rank if rt.rank == root else None, root)
         for k, value in zip(via, got):
-            sv.store(shareds[k], value)
-    for var, desc, s in zip(shareds, descs, sels):
+            sv.store(rt, shareds[k], value)
+    for var, desc, s in zip(shareds, msg.descs, msg.sels):
         if desc is not None:
             view = sv.data_view(rt, desc)
             lo, hi = rows.rank_range(rows.selection_length(s, len(view)), rt.n_parallel, rt.rank)
-            sv.store(var, rows.take(view, s, lo, hi))
+            sv.store(rt, var, rows.take(view, s, lo, hi))
 
 
 @handler(Command.SCATTER)
-def _scatter_worker(rt, payload):
-    _scatter_local(rt, payload)
+def _scatter_worker(rt, msg):
+    _scatter_local(rt, msg)
 
 
-# ---- gather and all_gather --------------------------------------------------
 def gather(shared_vars, nd_up=1, nccl=True):
     """Return every rank's value of shared variables, in rank order.  Master only.
 
@@ -203,26 +227,34 @@ def gather(shared_vars, nd_up=1, nccl=True):
             if rt.shareds[i].ndim == 0:
                 raise ValueError(f"gather: {rt.shareds[i]} is 0-d and cannot be concatenated; "
                                  "use nd_up=1")
-    payload = (idx, nd_up, ncc.wanted(rt, nccl))
-    return sv.ret(run_command(rt, Command.GATHER, payload, lambda seq: _gather_local(rt, payload)),
-                single)
+    msg = GatherMsg(idx, nd_up, bool(nccl))
+    return sv.ret(run_command(rt, Command.GATHER, msg, lambda seq: _gather_local(rt, msg)),
+                  single)
 
 
-def _gather_local(rt, payload):
-    idx, nd_up, use_nccl = payload
-    shareds = [rt.shareds[i] for i in idx]
-    if use_nccl:
-        got = ncc.gather(rt, shareds, nd_up)
-        if got is not None:
-            return got if rt.rank == rt.master_rank else None
-    got = rt.backend.gather([sv.get_array(v) for v in shareds], rt.master_rank, keys=idx)
+class GatherMsg(NamedTuple):
+    """GATHER: stack (``nd_up`` 1) or concatenate (0) the variables' values at the master."""
+
+    idx: list
+    nd_up: int
+    nccl: bool
+
+
+def _gather_local(rt, msg):
+    shareds = [rt.shareds[i] for i in msg.idx]
+    be = _transport(rt, msg.nccl)
+    got = be.gather(_values(be, shareds), rt.master_rank, keys=msg.idx)
     if rt.rank != rt.master_rank:
-        for var, value in zip(shareds, got):
-            sv.keep(var, value)
+        if got is not None:
+            for var, value in zip(shareds, got):
+                sv.keep(rt, var, value)
         return None
-    join = np.stack if nd_up else np.concatenate
-    return [_join(join, [got[q][k] for q in range(rt.n_parallel)], var, "gather")
-            for k, var in enumerate(shareds)]
+    join = np.stack if msg.nd_up else np.concatenate
+    out = [_join(join, [got[q][k] for q in range(rt.n_parallel)], var, "gather")
+           for k, var in enumerate(shareds)]
+    if be.device_arrays:
+        out = [sv.like(rt, var, value) for var, value in zip(shareds, out)]
+    return out
 
 
 def _join(join, parts, var, where):
@@ -239,8 +271,8 @@ def _join(join, parts, var, where):
 
 
 @handler(Command.GATHER)
-def _gather_worker(rt, payload):
-    _gather_local(rt, payload)
+def _gather_worker(rt, msg):
+    _gather_local(rt, msg)
 
 
 def all_gather(shared_vars, nccl=True):
@@ -270,28 +302,32 @@ def all_gather(shared_vars, nccl=True):
         if rt.n_parallel > 1 and var.type.shape[0] is not None:
             raise ValueError(f"all_gather: {var} has a fixed length {var.type.shape[0]}, "
                              "which the concatenation would change")
-    payload = (idx, ncc.wanted(rt, nccl))
-    run_command(rt, Command.ALL_GATHER, payload, lambda seq: _all_gather_local(rt, payload))
+    msg = AllGatherMsg(idx, bool(nccl))
+    run_command(rt, Command.ALL_GATHER, msg, lambda seq: _all_gather_local(rt, msg))
 
 
-def _all_gather_local(rt, payload):
-    idx, use_nccl = payload
-    shareds = [rt.shareds[i] for i in idx]
-    if use_nccl and ncc.all_gather(rt, shareds):
-        return
-    got = rt.backend.all_gather([sv.get_array(v) for v in shareds])
+class AllGatherMsg(NamedTuple):
+    """ALL_GATHER: every rank's values concatenated along axis 0, in every rank."""
+
+    idx: list
+    nccl: bool
+
+
+def _all_gather_local(rt, msg):
+    shareds = [rt.shareds[i] for i in msg.idx]
+    be = _transport(rt, msg.nccl)
+    got = be.all_gather(_values(be, shareds))
     joined = [_join(np.concatenate, [got[q][k] for q in range(rt.n_parallel)], var, "all_gather")
               for k, var in enumerate(shareds)]
     for var, value in zip(shareds, joined):
-        sv.adopt(var, value)
+        sv.adopt(rt, var, value)
 
 
 @handler(Command.ALL_GATHER)
-def _all_gather_worker(rt, payload):
-    _all_gather_local(rt, payload)
+def _all_gather_worker(rt, msg):
+    _all_gather_local(rt, msg)
 
 
-# ---- reduce and all_reduce --------------------------------------------------
 def _check_reduce(rt, shared_vars, op, in_place, where):
     reducers.check_op(op, where)
     idx, single = sv.resolve(rt, shared_vars, where, unique=in_place)
@@ -329,36 +365,42 @@ def reduce(shared_vars, op="avg", in_place=True, nccl=True):
     """
     rt = require_distributed("reduce()")
     idx, single = _check_reduce(rt, shared_vars, op, in_place, "reduce")
-    payload = (idx, op, bool(in_place), ncc.wanted(rt, nccl))
-    result = run_command(rt, Command.REDUCE, payload, lambda seq: _reduce_local(rt, payload))
+    msg = ReduceMsg(idx, op, bool(in_place), bool(nccl))
+    result = run_command(rt, Command.REDUCE, msg, lambda seq: _reduce_local(rt, msg))
     return None if in_place else sv.ret(result, single)
 
 
-def _reduce_local(rt, payload):
-    idx, op, in_place, use_nccl = payload
-    shareds = [rt.shareds[i] for i in idx]
-    if use_nccl:
-        got = ncc.reduce(rt, shareds, op, in_place)
-        if got is not None:
-            return got if rt.rank == rt.master_rank and not in_place else None
-    arrays = [sv.get_array(v) for v in shareds]
+class ReduceMsg(NamedTuple):
+    """REDUCE: reduce by ``op`` into the master (its variables, if ``in_place``)."""
+
+    idx: list
+    op: str
+    in_place: bool
+    nccl: bool
+
+
+def _reduce_local(rt, msg):
+    shareds = [rt.shareds[i] for i in msg.idx]
+    be = _transport(rt, msg.nccl)
+    arrays = _values(be, shareds)
     root = rt.master_rank
     outs = None
-    if in_place and rt.rank == root:
-        outs = [sv.writable_out(v, reducers.result_dtype(op, a.dtype))
+    if msg.in_place and rt.rank == root and not be.device_arrays:
+        outs = [sv.writable_out(rt, v, reducers.result_dtype(msg.op, a.dtype))
                 for v, a in zip(shareds, arrays)]
-    result = rt.backend.reduce(arrays, op, root, out=outs)
+    result = be.reduce(arrays, msg.op, root, out=outs)
     if rt.rank != root:
         return None
-    if not in_place:
-        return result
-    for var, value, out in zip(shareds, result, outs):
-        sv.store(var, value, out)
+    if not msg.in_place:
+        return [sv.like(rt, var, value) for var, value in zip(shareds, result)] \
+            if be.device_arrays else result
+    for var, value, out in zip(shareds, result, outs or [None] * len(shareds)):
+        sv.store(rt, var, value, out)
 
 
 @handler(Command.REDUCE)
-def _reduce_worker(rt, payload):
-    _reduce_local(rt, payload)
+def _reduce_worker(rt, msg):
+    _reduce_local(rt, msg)
 
 
 def all_reduce(shared_vars, op="avg", nccl=True):
@@ -378,22 +420,28 @@ def all_reduce(shared_vars, op="avg", nccl=True):
     """
     rt = require_distributed("all_reduce()")
     idx, _ = _check_reduce(rt, shared_vars, op, True, "all_reduce")
-    payload = (idx, op, ncc.wanted(rt, nccl))
-    run_command(rt, Command.ALL_REDUCE, payload, lambda seq: _all_reduce_local(rt, payload))
+    msg = AllReduceMsg(idx, op, bool(nccl))
+    run_command(rt, Command.ALL_REDUCE, msg, lambda seq: _all_reduce_local(rt, msg))
 
 
-def _all_reduce_local(rt, payload):
-    idx, op, use_nccl = payload
-    shareds = [rt.shareds[i] for i in idx]
-    if use_nccl and ncc.all_reduce(rt, shareds, op):
-        return
-    arrays = [sv.get_array(v) for v in shareds]
-    outs = [sv.out_of(a) for a in arrays]
-    result = rt.backend.all_reduce(arrays, op, out=outs, keys=idx)
+class AllReduceMsg(NamedTuple):
+    """ALL_REDUCE: reduce by ``op``; every rank keeps the result."""
+
+    idx: list
+    op: str
+    nccl: bool
+
+
+def _all_reduce_local(rt, msg):
+    shareds = [rt.shareds[i] for i in msg.idx]
+    be = _transport(rt, msg.nccl)
+    arrays = _values(be, shareds)
+    outs = None if be.device_arrays else [sv.out_of(a) for a in arrays]
+    result = be.all_reduce(arrays, msg.op, out=outs, keys=msg.idx)
     for var, value in zip(shareds, result):
-        sv.adopt(var, value)
+        sv.adopt(rt, var, value)
 
 
 @handler(Command.ALL_REDUCE)
-def _all_reduce_worker(rt, payload):
-    _all_reduce_local(rt, payload)
+def _all_reduce_worker(rt, msg):
+    _all_reduce_local(rt, msg)

@@ -15,8 +15,10 @@ import os
 import pickle
 import time
 import traceback
+from typing import NamedTuple
 
-from .errors import CommAborted, WorkerDiedError, WorkerError
+from .errors import CommAborted, WorkerDiedError, worker_error_type
+from .liveness import spin_until, wait_until
 from .shmem import SharedArray
 
 logger = logging.getLogger(__name__)
@@ -62,7 +64,6 @@ DONE, STATUS, SLEEPING, ERR_LEN = 0, 1, 2, 3
 
 ERR_BYTES = 256 * 1024
 MSG_BYTES = 1 << 20
-CHECK_EVERY_S = 0.01
 IDLE_TIMEOUT_S = 0.05
 
 
@@ -72,50 +73,6 @@ def default_spin_s(n_parallel, n_cpus):
     if env is not None:
         return float(env)
     return 0.0 if n_parallel > n_cpus else 0.01
-
-
-def spin_until(pred, check, spin_s):
-    """Spin up to ``spin_s`` seconds for ``pred()``; return whether it came true."""
-    if pred():
-        return True
-    now = time.perf_counter()
-    spin_end = now + spin_s
-    next_check = now + CHECK_EVERY_S
-    n = 0
-    while not pred():
-        n += 1
-        if n & 127 == 0:
-            now = time.perf_counter()
-            if now > next_check:
-                _check(pred, check)
-                next_check = now + CHECK_EVERY_S
-            if now > spin_end:
-                return pred()
-    return True
-
-
-def _check(pred, check):
-    """Run ``check``; an abort seen after the awaited rank arrived does not count."""
-    try:
-        check()
-    except CommAborted:
-        if not pred():
-            raise
-
-
-def wait_until(pred, check, spin_s, poll_max_s=1e-3):
-    """Return once ``pred()`` is true; call ``check()`` (which may raise) every 10 ms."""
-    if spin_until(pred, check, spin_s):
-        return
-    delay = 2e-5
-    next_check = time.perf_counter() + CHECK_EVERY_S
-    while not pred():
-        time.sleep(delay)
-        delay = min(2 * delay, poll_max_s)
-        now = time.perf_counter()
-        if now > next_check:
-            _check(pred, check)
-            next_check = now + CHECK_EVERY_S
 
 
 class Control:
@@ -136,13 +93,13 @@ class Control:
         self.msg = SharedArray(rt.segment_name("msg"), MSG_BYTES)
         self.sems = [ctx.Semaphore(0) for _ in range(rt.n_parallel)]
         self.seq = 0
+        self.current = 0  # the command this process runs (master: the last posted)
         self.workers = rt.worker_ranks
         self.status_slots = [self.slot(r, STATUS) for r in self.workers]
 
     def slot(self, rank, field):
         return RANK_BASE + RANK_STRIDE * rank + field
 
-    # ---- master side -------------------------------------------------
     def post(self, rt, cmd, payload):
         """Announce ``cmd`` to every worker; return its sequence number."""
         data = pickle.dumps((int(cmd), payload), protocol=pickle.HIGHEST_PROTOCOL)
@@ -152,6 +109,7 @@ class Control:
         mv = self.mv
         mv[MSG_LEN] = len(data)
         self.seq += 1
+        self.current = self.seq
         mv[SEQ] = self.seq
         for r in self.workers:
             if mv[RANK_BASE + RANK_STRIDE * r + SLEEPING]:
@@ -161,7 +119,7 @@ class Control:
     def _grow_message(self, rt, n):
         size = max(n + n // 2, 2 * self.msg.nbytes)
         new = SharedArray(rt.segment_name("msg"), size)
-        run_command(rt, Command.GROW_MESSAGE, (new.name, size))
+        run_command(rt, Command.GROW_MESSAGE, GrowMessageMsg(new.name, size))
         old, self.msg = self.msg, new
         old.unlink()
         old.close()
@@ -171,6 +129,10 @@ class Control:
 
     def aborted(self, seq):
         return self.mv[ABORT] == seq
+
+    def aborted_now(self):
+        """Whether a rank aborted the command this process is running."""
+        return self.mv[ABORT] == self.current
 
     def wait_done(self, rt, seq, check):
         """End barrier: wait until every worker has posted ``seq``."""
@@ -187,10 +149,10 @@ class Control:
                 return True
         return False
 
-    def failures(self, rt):
-        """Return {rank: (text, exception or None)} for ranks that failed."""
+    def failures(self):
+        """Return {rank: (text, exception or None)} for the workers that failed."""
         out = {}
-        for r in rt.worker_ranks:
+        for r in self.workers:
             if self.mv[self.slot(r, STATUS)] == FAILED:
                 out[r] = self._read_error(r)
         return out
@@ -203,16 +165,16 @@ class Control:
         if exc_bytes is not None:
             try:
                 exc = pickle.loads(exc_bytes)
-            except Exception:  # the type may not unpickle here; the text remains
+            except Exception:  # noqa: BLE001 - the type may not unpickle here; the text remains
                 exc = None
         return text, exc
 
-    # ---- worker side -------------------------------------------------
     def wait_command(self, rank, last_seq, check):
         """Block until the master posts a command after ``last_seq``; return its seq."""
         mv = self.mv
         if spin_until(lambda: mv[SEQ] != last_seq, check, self.spin_s):
-            return mv[SEQ]
+            self.current = mv[SEQ]
+            return self.current
         sleeping = self.slot(rank, SLEEPING)
         while True:
             mv[sleeping] = 1
@@ -223,7 +185,8 @@ class Control:
                 break
             check()
         mv[sleeping] = 0
-        return mv[SEQ]
+        self.current = mv[SEQ]
+        return self.current
 
     def read_message(self):
         n = self.mv[MSG_LEN]
@@ -237,11 +200,7 @@ class Control:
 
     def write_error(self, rank, header, exc):
         """Store the traceback text and, if it pickles, the exception itself."""
-        text = header + "\n" + "".join(traceback.format_exception(exc))
-        try:
-            exc_bytes = pickle.dumps(exc)
-        except Exception:
-            exc_bytes = None
+        text, exc_bytes = describe_error(header, exc)
         raw = pickle.dumps((text, exc_bytes))
         if len(raw) > ERR_BYTES:
             raw = pickle.dumps((text[-(ERR_BYTES // 2):], None))
@@ -258,27 +217,47 @@ class Control:
             seg.unlink()
 
 
+class GrowMessageMsg(NamedTuple):
+    """GROW_MESSAGE: map the bigger message area the master made."""
+
+    name: str
+    size: int
+
+
 @handler(Command.GROW_MESSAGE)
-def _grow_message_worker(rt, payload):
-    name, size = payload
-    new = SharedArray.attach(name, size)
+def _grow_message_worker(rt, msg):
+    new = SharedArray.attach(msg.name, msg.size)
     old, rt.control.msg = rt.control.msg, new
     old.close()
+
+
+def describe_error(header, exc):
+    """Return (traceback text under ``header``, the pickled exception or None)."""
+    text = header + "\n" + "".join(traceback.format_exception(exc))
+    try:
+        exc_bytes = pickle.dumps(exc)
+    except Exception:  # noqa: BLE001 - the text alone still tells what happened
+        exc_bytes = None
+    return text, exc_bytes
+
+
+def rank_header(rank, n_parallel):
+    """The line that opens a rank's traceback text."""
+    return f"rank {rank} of {n_parallel} (pid {os.getpid()})"
 
 
 def run_command(rt, cmd, payload, local=None, after=None):
     """Run ``cmd`` on every worker and ``local(seq)`` in the master; return its result.
 
     ``after(result)``, if given, runs once every worker has finished without
-    error and returns the final result.  Raises the master's own exception if
-    ``local`` raised, else ``WorkerError`` if any worker raised, after every
-    rank has finished (end barrier).
+    error and returns the final result.  If any rank raised, the master
+    included, raises ``WorkerError`` after every rank has finished (end
+    barrier), carrying every failing rank's traceback.
     """
     control = rt.control
     t0 = time.perf_counter()
     seq = control.post(rt, cmd, payload)
     rt.backend.begin(seq)
-    check = rt.check
     result = None
     local_exc = None
     try:
@@ -290,37 +269,33 @@ def run_command(rt, cmd, payload, local=None, after=None):
         except WorkerDiedError:
             raise
         except KeyboardInterrupt:
-            _abandon(rt, "interrupted while running %s" % cmd.name)
+            rt.abandon(rt, "interrupted while running %s" % cmd.name)
             raise
-        except BaseException as exc:  # noqa: B036 - reported after the end barrier
+        except BaseException as exc:  # noqa: BLE001 - reported after the end barrier
             local_exc = exc
             control.abort(seq)
-        control.wait_done(rt, seq, check)
+        control.wait_done(rt, seq, rt.check)
     except WorkerDiedError:
-        _abandon(rt, "a worker died")
+        rt.abandon(rt, "a worker died")
         raise
     except KeyboardInterrupt:
-        _abandon(rt, "interrupted while waiting for workers")
+        rt.abandon(rt, "interrupted while waiting for workers")
         raise
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("master ran %s in %.6f s", cmd.name, time.perf_counter() - t0)
-    if local_exc is not None:
-        raise local_exc
-    if control.any_failed():
-        failures = control.failures(rt)
-        raise _worker_error(rt, cmd, failures)
+    if local_exc is not None or control.any_failed():
+        failures = control.failures()
+        if local_exc is not None:
+            text, _ = describe_error(rank_header(rt.rank, rt.n_parallel), local_exc)
+            failures[rt.rank] = (text, local_exc)
+        raise _worker_error(cmd, failures)
     if after is not None:
         return after(result)
     return result
 
 
-def _abandon(rt, reason):
-    from .process import abandon  # process imports this module
-
-    abandon(rt, reason)
-
-
-def _worker_error(rt, cmd, failures):
+def _worker_error(cmd, failures):
+    """One WorkerError for every failing rank: the same type whichever rank failed."""
     first = min(failures)
     text, exc = failures[first]
     others = len(failures) - 1
@@ -328,6 +303,6 @@ def _worker_error(rt, cmd, failures):
     if others:
         msg += f" (and {others} other rank{'s' if others > 1 else ''})"
     msg += ":\n" + text
-    err = WorkerError(msg, first, {r: t for r, (t, _) in failures.items()})
+    err = worker_error_type(exc)(msg, first, {r: t for r, (t, _) in failures.items()})
     err.__cause__ = exc
     return err

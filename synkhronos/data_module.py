@@ -3,10 +3,12 @@
 import logging
 import math
 import numbers
+from typing import NamedTuple
 
 import numpy as np
 from pytensor.graph.basic import Variable
 
+from . import conditioning
 from .control import Command, handler, run_command
 from .runtime import require_forked
 from .shmem import SharedArray
@@ -40,10 +42,11 @@ def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=Fals
 
     Raises:
         SynkStateError: called before ``fork()``.
-        TypeError: ``dtype`` or ``ndim`` cannot be determined, or ``value``
-            has another dtype and ``force_cast`` is False.
-        ValueError: ``value``/``shape`` disagree with ``ndim``, or ``oversize``
-            is outside [1, 2].
+        TypeError: ``dtype`` or ``ndim`` cannot be determined, ``value``
+            does not cast to ``dtype`` without loss and ``force_cast`` is
+            False, or ``value`` has the wrong ndim.
+        ValueError: ``shape`` disagrees with ``ndim``, or ``oversize`` is
+            outside [1, 2].
     """
     rt = require_forked("data()")
     if var is not None:
@@ -52,10 +55,12 @@ def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=Fals
         if dtype is not None and np.dtype(dtype) != np.dtype(var.dtype):
             raise TypeError(f"data: dtype {dtype} disagrees with var's dtype {var.dtype}")
         if ndim is not None and ndim != var.ndim:
-            raise ValueError(f"data: ndim {ndim} disagrees with var's ndim {var.ndim}")
+            raise TypeError(f"data: ndim {ndim} disagrees with var's ndim {var.ndim}")
         dtype, ndim = var.dtype, var.ndim
     _check_oversize(oversize, "data")
     if value is not None:
+        if isinstance(value, Data):
+            value = value.data
         arr = value if isinstance(value, np.ndarray) else np.asarray(value, dtype=dtype)
         if dtype is None:
             dtype = arr.dtype
@@ -66,10 +71,11 @@ def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=Fals
             ndim = len(tuple(shape))
     if dtype is None or ndim is None:
         raise TypeError("data: cannot tell dtype and ndim; give value, var, or dtype and ndim")
+    dtype = conditioning.check_dtype(dtype, "data")
     obj = Data(next(rt.counter), dtype, ndim, minibatch=minibatch, name=name)
     try:
         if value is not None:
-            obj.set_value(value, force_cast=force_cast, oversize=oversize)
+            obj._store(obj.condition_data(value, force_cast, "data"), oversize)
         elif shape is not None:
             obj.set_shape(shape, oversize=oversize)
     except BaseException:
@@ -102,9 +108,7 @@ class Data:
         if ndim > rt.max_dim:
             raise ValueError(f"Data: ndim {ndim} exceeds max_dim={rt.max_dim} given to fork()")
         self._ID = ID
-        self._dtype = np.dtype(dtype)
-        if self._dtype.hasobject or self._dtype.fields is not None:
-            raise TypeError(f"Data: dtype must be a plain numeric dtype; got {self._dtype}")
+        self._dtype = conditioning.check_dtype(dtype, "Data")
         self._ndim = int(ndim)
         self._minibatch = bool(minibatch)
         self._name = name
@@ -114,7 +118,6 @@ class Data:
         self._alloc_size = 0
         rt.datas[ID] = self
 
-    # ---- properties of the reference -----------------------------------
     @property
     def data(self):
         """The underlying NumPy array (a view of the shared memory), or None."""
@@ -170,31 +173,24 @@ class Data:
             raise ValueError(f"Data {self._name or self._ID} holds no memory; set_value() first")
         return self._data
 
-    # ---- changing contents and shape -----------------------------------
-    def condition_data(self, input_data, force_cast=False):
+    def describe(self):
+        """Return what a rank needs to find this Data's memory: a ``DataDesc``."""
+        return DataDesc(self._ID, self._dtype.str, self._data.shape, self._minibatch)
+
+    def condition_data(self, input_data, force_cast=False, where="condition_data"):
         """Return ``input_data`` as the array ``set_value`` would store.
 
+        Lossless casts happen silently; others need ``force_cast``
+        (see ``synkhronos.conditioning``).
+
         Raises:
-            TypeError: an ndarray of another dtype without ``force_cast``.
-            ValueError: the wrong number of dimensions.
+            TypeError: a cast that loses information without ``force_cast``,
+                or the wrong number of dimensions.
         """
         if isinstance(input_data, Data):
             input_data = input_data.data
-        if isinstance(input_data, np.ndarray):
-            arr = input_data
-            if arr.dtype != self._dtype:
-                if not force_cast:
-                    raise TypeError(f"set_value: value has dtype {arr.dtype}, this Data has "
-                                    f"{self._dtype}; pass force_cast=True to cast")
-                arr = arr.astype(self._dtype)
-        else:
-            try:
-                arr = np.asarray(input_data, dtype=self._dtype)
-            except (TypeError, ValueError) as exc:
-                raise TypeError(f"set_value: cannot convert value to {self._dtype}: {exc}") from exc
-        if arr.ndim != self._ndim:
-            raise ValueError(f"set_value: value must have ndim {self._ndim}; got {arr.ndim}")
-        return arr
+        return conditioning.condition(input_data, self._dtype, self._ndim, where,
+                                      "input_data", force_cast)
 
     def set_value(self, input_data, force_cast=False, oversize=1):
         """(Over)write the contents, reshaping and reallocating if needed.
@@ -205,7 +201,9 @@ class Data:
             oversize: headroom factor (1 to 2), used only if reallocating.
         """
         _check_oversize(oversize, "set_value")
-        arr = self.condition_data(input_data, force_cast)
+        self._store(self.condition_data(input_data, force_cast, "set_value"), oversize)
+
+    def _store(self, arr, oversize):
         self._reshape(arr.shape, oversize, keep=False)
         np.copyto(self._data, arr)
 
@@ -246,14 +244,13 @@ class Data:
         if self._seg is None:
             return
         self._check_live("free_memory")
-        run_command(self._rt, Command.DATA_FREE, self._ID)
+        run_command(self._rt, Command.DATA_FREE, DataFreeMsg(self._ID))
         self._seg.unlink()
         self._seg.close()
         self._seg = None
         self._data = None
         self._alloc_size = 0
 
-    # ---- internals ---------------------------------------------------
     def _check_live(self, what):
         rt = self._rt
         if rt.closed:
@@ -275,7 +272,7 @@ class Data:
         nbytes = n_items * self._dtype.itemsize
         seg = SharedArray(rt.segment_name(f"d{self._ID}"), nbytes)
         try:
-            run_command(rt, Command.DATA_ALLOC, (self._ID, seg.name, nbytes))
+            run_command(rt, Command.DATA_ALLOC, DataAllocMsg(self._ID, seg.name, nbytes))
         except BaseException:
             seg.unlink()
             seg.close()
@@ -294,34 +291,66 @@ class Data:
         self._seg = None
 
 
+class DataDesc(NamedTuple):
+    """A Data object as commands name it: ranks find its memory by ``data_id``."""
+
+    data_id: int
+    dtype: str
+    shape: tuple
+    minibatch: bool
+
+
+class DataAllocMsg(NamedTuple):
+    """DATA_ALLOC: map the segment ``name`` of ``nbytes`` as Data ``data_id``'s memory."""
+
+    data_id: int
+    name: str
+    nbytes: int
+
+
+class DataFreeMsg(NamedTuple):
+    """DATA_FREE: unmap Data ``data_id``'s memory."""
+
+    data_id: int
+
+
 @handler(Command.DATA_ALLOC)
-def _alloc_worker(rt, payload):
-    ID, name, nbytes = payload
-    old = rt.datas.pop(ID, None)
+def _alloc_worker(rt, msg):
+    old = rt.datas.pop(msg.data_id, None)
     if old is not None:
         old.close()
-    rt.datas[ID] = SharedArray.attach(name, nbytes)
+    rt.datas[msg.data_id] = SharedArray.attach(msg.name, msg.nbytes)
 
 
 @handler(Command.DATA_FREE)
-def _free_worker(rt, ID):
-    old = rt.datas.pop(ID, None)
+def _free_worker(rt, msg):
+    old = rt.datas.pop(msg.data_id, None)
     if old is not None:
         old.close()
 
 
-def view(rt, descriptor):
-    """Return this rank's NumPy view of the Data a call descriptor names."""
-    ID, dtype, shape, _ = descriptor
-    seg = rt.datas[ID]
+def view(rt, desc):
+    """Return this rank's NumPy view of the Data a ``DataDesc`` names."""
+    seg = rt.datas[desc.data_id]
     if rt.is_master:
         return seg._data
-    # Cache the view: calls repeat the same shapes, and a view costs ~1 us.
-    cache = seg.__dict__.setdefault("views", {})
-    key = (dtype, shape)
-    v = cache.get(key)
-    if v is None:
-        if len(cache) > 64:
-            cache.clear()
-        v = cache[key] = seg.view(dtype, shape)
-    return v
+    return seg.cached_view(desc.dtype, desc.shape)
+
+
+def check_data(value, rt, dtype, ndim, where, what):
+    """Raise unless Data ``value`` can stand for an array of ``dtype`` and ``ndim`` in run ``rt``.
+
+    The ranks read a Data in place, so its dtype must match exactly.
+
+    Raises:
+        TypeError: another dtype or ndim.
+        ValueError: a Data object of a closed run, or one holding no memory.
+    """
+    if value._rt is not rt:
+        raise ValueError(f"{where}: {what} is a Data object of a closed run")
+    if value.dtype != np.dtype(dtype):
+        raise TypeError(f"{where}: {what} needs dtype {dtype}; got Data of {value.dtype}")
+    if value.ndim != ndim:
+        raise TypeError(f"{where}: {what} needs ndim {ndim}; got Data of ndim {value.ndim}")
+    if value.data is None:
+        raise ValueError(f"{where}: {what} is a Data object holding no memory")

@@ -3,7 +3,9 @@
 import logging
 import pickle
 import time
+from typing import NamedTuple
 
+from . import gpu
 from . import sharedvars as sv
 from .control import Command, handler, run_command
 from .errors import SynkStateError
@@ -28,7 +30,7 @@ def distribute():
     t0 = time.perf_counter()
     shareds = _collect_shareds(rt.functions)
     blob = pickle.dumps((rt.functions, shareds), protocol=pickle.HIGHEST_PROTOCOL)
-    run_command(rt, Command.DISTRIBUTE, blob)
+    run_command(rt, Command.DISTRIBUTE, DistributeMsg(blob))
     _install(rt, rt.functions, shareds)
     logger.info("distributed %d functions (%d shared variables, %.1f MB) in %.2f s",
                 len(rt.functions), len(shareds), len(blob) / 1e6, time.perf_counter() - t0)
@@ -38,7 +40,7 @@ def _collect_shareds(functions):
     """Every shared variable any function uses, in first-use order."""
     seen = {}
     for f in functions:
-        for s in f._fn.get_shared():
+        for s in f.spec.fn.get_shared():
             seen.setdefault(id(s), s)
     return list(seen.values())
 
@@ -47,17 +49,25 @@ def _install(rt, functions, shareds):
     rt.functions = list(functions)
     rt.shareds = list(shareds)
     rt.shared_ids = {id(s): i for i, s in enumerate(shareds)}
+    # Collectives keep the values of JAX functions' shared variables on the device.
+    rt.device_shareds = {id(s) for f in functions if gpu.uses_jax(f.spec.fn)
+                         for s in f.spec.fn.get_shared()}
     for s in shareds:
-        # JAX functions' shared values go to the device once, here, rather
-        # than from the host at every call until their first update.
-        sv.place(s)
+        # Their values go to the device once, here, rather than from the host
+        # at every call until their first update.
+        sv.place(rt, s)
     rt.distributed = True
 
 
+class DistributeMsg(NamedTuple):
+    """DISTRIBUTE: every Function and shared variable, in one pickle."""
+
+    blob: bytes
+
+
 @handler(Command.DISTRIBUTE)
-def _distribute_worker(rt, blob):
-    functions, shareds = pickle.loads(blob)
+def _distribute_worker(rt, msg):
+    functions, shareds = pickle.loads(msg.blob)
     for f in functions:
-        f._rt = rt
-        f._fn.trust_input = True
+        f.attach(rt)
     _install(rt, functions, shareds)

@@ -13,7 +13,12 @@ class SynkStateError(SynkError, RuntimeError):
 
 
 class WorkerError(SynkError):
-    """One or more ranks raised while running a command.
+    """One or more ranks raised while running a command (the master's own share included).
+
+    Whichever rank failed, the error raised is a WorkerError; when the lowest
+    failing rank raised a built-in exception type, it is also an instance of
+    that type (``except ValueError`` still catches a ValueError raised in a
+    rank), and ``__cause__`` is that rank's exception.
 
     Attributes:
         rank: the lowest failing rank.
@@ -24,6 +29,27 @@ class WorkerError(SynkError):
         super().__init__(message)
         self.rank = rank
         self.failures = failures
+
+
+_WORKER_ERRORS = {}
+
+
+def worker_error_type(cause):
+    """Return WorkerError, or its subclass that is also ``type(cause)`` for a built-in type."""
+    kind = type(cause)
+    if cause is None or kind.__module__ != "builtins" or not issubclass(kind, Exception) \
+            or issubclass(kind, SynkError):
+        return WorkerError
+    cls = _WORKER_ERRORS.get(kind)
+    if cls is None:
+        try:
+            cls = type(f"Worker{kind.__name__}", (WorkerError, kind),
+                       {"__module__": __name__, "__doc__": f"A {kind.__name__} raised in a rank."})
+            cls("probe", 0, {})  # a type whose constructor takes other arguments is not used
+        except TypeError:
+            cls = WorkerError
+        _WORKER_ERRORS[kind] = cls
+    return cls
 
 
 class WorkerDiedError(SynkError):

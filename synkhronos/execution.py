@@ -1,8 +1,11 @@
 """Running a call on one rank: input views, batch_s, slices, and combining results by op.
 
 Every rank runs ``execute`` on the same call message; the master then runs
-``collect`` once the end barrier has passed.
+``collect`` once the end barrier has passed.  Both read the function from its
+``FunctionSpec``, the part of a Function that travels to every rank.
 """
+
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytensor
@@ -11,27 +14,57 @@ import pytensor.tensor as pt
 from . import data_module, gpu, reducers, sharedvars, split
 
 
-def execute(f, rt, msg):
-    """Run this rank's share of a call and take part in the reduction."""
-    _, descs, n_scattered, sel, n_rows, sel_s, num_slices, subset = msg
+@dataclass
+class FunctionSpec:
+    """What every rank needs to run a synkhronos function: the compiled function and its parts."""
+
+    fn: object                  # the compiled pytensor function
+    inputs: list                # scattered inputs
+    bcast_inputs: list
+    outputs: list
+    output_ops: list
+    return_list: bool
+    updates: list               # (shared, update) pairs
+    update_ops: list
+    givens: object
+    sliceable: list
+    kwargs: dict
+    variants: dict = field(default_factory=dict)  # per process: compiled slicing variants
+    simple: bool = field(init=False)              # one output with a collective op
+
+    def __post_init__(self):
+        self.simple = len(self.outputs) == 1 and self.output_ops[0] in reducers.COLLECTIVE_OPS
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["variants"] = {}  # compiled again where needed
+        return state
+
+
+def execute(spec, rt, msg):
+    """Run this rank's share of a call (a ``CallMsg``) and take part in the reduction."""
     rank = rt.rank
+    descs = msg.descs
     if rt.is_master:
         datas = rt.datas
-        arrays = [datas[desc[0]]._data for desc in descs]
+        arrays = [datas[d.data_id]._data for d in descs]
     else:
-        arrays = [data_module.view(rt, desc) for desc in descs]
+        arrays = [data_module.view(rt, d) for d in descs]
     rows = None
-    if n_scattered:
-        lo, hi = split.rank_range(n_rows, rt.n_parallel, rank)
-        for i in range(n_scattered):
-            arrays[i] = split.take(arrays[i], sel, lo, hi, descs[i][3] and sel is not None)
+    sel = msg.sel
+    if msg.n_scattered:
+        lo, hi = split.rank_range(msg.n_rows, rt.n_parallel, rank)
+        for i in range(msg.n_scattered):
+            arrays[i] = split.take(arrays[i], sel, lo, hi, descs[i].minibatch and sel is not None)
         rows = hi - lo
+    num_slices = msg.num_slices
+    sliceable = spec.sliceable
     shared_sel = None
-    if f._sliceable and (sel_s is not None or num_slices > 1):
+    if sliceable and (msg.sel_s is not None or num_slices > 1):
         shared_sel = []
-        for s in f._sliceable:
+        for s in sliceable:
             value = s.get_value(borrow=True)
-            my = None if sel_s is None else sel_s[rank]
+            my = None if msg.sel_s is None else msg.sel_s[rank]
             my = split.resolve(my, len(value))
             length = split.selection_length(my, len(value))
             if my is not None and split.rows_needed(my, len(value)) > len(value):
@@ -40,23 +73,24 @@ def execute(f, rt, msg):
             shared_sel.append((value, my, length))
         if rows is None:
             rows = shared_sel[0][2]
-    elif f._sliceable and rows is None:
+    elif sliceable and rows is None:
         # Weigh "avg" by the shared rows used, as with batch_s.
-        rows = len(f._sliceable[0].get_value(borrow=True))
+        rows = len(sliceable[0].get_value(borrow=True))
+    subset = msg.subset
     if rows == 0:
         results = None
-    elif shared_sel is None and (num_slices == 1 or not n_scattered):
-        results = f._fn(*arrays)
+    elif shared_sel is None and (num_slices == 1 or not msg.n_scattered):
+        results = spec.fn(*arrays)
         if subset is not None:
             # PyTensor 3 functions take no output_subset: compute all, keep some.
             results = [results[i] for i in subset]
     else:
-        out_idx = list(range(len(f._outputs))) if subset is None else subset
-        results = run_slices(f, arrays, n_scattered, shared_sel, num_slices, out_idx)
-    if rows != 0 and f._updates and gpu.uses_jax(f._fn):
+        out_idx = list(range(len(spec.outputs))) if subset is None else subset
+        results = run_slices(spec, rt, arrays, msg.n_scattered, shared_sel, num_slices, out_idx)
+    if rows != 0 and spec.updates and gpu.uses_jax(spec.fn):
         # JAX runs asynchronously and reads NumPy inputs (shared memory) in
         # place: finish before the command ends and the master may reuse them.
-        gpu.wait([sharedvars.raw(var) for var, _ in f._updates])
+        gpu.wait([sharedvars.raw(var) for var, _ in spec.updates])
     weight = 1.0 if rows is None else float(rows)
     if results is not None:
         # Backends other than NumPy's (JAX) return their own array types.
@@ -66,39 +100,41 @@ def execute(f, rt, msg):
     rt.backend.contribute(results, weight)
 
 
-def variant(f, slice_shareds, defer):
+def variant(spec, slice_shareds, defer):
     """Compile (once per process) the function used for batch_s and slicing."""
     key = (slice_shareds, defer)
-    fn = f._variants.get(key)
+    fn = spec.variants.get(key)
     if fn is None:
-        ins = f._inputs + f._bcast_inputs
-        givens = dict(f._givens.items() if isinstance(f._givens, dict)
-                      else (f._givens or []))
+        ins = spec.inputs + spec.bcast_inputs
+        givens = dict(spec.givens.items() if isinstance(spec.givens, dict)
+                      else (spec.givens or []))
         if slice_shareds:
             reps = [pt.tensor(dtype=s.dtype, shape=(None,) * s.ndim, name=f"{s.name}_slice")
-                    for s in f._sliceable]
-            givens.update(zip(f._sliceable, reps))
+                    for s in spec.sliceable]
+            givens.update(zip(spec.sliceable, reps))
             ins = ins + reps
-        outs = list(f._outputs)
-        updates = f._updates or None
+        outs = list(spec.outputs)
+        updates = spec.updates or None
         if defer:
-            outs += [u for _, u in f._updates]
+            outs += [u for _, u in spec.updates]
             updates = None
-        fn = pytensor.function(ins, outs, updates=updates, givens=givens or None, **f._kwargs)
+        fn = pytensor.function(ins, outs, updates=updates, givens=givens or None, **spec.kwargs)
         fn.trust_input = True
-        f._variants[key] = fn
+        spec.variants[key] = fn
     return fn
 
-def run_slices(f, arrays, n_scattered, shared_sel, num_slices, out_idx):
+
+def run_slices(spec, rt, arrays, n_scattered, shared_sel, num_slices, out_idx):
+    """Run one rank's rows in ``num_slices`` slices; accumulate outputs and updates."""
     defer = num_slices > 1
-    fn = variant(f, shared_sel is not None, defer)
-    n_out = len(f._outputs)
+    fn = variant(spec, shared_sel is not None, defer)
+    n_out = len(spec.outputs)
     scat_len = len(arrays[0]) if n_scattered else None
     scat_parts = split.split_ranges(scat_len, num_slices) if n_scattered else None
     sh_parts = [split.split_ranges(length, num_slices) for _, _, length in shared_sel] \
         if shared_sel else None
     acc_out = [None] * n_out
-    acc_upd = [None] * len(f._updates)
+    acc_upd = [None] * len(spec.updates)
     w_acc = 0.0
     for k in range(num_slices):
         call = list(arrays)
@@ -119,31 +155,32 @@ def run_slices(f, arrays, n_scattered, shared_sel, num_slices, out_idx):
         if not defer:
             return [res[i] for i in out_idx]
         for i in out_idx:
-            acc_out[i] = _fold(f._output_ops[i], acc_out[i], res[i], w_acc, w)
-        for j, op in enumerate(f._update_ops):
+            acc_out[i] = _fold(spec.output_ops[i], acc_out[i], res[i], w_acc, w)
+        for j, op in enumerate(spec.update_ops):
             acc_upd[j] = reducers.accumulate(op, acc_upd[j], res[n_out + j], w_acc, w)
         w_acc += w
-    for (var, _), value in zip(f._updates, acc_upd):
+    for (var, _), value in zip(spec.updates, acc_upd):
         if value is not None:
-            sharedvars.adopt(var, value)  # a JAX function's variable stays on the device
-    return [_finish_fold(f._output_ops[i], acc_out[i]) for i in out_idx]
+            sharedvars.adopt(rt, var, value)  # a JAX function's variable stays on the device
+    return [_finish_fold(spec.output_ops[i], acc_out[i]) for i in out_idx]
 
-def collect(f, rt, mine, subset):
+
+def collect(spec, rt, mine, subset, name):
     """In the master, after the end barrier: combine every rank's results by op."""
-    if not f._outputs:
+    if not spec.outputs:
         return []
     parts = rt.backend.collect()
     parts[rt.rank] = mine
-    if f._simple and subset is None and None not in parts:
+    if spec.simple and subset is None and None not in parts:
         # Fast path: one reducible output, every rank contributed.
         values = [p[0][0] for p in parts]
         if len({v.shape for v in values}) == 1:
-            out = reducers.combine(f._output_ops[0], values, [p[1] for p in parts])
-            return [out] if f._return_list else out
-    out_idx = range(len(f._outputs)) if subset is None else subset
+            out = reducers.combine(spec.output_ops[0], values, [p[1] for p in parts])
+            return [out] if spec.return_list else out
+    out_idx = range(len(spec.outputs)) if subset is None else subset
     final = []
     for j, i in enumerate(out_idx):
-        op = f._output_ops[i]
+        op = spec.output_ops[i]
         if op is None:
             final.append([None if p is None else np.array(p[0][j]) for p in parts])
             continue
@@ -158,11 +195,11 @@ def collect(f, rt, mine, subset):
         shapes = {v.shape for v in values}
         if len(shapes) > 1:
             raise ValueError(
-                f"{f.name or 'function'}: output {i} has different shapes across ranks "
+                f"{name}: output {i} has different shapes across ranks "
                 f"({', '.join(str(v.shape) for v in values)}); op {op!r} needs equal shapes "
                 "(use 'gather' or None)")
         final.append(reducers.combine(op, values, [p[1] for p in have]))
-    return final if f._return_list else final[0]
+    return final if spec.return_list else final[0]
 
 
 def _fold(op, acc, value, w_acc, w):

@@ -2,16 +2,15 @@
 
 import logging
 import numbers
+from typing import NamedTuple
 
 import numpy as np
 import pytensor
-from pytensor.compile import SharedVariable
-from pytensor.graph.basic import Variable
 
-from . import execution, gpu, reducers, split
-from . import data_module
+from . import conditioning, data_module, execution, gpu, split
 from .control import Command, handler, run_command
 from .errors import SynkStateError
+from .function_args import parse_outputs, parse_updates, var_list
 from .runtime import require_forked
 
 logger = logging.getLogger(__name__)
@@ -53,16 +52,16 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
     rt = require_forked("function()")
     if rt.distributed:
         raise SynkStateError("function() must be called before distribute()")
-    inputs = _var_list(inputs, "inputs")
-    bcast_inputs = _var_list(bcast_inputs, "bcast_inputs")
+    inputs = var_list(inputs, "inputs")
+    bcast_inputs = var_list(bcast_inputs, "bcast_inputs")
     seen = set()
     for v in inputs + bcast_inputs:
         if id(v) in seen:
             raise ValueError(f"function: variable {v} appears twice among inputs and bcast_inputs")
         seen.add(id(v))
-    out_vars, out_ops, return_list = _parse_outputs(outputs)
-    upd_pairs, upd_ops = _parse_updates(updates)
-    sliceable = _var_list(sliceable_shareds, "sliceable_shareds", shared=True)
+    out_vars, out_ops, return_list = parse_outputs(outputs)
+    upd_pairs, upd_ops = parse_updates(updates)
+    sliceable = var_list(sliceable_shareds, "sliceable_shareds", shared=True)
     if rt.device == "gpu":
         # GPU mode: shared variables live on the device as JAX arrays.
         kwargs.setdefault("mode", "JAX")
@@ -72,87 +71,35 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
     for s in sliceable:
         if id(s) not in used:
             raise ValueError(f"function: sliceable_shareds entry {s} is not used by this function")
-    if gpu.uses_jax(fn):
-        if rt.jax_before_fork:
-            raise SynkStateError(
-                "function: JAX already ran in this process before fork(), so the workers "
-                "cannot run JAX-mode functions (their first JAX call would hang). Call "
-                "synk.fork() before any JAX computation, or use another mode.")
-        for s in fn.get_shared():
-            # Collectives keep these values on the device (see sharedvars).
-            s.tag.synk_jax = True
-    f = Function(len(rt.functions), fn, inputs, bcast_inputs, out_vars, out_ops, return_list,
-                 upd_pairs, upd_ops, givens, sliceable, kwargs)
-    f._rt = rt
+    if gpu.uses_jax(fn) and rt.jax_before_fork:
+        raise SynkStateError(
+            "function: JAX already ran in this process before fork(), so the workers "
+            "cannot run JAX-mode functions (their first JAX call would hang). Call "
+            "synk.fork() before any JAX computation, or use another mode.")
+    spec = execution.FunctionSpec(fn, inputs, bcast_inputs, out_vars, out_ops, return_list,
+                                  upd_pairs, upd_ops, givens, sliceable, kwargs)
+    f = Function(len(rt.functions), spec)
+    f.attach(rt)
     rt.functions.append(f)
     return f
 
 
-def _var_list(value, what, shared=False):
-    if value is None:
-        return []
-    if isinstance(value, Variable):
-        value = [value]
-    if not isinstance(value, (list, tuple)):
-        raise TypeError(f"function: {what} must be a variable or a list of variables; "
-                        f"got {type(value).__name__}")
-    for v in value:
-        if not isinstance(v, Variable):
-            raise TypeError(f"function: {what} must hold PyTensor variables; got {type(v).__name__}")
-        if shared and not isinstance(v, SharedVariable):
-            raise TypeError(f"function: {what} must hold shared variables; got {v}")
-        if not shared and isinstance(v, SharedVariable):
-            raise TypeError(f"function: {what} cannot hold shared variable {v}; "
-                            "shared variables are implicit inputs")
-    return list(value)
+class CallMsg(NamedTuple):
+    """CALL: run function ``function_id`` on every rank's share of the inputs.
 
+    ``descs`` name the input Data (scattered ones first, ``n_scattered`` of
+    them); ``sel`` selects ``n_rows`` rows of them before the split; ``sel_s``
+    is each rank's ``batch_s`` selection; ``subset`` the outputs to return.
+    """
 
-def _is_op_pair(x):
-    return (isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], Variable)
-            and (x[1] is None or isinstance(x[1], str)))
-
-
-def _parse_outputs(outputs):
-    if outputs is None:
-        return [], [], True
-    single = isinstance(outputs, Variable) or _is_op_pair(outputs)
-    entries = [outputs] if single else outputs
-    if not isinstance(entries, (list, tuple)):
-        raise TypeError(f"function: outputs must be a variable, a (variable, op) pair or a "
-                        f"list of them; got {type(outputs).__name__}")
-    out_vars, out_ops = [], []
-    for e in entries:
-        if _is_op_pair(e):
-            var, op = e
-        elif isinstance(e, Variable):
-            var, op = e, "avg"
-        else:
-            raise TypeError(f"function: each output must be a variable or a (variable, op) "
-                            f"pair; got {e!r}")
-        out_vars.append(var)
-        out_ops.append(reducers.check_op(op, "function: output op", reducers.OUTPUT_OPS))
-    return out_vars, out_ops, not single
-
-
-def _parse_updates(updates):
-    if updates is None:
-        return [], []
-    if isinstance(updates, dict):
-        updates = list(updates.items())
-    if not isinstance(updates, (list, tuple)):
-        raise TypeError("function: updates must be a list of (shared, update) pairs or "
-                        f"(shared, update, op) triples; got {type(updates).__name__}")
-    pairs, ops = [], []
-    for u in updates:
-        if not isinstance(u, (list, tuple)) or len(u) not in (2, 3):
-            raise TypeError("function: each update must be a (shared, update) pair or a "
-                            f"(shared, update, op) triple; got {u!r}")
-        if not isinstance(u[0], SharedVariable):
-            raise TypeError(f"function: an update must target a shared variable; got {u[0]!r}")
-        op = u[2] if len(u) == 3 else "avg"
-        ops.append(reducers.check_op(op, "function: update op"))
-        pairs.append((u[0], u[1]))
-    return pairs, ops
+    function_id: int
+    descs: list
+    n_scattered: int
+    sel: object
+    n_rows: int
+    sel_s: object
+    num_slices: int
+    subset: object
 
 
 class Function:
@@ -162,51 +109,39 @@ class Function:
     inputs, once ``distribute()`` has run.
     """
 
-    def __init__(self, ID, fn, inputs, bcast_inputs, outputs, output_ops, return_list,
-                 updates, update_ops, givens, sliceable, kwargs):
+    def __init__(self, ID, spec):
         self._ID = ID
-        self._fn = fn
-        self._inputs = inputs
-        self._bcast_inputs = bcast_inputs
-        self._outputs = outputs
-        self._output_ops = output_ops
-        self._return_list = return_list
-        self._updates = updates
-        self._update_ops = update_ops
-        self._givens = givens
-        self._sliceable = sliceable
-        self._kwargs = kwargs
-        self._variants = {}
-        self._scratch = {}
+        self.spec = spec
+        self._scratch = {}  # per input: the Data a NumPy value is copied into
         self._rt = None
-        self._all_inputs = inputs + bcast_inputs
-        self._simple = len(outputs) == 1 and output_ops[0] in reducers.COLLECTIVE_OPS
-        # Inputs are checked in the master (dtype, ndim) before any rank runs,
-        # so PyTensor's per-call input validation is skipped.
-        fn.trust_input = True
+        self._all_inputs = spec.inputs + spec.bcast_inputs
         self._dtypes = [np.dtype(v.dtype) for v in self._all_inputs]
         self._ndims = [v.ndim for v in self._all_inputs]
 
-    # ---- reference properties -----------------------------------------
+    def attach(self, rt):
+        """Bind to run ``rt`` (in the master at function(), in each worker at distribute())."""
+        self._rt = rt
+        # Inputs are checked in the master (dtype, ndim) before any rank runs,
+        # so PyTensor's per-call input validation is skipped.
+        self.spec.fn.trust_input = True
+
     @property
     def name(self):
         """The name, as given to ``pytensor.function`` through ``name=``."""
-        return self._fn.name
+        return self.spec.fn.name
 
     @property
     def output_modes(self):
         """The reduce op of each output."""
-        return list(self._output_ops)
+        return list(self.spec.output_ops)
 
     @property
     def update_modes(self):
         """The op that combines each update over slices."""
-        return list(self._update_ops)
+        return list(self.spec.update_ops)
 
-    # ---- pickling for distribute() ------------------------------------
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["_variants"] = {}
         state["_scratch"] = {}
         state["_rt"] = None
         return state
@@ -214,17 +149,17 @@ class Function:
     def _detach(self):
         self._scratch = {}
 
-    # ---- calls in the master only ---------------------------------------
     def as_theano(self, *args, **kwargs):
         """Call the underlying PyTensor function in the master only (updates apply there)."""
         args = [a.data if isinstance(a, data_module.Data) else a for a in args]
         kwargs = {k: v.data if isinstance(v, data_module.Data) else v for k, v in kwargs.items()}
-        self._fn.trust_input = False  # user values: let PyTensor check and convert them
+        fn = self.spec.fn
+        fn.trust_input = False  # user values: let PyTensor check and convert them
         try:
-            out = self._fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
         finally:
-            self._fn.trust_input = True
-        return out if self._return_list else out[0]
+            fn.trust_input = True
+        return out if self.spec.return_list else out[0]
 
     def build_inputs(self, *args, force_cast=False, oversize=1.0, minibatch=False, **kwargs):
         """Make a Data object for each input from values given as for a call.
@@ -235,12 +170,12 @@ class Function:
         values = self._bind(args, kwargs, "build_inputs")
         out = [data_module.data(value=v, var=var, force_cast=force_cast, oversize=oversize,
                                 minibatch=minibatch)
-               for var, v in zip(self._inputs + self._bcast_inputs, values)]
+               for var, v in zip(self._all_inputs, values)]
         return out[0] if len(out) == 1 else out
 
     def _bind(self, args, kwargs, where):
         """Match positional and keyword arguments to inputs; return values in input order."""
-        allvars = self._inputs + self._bcast_inputs
+        allvars = self._all_inputs
         if len(args) > len(allvars):
             raise TypeError(f"{where}: takes {len(allvars)} inputs; got {len(args)}")
         values = list(args) + [None] * (len(allvars) - len(args))
@@ -257,7 +192,6 @@ class Function:
             raise TypeError(f"{where}: missing inputs: {', '.join(missing)}")
         return values
 
-    # ---- data-parallel call ---------------------------------------------
     def __call__(self, *args, output_subset=None, batch=None, batch_s=None, num_slices=1,
                  **kwargs):
         """Run on every rank over its share of the inputs; return reduced outputs.
@@ -301,8 +235,10 @@ class Function:
         if not rt.distributed:
             raise SynkStateError("call distribute() before calling synkhronos functions")
         msg = self._prepare(rt, args, kwargs, output_subset, batch, batch_s, num_slices)
-        return run_command(rt, Command.CALL, msg, lambda seq: execution.execute(self, rt, msg),
-                           lambda mine: execution.collect(self, rt, mine, msg[-1]))
+        spec = self.spec
+        return run_command(rt, Command.CALL, msg, lambda seq: execution.execute(spec, rt, msg),
+                           lambda mine: execution.collect(spec, rt, mine, msg.subset,
+                                                          self.name or "function"))
 
     def _prepare(self, rt, args, kwargs, output_subset, batch, batch_s, num_slices):
         """Check everything in the master and build the call message."""
@@ -316,7 +252,7 @@ class Function:
                 datas.append(v)
             else:
                 datas.append(self._as_data(rt, i, v))
-        n_scattered = len(self._inputs)
+        n_scattered = len(self.spec.inputs)
         scattered = datas[:n_scattered]
         sel = None if batch is None else split.normalize_batch(batch)
         n_rows = self._check_lengths(scattered, sel)
@@ -327,27 +263,27 @@ class Function:
                     and num_slices >= 1):
                 raise ValueError(f"{self.name or 'function'}: num_slices must be an int >= 1; "
                                  f"got {num_slices!r}")
-            if num_slices > 1 and None in self._output_ops:
+            if num_slices > 1 and None in self.spec.output_ops:
                 raise ValueError(f"{self.name or 'function'}: num_slices > 1 cannot combine the "
                                  "slices of an output with op None; use 'gather' or a reduce op")
         sel_s = None
         if batch_s is not None:
-            if not self._sliceable:
+            if not self.spec.sliceable:
                 raise ValueError(f"{self.name or 'function'}: batch_s needs sliceable_shareds "
                                  "in function()")
             sel_s = split.normalize_batch_s(batch_s, rt.n_parallel)
         subset = None
         if output_subset is not None:
             subset = self._check_subset(output_subset)
-        descs = [(d._ID, d._dtype.str, d._data.shape, d._minibatch) for d in datas]
-        return (self._ID, descs, n_scattered, sel, n_rows, sel_s, int(num_slices), subset)
+        return CallMsg(self._ID, [d.describe() for d in datas], n_scattered, sel, n_rows, sel_s,
+                       int(num_slices), subset)
 
     def _check_subset(self, output_subset):
         try:
             subset = [int(i) for i in output_subset]
         except (TypeError, ValueError):
             subset = None
-        n = len(self._outputs)
+        n = len(self.spec.outputs)
         if subset is None or any(not 0 <= i < n for i in subset) or len(set(subset)) != len(subset):
             raise ValueError(f"{self.name or 'function'}: output_subset must list distinct "
                              f"indices in range({n}); got {output_subset!r}")
@@ -357,27 +293,12 @@ class Function:
         """Return ``value`` as a Data for input ``i``, or raise naming what is wrong."""
         var = self._all_inputs[i]
         name = self.name or "function"
+        what = f"input {var}"
         if isinstance(value, data_module.Data):
-            if value._rt is not rt:
-                raise ValueError(f"{name}: input {var} is a Data object of a closed run")
-            if value.dtype != np.dtype(var.dtype):
-                raise TypeError(f"{name}: input {var} needs dtype {var.dtype}; "
-                                f"got Data of {value.dtype}")
-            if value.ndim != var.ndim:
-                raise TypeError(f"{name}: input {var} needs ndim {var.ndim}; "
-                                f"got Data of ndim {value.ndim}")
-            if value.data is None:
-                raise ValueError(f"{name}: input {var} is a Data object holding no memory")
+            data_module.check_data(value, rt, var.dtype, var.ndim, name, what)
             return value
         if isinstance(value, np.ndarray) or np.isscalar(value) or isinstance(value, (list, tuple)):
-            arr = np.asarray(value)
-            if arr.dtype != np.dtype(var.dtype):
-                # Same rule as pytensor: only lossless casts happen silently.
-                if not np.can_cast(arr.dtype, var.dtype, "safe"):
-                    raise TypeError(f"{name}: input {var} needs dtype {var.dtype}; got {arr.dtype}")
-                arr = arr.astype(var.dtype)
-            if arr.ndim != var.ndim:
-                raise TypeError(f"{name}: input {var} needs ndim {var.ndim}; got ndim {arr.ndim}")
+            arr = conditioning.condition(value, var.dtype, var.ndim, name, what)
             scratch = self._scratch.get(i)
             if scratch is None or scratch._rt is not rt:
                 scratch = data_module.data(value=arr, var=var, oversize=1.5)
@@ -397,15 +318,16 @@ class Function:
             if sel is not None:
                 raise ValueError(f"{name}: batch needs at least one scattered input")
             return 0
-        for d, var in zip(scattered, self._inputs):
+        inputs = self.spec.inputs
+        for d, var in zip(scattered, inputs):
             if d.ndim == 0:
                 raise ValueError(f"{name}: input {var} is 0-d and cannot be scattered; "
                                  "put it in bcast_inputs")
-        full = [(d, v) for d, v in zip(scattered, self._inputs) if not (d.minibatch and sel is not None)]
+        full = [(d, v) for d, v in zip(scattered, inputs) if not (d.minibatch and sel is not None)]
         if sel is None:
             lengths = {len(d) for d in scattered}
             if len(lengths) > 1:
-                desc = ", ".join(f"{v}: {len(d)}" for d, v in zip(scattered, self._inputs))
+                desc = ", ".join(f"{v}: {len(d)}" for d, v in zip(scattered, inputs))
                 raise ValueError(f"{name}: scattered inputs must have equal lengths; got {desc}")
             return lengths.pop()
         if full:
@@ -419,13 +341,11 @@ class Function:
             if sel[0] == "range" and sel[2] is None:
                 raise ValueError(f"{name}: an open-ended batch slice needs a non-minibatch input")
             n_rows = split.selection_length(sel, 0)
-        for d, v in zip(scattered, self._inputs):
+        for d, v in zip(scattered, inputs):
             if d.minibatch and len(d) < n_rows:
                 raise ValueError(f"{name}: minibatch input {v} has {len(d)} rows; "
                                  f"batch selects {n_rows}")
         return n_rows
-
-    # ---- on every rank -------------------------------------------------
 
 
 def _common_length(scattered):
@@ -435,4 +355,4 @@ def _common_length(scattered):
 
 @handler(Command.CALL)
 def _call_worker(rt, msg):
-    execution.execute(rt.functions[msg[0]], rt, msg)
+    execution.execute(rt.functions[msg.function_id].spec, rt, msg)

@@ -37,7 +37,7 @@ def _count_nvml():
         return None
     try:
         pynvml.nvmlInit()
-    except Exception:  # no driver here: nvidia-smi will not find one either
+    except Exception:  # noqa: BLE001 - no driver here: nvidia-smi will not find one either
         return None
     try:
         return int(pynvml.nvmlDeviceGetCount())
@@ -71,7 +71,7 @@ def cuda_in_use():
         try:
             if torch.cuda.is_initialized():
                 return "torch.cuda"
-        except Exception:
+        except Exception:  # noqa: BLE001
             pass
     if _pid_has_gpu_context(os.getpid()):
         return "a CUDA library (this process holds a GPU context)"
@@ -89,7 +89,7 @@ def jax_initialised():
         return False
     try:
         from jax._src import xla_bridge
-    except Exception:  # a JAX without this internal: assume nothing started
+    except Exception:  # noqa: BLE001 - a JAX without this internal: assume nothing started
         return False
     return bool(getattr(xla_bridge, "_backends", None))
 
@@ -119,7 +119,7 @@ def _pid_has_gpu_context(pid):
     try:
         import pynvml
         pynvml.nvmlInit()
-    except Exception:
+    except Exception:  # noqa: BLE001
         return False
     try:
         for i in range(pynvml.nvmlDeviceGetCount()):
@@ -128,7 +128,7 @@ def _pid_has_gpu_context(pid):
                 if proc.pid == pid:
                     return True
         return False
-    except Exception:
+    except Exception:  # noqa: BLE001
         return False
     finally:
         pynvml.nvmlShutdown()
@@ -158,7 +158,6 @@ def select_device(device_id, ranks_per_gpu):
                               f"{0.7 / ranks_per_gpu:.2f}")
 
 
-# ---- device arrays ----------------------------------------------------------
 def is_jax_array(value):
     """Return True if ``value`` is a JAX array (without importing JAX)."""
     jax = sys.modules.get("jax")
@@ -229,6 +228,18 @@ def to_cupy(value):
     if is_jax_array(value):
         value.block_until_ready()
     return cupy.from_dlpack(value)
+
+
+def nccl_unavailable(n_parallel, n_gpus):
+    """Return why NCCL cannot serve a run of ``n_parallel`` ranks on ``n_gpus`` GPUs, or ""."""
+    if n_parallel > n_gpus:
+        return (f"{n_parallel} ranks share {n_gpus} GPU{'s' if n_gpus > 1 else ''}; "
+                "NCCL needs one GPU per rank")
+    try:
+        import_cupy()
+    except BackendUnavailableError as exc:
+        return str(exc)
+    return ""
 
 
 def import_cupy():

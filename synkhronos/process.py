@@ -9,11 +9,12 @@ import signal
 import time
 import warnings
 
-from . import gpu, shmem
+from . import gpu, shmem, worker
+from .comm import choose_backend, get_backend
 from .control import Command, Control, default_spin_s, run_command
-from .errors import CommAborted, WorkerDiedError
-from .runtime import Runtime, get_runtime, set_runtime
 from .errors import SynkStateError
+from .liveness import command_check, master_check, worker_check
+from .runtime import Runtime, get_runtime, set_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -89,15 +90,12 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
     _check_int("max_dim", max_dim, 1)
 
     shmem.sweep_stale()
-    from .comm import get_backend
     ctx = multiprocessing.get_context("fork")
     rt = Runtime(rank=master_rank, n_parallel=n_parallel, master_rank=master_rank,
                  master_pid=os.getpid(), max_n_var=max_n_var, max_dim=max_dim,
-                 device="gpu" if gpu_mode else "cpu")
-    rt.n_gpus = n_gpus
-    rt.gpu_ids = gpu.visible_ids(n_gpus)
-    rt.profile_workers = bool(profile_workers)
-    rt.cores = cores
+                 device="gpu" if gpu_mode else "cpu", n_gpus=n_gpus,
+                 gpu_ids=gpu.visible_ids(n_gpus), cores=cores,
+                 profile_workers=bool(profile_workers), abandon=abandon)
     if not gpu_mode and n_parallel > 1 and gpu.jax_initialised():
         # The workers inherit JAX's backend without its threads: their first
         # JAX call would hang.  function() refuses JAX-mode functions then.
@@ -106,7 +104,7 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
                        "JAX-mode functions (call fork() before any JAX computation)")
     spin_s = default_spin_s(n_parallel, len(cores))
     rt.control = Control(rt, ctx, spin_s)
-    rt.backend = get_backend(os.environ.get("SYNK_BACKEND", "shm"))(rt, spin_s)
+    rt.backend = get_backend(choose_backend(rt.device, n_parallel, n_gpus))(rt, spin_s)
     set_runtime(rt)
 
     if gpu_mode:
@@ -125,7 +123,8 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
                         name=f"synk-rank-{rank}", daemon=True)
         p.start()
         rt.procs[rank] = p
-    rt.check = master_check(rt)
+    rt.check = master_check(rt.procs)
+    rt.backend.bind_check(command_check(rt.check, rt.control.aborted_now))
     pids = [p.pid for p in rt.procs.values()]
     # A bare fork, not a multiprocessing child: multiprocessing's exit hook
     # would wait for it, and it must outlive the master.
@@ -229,7 +228,8 @@ def _worker_main(rt, rank, read_fd, write_fd):
         _select_gpu(rt, rank)
     else:
         _pin(rt, rank)
-    from . import worker
+    rt.check = worker_check(rt.master_pid)
+    rt.backend.bind_check(command_check(rt.check, rt.control.aborted_now))
     worker.loop(rt)
 
 
@@ -251,44 +251,6 @@ def _janitor_main(master_pid, pids, read_fd, write_fd):
     os._exit(0)
 
 
-def master_check(rt):
-    """Return a function that raises WorkerDiedError if any worker has exited."""
-    procs = rt.procs
-
-    def check():
-        for rank, p in procs.items():
-            if not p.is_alive():
-                raise WorkerDiedError(
-                    f"rank {rank} (pid {p.pid}) died with exit code {p.exitcode}; "
-                    "synkhronos is closed, call fork() to start again",
-                    rank, p.exitcode)
-    return check
-
-
-def backend_check(rt, seq):
-    """Return the check used inside a collective of command ``seq``."""
-    control = rt.control
-    if rt.is_master:
-        alive = master_check(rt)
-    else:
-        alive = worker_check(rt)
-
-    def check():
-        alive()
-        if control.aborted(seq):
-            raise CommAborted(f"command {seq} aborted by another rank")
-    return check
-
-
-def worker_check(rt):
-    master_pid = rt.master_pid
-
-    def check():
-        if os.getppid() != master_pid:
-            os._exit(1)
-    return check
-
-
 def close():
     """Stop and join the workers and free all shared memory.  Runs at exit too.
 
@@ -305,7 +267,7 @@ def close():
 def _close(rt):
     try:
         run_command(rt, Command.QUIT, None)
-    except Exception as exc:  # the workers are stopped below whatever happened
+    except Exception as exc:  # noqa: BLE001 - the workers are stopped below whatever happened
         logger.warning("workers did not quit cleanly: %s", exc)
     for p in rt.procs.values():
         p.join(JOIN_TIMEOUT_S)
@@ -331,8 +293,6 @@ def _teardown(rt):
     for data in list(rt.datas.values()):
         data._release()
     rt.datas.clear()
-    if rt.nccl is not None:
-        rt.nccl.close()
     rt.backend.close()
     rt.control.close()
     shmem.sweep(rt.master_pid)
@@ -343,7 +303,7 @@ def _teardown(rt):
     for undo in reversed(rt.restore):
         try:
             undo()
-        except Exception:  # restoring limits is best effort
+        except Exception:  # noqa: BLE001 - restoring limits is best effort
             pass
     rt.closed = True
     for f in rt.functions:

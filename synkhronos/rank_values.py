@@ -3,6 +3,8 @@
 Part of the collectives (re-exported by ``collectives``), split off for size.
 """
 
+from typing import NamedTuple
+
 import numpy as np
 
 from . import sharedvars as sv
@@ -57,39 +59,47 @@ def set_value(rank, shared_vars, values, batch=None):
             arr = item.data if isinstance(item, Data) else item
             if s is not None:
                 arr = rows.take(arr, s, 0, rows.selection_length(s, len(arr)))
-            sv.store(rt.shareds[i], arr)
+            sv.store(rt, rt.shareds[i], arr)
         return
     placeholder = np.empty(0, np.uint8)
     pieces = [v for v in items if not isinstance(v, Data)]
     per_rank = [pieces if r == rank else [placeholder] * len(pieces)
                 for r in range(rt.n_parallel)]
-    payload = (rank, idx, sv.descs(items), sels)
-    run_command(rt, Command.SET_VALUE, payload, lambda seq: _set_value_local(rt, payload, per_rank))
+    msg = SetValueMsg(rank, idx, sv.descs(items), sels)
+    run_command(rt, Command.SET_VALUE, msg, lambda seq: _set_value_local(rt, msg, per_rank))
 
 
-def _set_value_local(rt, payload, per_rank=None):
-    rank, idx, descs, sels = payload
+class SetValueMsg(NamedTuple):
+    """SET_VALUE: rank ``rank`` stores each value: a Data (DataDesc and rows) or a sent array."""
+
+    rank: int
+    idx: list
+    descs: list
+    sels: list
+
+
+def _set_value_local(rt, msg, per_rank=None):
     root = rt.master_rank
-    via = [k for k, d in enumerate(descs) if d is None]
+    via = [k for k, d in enumerate(msg.descs) if d is None]
     got = None
     if via:
         got = rt.backend.scatter(per_rank if rt.rank == root else None, root)
-    if rt.rank != rank:
+    if rt.rank != msg.rank:
         return
-    shareds = [rt.shareds[i] for i in idx]
+    shareds = [rt.shareds[i] for i in msg.idx]
     for k, value in zip(via, got):
-        sv.store(shareds[k], value)
-    for var, desc, s in zip(shareds, descs, sels):
+        sv.store(rt, shareds[k], value)
+    for var, desc, s in zip(shareds, msg.descs, msg.sels):
         if desc is not None:
             view = sv.data_view(rt, desc)
             if s is not None:
                 view = rows.take(view, s, 0, rows.selection_length(s, len(view)))
-            sv.store(var, view)
+            sv.store(rt, var, view)
 
 
 @handler(Command.SET_VALUE)
-def _set_value_worker(rt, payload):
-    _set_value_local(rt, payload)
+def _set_value_worker(rt, msg):
+    _set_value_local(rt, msg)
 
 
 def get_value(rank, shared_vars):
@@ -118,13 +128,19 @@ def get_value(rank, shared_vars):
     def after(_):
         arrays, _weight = rt.backend.collect()[rank]
         return sv.ret([np.array(a) for a in arrays], single)
-    return run_command(rt, Command.GET_VALUE, (rank, idx), after=after)
+    return run_command(rt, Command.GET_VALUE, GetValueMsg(rank, idx), after=after)
+
+
+class GetValueMsg(NamedTuple):
+    """GET_VALUE: rank ``rank`` sends its values of the variables to the master."""
+
+    rank: int
+    idx: list
 
 
 @handler(Command.GET_VALUE)
-def _get_value_worker(rt, payload):
-    rank, idx = payload
-    mine = [sv.get_array(rt.shareds[i]) for i in idx] if rt.rank == rank else None
+def _get_value_worker(rt, msg):
+    mine = [sv.get_array(rt.shareds[i]) for i in msg.idx] if rt.rank == msg.rank else None
     rt.backend.contribute(mine)
 
 
@@ -180,10 +196,16 @@ def _shapes(rt, idx):
         per_rank = [mine if q == rt.rank else [tuple(int(x) for x in a) for a in parts[q][0]]
                     for q in range(rt.n_parallel)]
         return [[per_rank[q][k] for q in range(rt.n_parallel)] for k in range(len(idx))]
-    return run_command(rt, Command.GET_SHAPES, idx, after=after)
+    return run_command(rt, Command.GET_SHAPES, GetShapesMsg(idx), after=after)
+
+
+class GetShapesMsg(NamedTuple):
+    """GET_SHAPES: every rank sends the shapes of its values of the variables."""
+
+    idx: list
 
 
 @handler(Command.GET_SHAPES)
-def _get_shapes_worker(rt, idx):
+def _get_shapes_worker(rt, msg):
     rt.backend.contribute([np.array(sv.raw(rt.shareds[i]).shape, dtype=np.int64)
-                           for i in idx])
+                           for i in msg.idx])

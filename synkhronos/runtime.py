@@ -32,11 +32,14 @@ class Runtime:
     closed: bool = False
     counter: object = field(default_factory=itertools.count)
     restore: list = field(default_factory=list)  # callables undoing fork() in master
-    check: object = None            # master: raises WorkerDiedError if a worker exited
+    check: object = None            # raises if another rank died (liveness.master_check/worker_check)
+    abandon: object = None          # process.abandon: stop everything after a fatal failure
     n_gpus: int = 0
     gpu_ids: list = field(default_factory=list)  # CUDA device ids, indexed round robin by rank
-    nccl: object = None             # comm.nccl_backend.NcclBackend, made on first NCCL use
-    nccl_off: str = None            # master: why NCCL is not used ("" if it is), once decided
+    cores: list = field(default_factory=list)    # usable cores, indexed by rank when pinning
+    janitor_fd: int = -1            # master: write end of the pipe the janitor watches
+    profile_workers: bool = False   # workers record a cProfile until QUIT
+    device_shareds: set = field(default_factory=set)  # ids of shared vars whose values live on the device
     jax_before_fork: bool = False   # JAX ran in the master before fork(): workers cannot
 
     @property

@@ -3,9 +3,10 @@
 Every read or write of a shared variable's value by a collective goes through
 ``get_array`` and ``store`` here, so a device mode that keeps values in device
 memory (JAX arrays) has one place to convert.  A variable's values live on the
-device when it holds a JAX array or a JAX function uses it (``function()``
-tags it ``synk_jax``): collectives then write JAX arrays back, as PyTensor's
-JAX backend does after an update, so the next call finds them on the device.
+device when it holds a JAX array or a JAX function uses it (``distribute()``
+records those in ``rt.device_shareds``): collectives then write JAX arrays
+back, as PyTensor's JAX backend does after an update, so the next call finds
+them on the device.
 """
 
 import numbers
@@ -15,7 +16,7 @@ from pytensor.compile import SharedVariable
 from pytensor.tensor import TensorType
 from pytensor.tensor.sharedvar import TensorSharedVariable
 
-from . import data_module, gpu
+from . import conditioning, data_module, gpu
 from . import split as rows
 
 
@@ -100,43 +101,24 @@ def value_list(values, n, single, where):
 def condition(rt, var, value, where, whole=True):
     """Check one value for ``var``; return a NumPy array or a Data object.
 
-    NumPy arrays must cast safely to the variable's dtype (as for function
-    inputs); other Python values are converted to it.  A Data object must
-    have the variable's dtype and ndim exactly.  ``whole``: the value becomes
-    the variable's value as it is (else the caller checks the rows it takes
+    Arrays and Python values follow ``conditioning.condition`` (lossless
+    casts only).  A Data object, which the ranks read in place, must have the
+    variable's dtype and ndim exactly.  ``whole``: the value becomes the
+    variable's value as it is (else the caller checks the rows it takes
     against lengths the variable's type fixes).
 
     Raises:
-        TypeError: the wrong dtype, or a value that does not convert.
-        ValueError: the wrong ndim or a shape the variable's type forbids, or
-            a Data object of a closed run or without memory.
+        TypeError: the wrong dtype or ndim, or a value that does not convert.
+        ValueError: a shape the variable's type forbids, or a Data object of a
+            closed run or without memory.
     """
-    dtype = np.dtype(var.dtype)
+    what = f"the value for {var}"
     if isinstance(value, data_module.Data):
-        if value._rt is not rt:
-            raise ValueError(f"{where}: the value for {var} is a Data object of a closed run")
-        if value.dtype != dtype:
-            raise TypeError(f"{where}: {var} needs dtype {dtype}; got Data of {value.dtype}")
-        if value.ndim != var.ndim:
-            raise ValueError(f"{where}: {var} needs ndim {var.ndim}; got Data of ndim {value.ndim}")
-        if value.data is None:
-            raise ValueError(f"{where}: the value for {var} is a Data object holding no memory")
+        data_module.check_data(value, rt, var.dtype, var.ndim, where, what)
         if whole:
             check_static_shape(var, value.data.shape, where)
         return value
-    if isinstance(value, np.ndarray):
-        if value.dtype != dtype:
-            if not np.can_cast(value.dtype, dtype, "safe"):
-                raise TypeError(f"{where}: {var} needs dtype {dtype}; got {value.dtype}")
-            value = value.astype(dtype)
-    else:
-        try:
-            value = np.asarray(value, dtype=dtype)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"{where}: cannot convert the value for {var} to {dtype}: {exc}") \
-                from exc
-    if value.ndim != var.ndim:
-        raise ValueError(f"{where}: {var} needs ndim {var.ndim}; got ndim {value.ndim}")
+    value = conditioning.condition(value, var.dtype, var.ndim, where, what)
     if whole:
         check_static_shape(var, value.shape, where)
     return value
@@ -150,11 +132,6 @@ def check_static_shape(var, shape, where):
                              f"got shape {tuple(shape)}")
 
 
-def describe(value):
-    """Return what a worker needs to find a Data object's memory."""
-    return (value._ID, value._dtype.str, value._data.shape, value._minibatch)
-
-
 def data_view(rt, desc):
     """Return this rank's view of a Data object described by ``describe``."""
     return data_module.view(rt, desc)
@@ -165,11 +142,11 @@ def raw(var):
     return var.get_value(borrow=True, return_internal_type=True)
 
 
-def on_device(var, value=None):
+def on_device(rt, var, value=None):
     """Return True if the variable's values live as device arrays (``value``: its raw value)."""
     if value is None:
         value = raw(var)
-    return type(value) is not np.ndarray or getattr(var.tag, "synk_jax", False)
+    return type(value) is not np.ndarray or id(var) in rt.device_shareds
 
 
 def get_array(var):
@@ -184,7 +161,7 @@ def get_array(var):
     return gpu.to_host(arr)
 
 
-def writable_out(var, dtype=None):
+def writable_out(rt, var, dtype=None):
     """Return the variable's storage if a collective may overwrite it in place, else None.
 
     Writing into the existing array spares an allocation and its page faults,
@@ -192,7 +169,7 @@ def writable_out(var, dtype=None):
     of the result's dtype, in host memory, that stays the variable's kind.
     """
     arr = raw(var)
-    if on_device(var, arr):
+    if on_device(rt, var, arr):
         return None
     return out_of(arr, dtype)
 
@@ -205,7 +182,7 @@ def out_of(arr, dtype=None):
     return None
 
 
-def store(var, result, out=None):
+def store(rt, var, result, out=None):
     """Make ``result`` the variable's value in this process.
 
     ``out`` is the storage handed to the backend as output buffer: if the
@@ -215,7 +192,7 @@ def store(var, result, out=None):
     if out is not None and result is out:
         return
     arr = raw(var)
-    if on_device(var, arr):
+    if on_device(rt, var, arr):
         _put(var, gpu.to_jax(result))
         return
     result = gpu.to_host(result)
@@ -226,7 +203,7 @@ def store(var, result, out=None):
         var.set_value(np.array(result, dtype=var.dtype), borrow=True)
 
 
-def adopt(var, value, user=None):
+def adopt(rt, var, value, user=None):
     """Make ``value``, an array a backend handed over for keeping, the variable's value.
 
     No copy, unless ``value`` is ``user`` (an array the caller was given,
@@ -236,33 +213,35 @@ def adopt(var, value, user=None):
     arr = raw(var)
     if value is arr:
         return
-    if on_device(var, arr):
+    if on_device(rt, var, arr):
         _put(var, gpu.to_jax(value))
         return
     if value is user:
         value = np.array(value)
+    elif type(value) is not np.ndarray:
+        value = gpu.to_host(value)
     var.set_value(value, borrow=True)
 
 
-def keep(var, value):
+def keep(rt, var, value):
     """``adopt`` after a collective that did not change the value (gather, a broadcast's root).
 
     A host variable takes the backend's buffer (which the other ranks may
     read in place next time); a device variable keeps its own value.
     """
-    if not on_device(var):
-        adopt(var, value)
+    if not on_device(rt, var):
+        adopt(rt, var, value)
 
 
-def like(var, value):
+def like(rt, var, value):
     """Return ``value`` in the variable's kind: a JAX array or a NumPy array."""
-    return gpu.to_jax(value) if on_device(var) else gpu.to_host(value)
+    return gpu.to_jax(value) if on_device(rt, var) else gpu.to_host(value)
 
 
-def place(var):
-    """Move a tagged variable's host value to the device (after distribute(), every rank)."""
+def place(rt, var):
+    """Move a device variable's host value to the device (after distribute(), every rank)."""
     arr = raw(var)
-    if type(arr) is np.ndarray and getattr(var.tag, "synk_jax", False):
+    if type(arr) is np.ndarray and id(var) in rt.device_shareds:
         _put(var, gpu.to_jax(arr))
 
 
@@ -279,7 +258,7 @@ def ret(results, single):
 
 def descs(items):
     """Data objects travel as descriptors (workers read them in place); arrays as None."""
-    return [describe(v) if isinstance(v, data_module.Data) else None for v in items]
+    return [v.describe() if isinstance(v, data_module.Data) else None for v in items]
 
 
 def select(sel, length, var, where):

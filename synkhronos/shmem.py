@@ -7,6 +7,8 @@ import os
 import numpy as np
 import posix_ipc
 
+from .liveness import pid_alive
+
 logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
@@ -37,6 +39,7 @@ class SharedArray:
         finally:
             shm.close_fd()
         self.owner = create
+        self._views = {}  # (dtype str, shape) -> view, for views asked for again and again
 
     @classmethod
     def attach(cls, name, nbytes):
@@ -54,6 +57,19 @@ class SharedArray:
         for s in shape:
             count *= int(s)
         return np.frombuffer(self._mmap, dtype, count, offset).reshape(shape)
+
+    def cached_view(self, dtype, shape):
+        """Return a view of the segment's start as ``shape`` of ``dtype``, made once per pair.
+
+        Calls repeat the same shapes, and making a view costs about 1 us.
+        """
+        key = (dtype, shape)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) > 64:
+                self._views.clear()
+            v = self._views[key] = self.view(dtype, shape)
+        return v
 
     @property
     def buffer(self):
@@ -116,14 +132,3 @@ def sweep_stale():
     if removed:
         logger.info("removed %d stale shared-memory segments", len(removed))
     return removed
-
-
-def pid_alive(pid):
-    """Return whether a process with this pid exists."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

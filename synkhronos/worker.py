@@ -4,26 +4,23 @@ import logging
 import os
 import time
 
-from .control import ABORTED, FAILED, HANDLERS, OK, Command
+# Importing the command modules registers their handlers in HANDLERS.
+from . import collectives, data_module, distribute, function_module  # noqa: F401
+from .control import ABORTED, FAILED, HANDLERS, OK, Command, rank_header
 from .errors import CommAborted
-from .process import worker_check
 
 logger = logging.getLogger(__name__)
 
 
 def loop(rt):
     """Serve commands until QUIT; never returns to the caller's code."""
-    # Importing these registers their handlers (fork copied them already; this
-    # keeps the table complete even if the master imported less).
-    from . import collectives, data_module, distribute, function_module  # noqa: F401
-
     control = rt.control
     rank = rt.rank
     log = logging.LoggerAdapter(logger, {"rank": rank})
-    check = worker_check(rt)
-    header = f"rank {rank} of {rt.n_parallel} (pid {os.getpid()})"
+    check = rt.check
+    header = rank_header(rank, rt.n_parallel)
     profiler = None
-    if getattr(rt, "profile_workers", False):
+    if rt.profile_workers:
         import cProfile
         profiler = cProfile.Profile()
         profiler.enable()
@@ -40,7 +37,7 @@ def loop(rt):
             HANDLERS[cmd](rt, payload)
         except CommAborted:
             status = ABORTED
-        except BaseException as exc:  # noqa: B036 - everything goes back to the master
+        except BaseException as exc:  # noqa: BLE001 - everything goes back to the master
             control.write_error(rank, header, exc)
             control.abort(seq)
             status = FAILED

@@ -68,7 +68,7 @@ def _child(write_fd, fn, args):
                 synk.close()
         mine = [n for n in os.listdir("/dev/shm") if n.startswith(f"synk_{os.getpid()}_")]
         assert not mine, f"segments left in /dev/shm: {mine}"
-    except BaseException:  # noqa: B036 - everything goes back to the test
+    except BaseException:  # noqa: BLE001 - everything goes back to the test
         msg = traceback.format_exc()
     data = msg.encode()
     while data:

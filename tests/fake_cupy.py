@@ -112,20 +112,20 @@ class NcclCommunicator:
         rt = get_runtime()
         assert rank == rt.rank and ndev == rt.n_parallel, (rank, ndev)
         # NCCL joins ranks holding the same id; check that every rank got the master's.
-        ids = rt.backend.all_gather([np.array(uid, dtype=np.int64)])
+        ids = rt.backend.host.all_gather([np.array(uid, dtype=np.int64)])
         assert all(np.array_equal(ids[q][0], ids[0][0]) for q in range(ndev)), "uids differ"
         LOG.append(("comm", uid))
         self.alive = True
 
     def allReduce(self, send, recv, count, dtype, op, stream):  # noqa: N802
         rt = _data_call("allReduce", count)
-        got = rt.backend.all_reduce([_view(send, count, _DTYPE_OF[dtype]).copy()],
+        got = rt.backend.host.all_reduce([_view(send, count, _DTYPE_OF[dtype]).copy()],
                                     _OP_NAMES[op])
         _view(recv, count, _DTYPE_OF[dtype])[:] = got[0]
 
     def reduce(self, send, recv, count, dtype, op, root, stream):
         rt = _data_call("reduce", count)
-        got = rt.backend.reduce([_view(send, count, _DTYPE_OF[dtype]).copy()],
+        got = rt.backend.host.reduce([_view(send, count, _DTYPE_OF[dtype]).copy()],
                                 _OP_NAMES[op], root)
         if rt.rank == root:
             _view(recv, count, _DTYPE_OF[dtype])[:] = got[0]
@@ -134,13 +134,13 @@ class NcclCommunicator:
         rt = _data_call("broadcast", count)
         mine = rt.rank == root
         data = [_view(send, count, _DTYPE_OF[dtype]).copy()] if mine else None
-        got = rt.backend.broadcast(data, root)
+        got = rt.backend.host.broadcast(data, root)
         if not mine:
             _view(recv, count, _DTYPE_OF[dtype])[:] = got[0]
 
     def allGather(self, send, recv, count, dtype, stream):  # noqa: N802
         rt = _data_call("allGather", count)
-        got = rt.backend.all_gather([_view(send, count, _DTYPE_OF[dtype]).copy()])
+        got = rt.backend.host.all_gather([_view(send, count, _DTYPE_OF[dtype]).copy()])
         _view(recv, count * rt.n_parallel, _DTYPE_OF[dtype])[:] = np.concatenate(
             [got[q][0] for q in range(rt.n_parallel)])
 
@@ -154,7 +154,9 @@ class NcclCommunicator:
 
 
 def install():
-    """Register the fake as ``cupy`` in sys.modules; return the nccl module."""
+    """Register the fake as ``cupy`` in sys.modules, with an empty log; return the nccl module."""
+    LOG.clear()
+    _CALLS[0] = 0
     cupy = types.ModuleType("cupy")
     cuda = types.ModuleType("cupy.cuda")
     nccl = types.ModuleType("cupy.cuda.nccl")

@@ -29,7 +29,7 @@ def pytest_runtest_protocol(item, nextitem):
             reports = runtestprotocol(item, log=False, nextitem=None)
             blob = pickle.dumps([hook.pytest_report_to_serializable(config=item.config, report=r)
                                  for r in reports])
-        except BaseException:  # noqa: B036 - reported as the test's failure
+        except BaseException:  # noqa: BLE001 - reported as the test's failure
             blob = pickle.dumps(traceback.format_exc())
         with os.fdopen(write_fd, "wb") as f:
             f.write(blob)

@@ -79,6 +79,21 @@ def test_construction_and_attributes(forked, rng):
     assert o2.alloc_size == 32
 
 
+def test_values_follow_pytensors_casting_rule(forked):
+    forked(1)
+    # lossless casts are silent; Python values convert when no value changes
+    a = synk.data(np.arange(3, dtype=np.int8), dtype="int64")
+    assert a.dtype == np.int64 and a.data.tolist() == [0, 1, 2]
+    assert synk.data([1, 2], dtype="float32").data.tolist() == [1.0, 2.0]
+    assert synk.data([0.5], dtype="float32").dtype == np.float32   # floats to floatX
+    with pytest.raises(TypeError, match="data: input_data needs dtype int32; its values change"):
+        synk.data([1.5, 2], dtype="int32")
+    assert synk.data([1.5, 2], dtype="int32", force_cast=True).data.tolist() == [1, 2]
+    # only numeric dtypes
+    with pytest.raises(TypeError, match="numeric"):
+        synk.data(["a", "bb"])
+
+
 def test_construction_errors(forked):
     forked(1)
     rt = get_runtime()
@@ -99,10 +114,11 @@ def test_construction_errors(forked):
     # dtype and var disagreeing, ndim disagreeing
     with pytest.raises(TypeError, match="dtype"):
         synk.data(var=pt.fmatrix(), dtype="float64")
-    with pytest.raises(ValueError, match="ndim"):
+    with pytest.raises(TypeError, match="ndim"):
         synk.data(var=pt.fmatrix(), ndim=3)
-    with pytest.raises(ValueError, match="ndim"):
+    with pytest.raises(TypeError, match="ndim"):
         synk.data(np.zeros(3, dtype=np.float32), var=pt.fmatrix())
+
     with pytest.raises(TypeError, match="var"):
         synk.data(var=3)
     with pytest.raises(ValueError, match="oversize"):
@@ -130,13 +146,17 @@ def test_set_value_length_shape_and_free_memory_in_the_master(forked, rng):
     np.testing.assert_array_equal(d.data, y)
     assert d.shape == (10, 2) and d.alloc_size == 24 and d._seg.name == seg
 
-    # wrong dtype needs force_cast; wrong ndim is refused
-    with pytest.raises(TypeError, match="force_cast"):
-        d.set_value(y.astype(np.float32))
+    # a lossy cast needs force_cast, a lossless one is silent (PyTensor's rule);
+    # a wrong ndim is a TypeError, as everywhere
+    with pytest.raises(TypeError, match="set_value: input_data needs dtype float64; got complex128"):
+        d.set_value(y.astype(np.complex128))
     np.testing.assert_array_equal(d.data, y)             # unchanged
-    d.set_value(y.astype(np.float32), force_cast=True)
-    np.testing.assert_allclose(d.data, y.astype(np.float32))
-    with pytest.raises(ValueError, match="ndim"):
+    d.set_value(y.astype(np.complex128) + 0j, force_cast=True)
+    np.testing.assert_array_equal(d.data, y)
+    d.set_value(y.astype(np.float32))
+    assert d.dtype == np.float64
+    np.testing.assert_array_equal(d.data, y.astype(np.float32).astype(np.float64))
+    with pytest.raises(TypeError, match="set_value: input_data needs ndim 2; got ndim 1"):
         d.set_value(np.zeros(4))
     with pytest.raises(ValueError, match="oversize"):
         d.set_value(y, oversize=2.5)
@@ -180,9 +200,11 @@ def test_set_value_length_shape_and_free_memory_in_the_master(forked, rng):
     assert c.dtype == np.float64 and c.shape == (1, 3)
     c = d.condition_data(np.ones((2, 3), dtype=np.int64), force_cast=True)
     assert c.dtype == np.float64
-    with pytest.raises(TypeError, match="force_cast"):
-        d.condition_data(np.ones((2, 3), dtype=np.int64))
-    with pytest.raises(ValueError, match="ndim"):
+    assert d.condition_data(np.ones((2, 3), dtype=np.int64)).dtype == np.float64  # lossless
+    with pytest.raises(TypeError, match="condition_data: input_data needs dtype float64; "
+                                         "got complex64.*force_cast"):
+        d.condition_data(np.ones((2, 3), dtype=np.complex64))
+    with pytest.raises(TypeError, match="condition_data: input_data needs ndim 2"):
         d.condition_data(np.ones(3))
     np.testing.assert_array_equal(d.data, before)
 

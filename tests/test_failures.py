@@ -51,6 +51,8 @@ class FailIn(Op):
         if rank in ranks:
             if self.kind == "nopickle":
                 raise NoPickle("no", "pickle")
+            if self.kind == "value":
+                raise ValueError(f"bad value in rank {rank}")
             raise Boom(f"boom in rank {rank}")
         outputs[0][0] = x.copy()
 
@@ -146,14 +148,36 @@ def test_exception_in_a_worker_reaches_the_master(forked, rng):
     assert "NoPickle" in info.value.failures[2]
     np.testing.assert_allclose(g(d, ranks()), x.sum(axis=0), rtol=1e-12)
 
-    # the master's own share raising: the master's exception itself propagates
-    with pytest.raises(Boom, match="boom in rank 0"):
+    # the master's own share raising: the same WorkerError as for any rank,
+    # and the workers' failures are not dropped
+    with pytest.raises(synk.WorkerError, match="boom in rank 0") as info:
         f(d, ranks(0))
+    assert info.value.rank == 0 and isinstance(info.value.__cause__, Boom)
+    assert set(info.value.failures) == {0} and "rank 0 of 3" in info.value.failures[0]
     np.testing.assert_allclose(f(d, ranks()), x.sum(axis=0), rtol=1e-12)
-    with pytest.raises(Boom, match="boom in rank 0"):
+    with pytest.raises(synk.WorkerError, match="boom in rank 0") as info:
         f(d, ranks(0, 2))
+    assert set(info.value.failures) == {0, 2} and "1 other rank" in str(info.value)
+    assert "boom in rank 2" in info.value.failures[2]
     np.testing.assert_allclose(f(d, ranks()), x.sum(axis=0), rtol=1e-12)
     assert all(p.is_alive() for p in get_runtime().procs.values())
+
+
+def test_the_same_bug_raises_the_same_type_in_every_rank(forked, rng):
+    forked(3)
+    f = _build(FailIn("value"))
+    synk.distribute()
+    d = synk.data(rng.standard_normal((6, 2)))
+    for rank in (0, 1, 2):                      # the master is rank 0
+        with pytest.raises(ValueError, match=f"bad value in rank {rank}") as info:
+            f(d, synk.data(np.array([rank])))
+        err = info.value
+        assert isinstance(err, synk.WorkerError) and err.rank == rank
+        assert type(err.__cause__) is ValueError and set(err.failures) == {rank}
+    with pytest.raises(synk.WorkerError) as info:
+        f(d, synk.data(np.array([0, 1, 2])))
+    assert set(info.value.failures) == {0, 1, 2}
+    assert all(f"bad value in rank {r}" in info.value.failures[r] for r in range(3))
 
 
 def test_exception_with_master_rank_one(forked, rng):
@@ -165,8 +189,9 @@ def test_exception_with_master_rank_one(forked, rng):
     with pytest.raises(synk.WorkerError) as info:
         f(d, synk.data(np.array([0])))
     assert info.value.rank == 0 and isinstance(info.value.__cause__, Boom)
-    with pytest.raises(Boom):
+    with pytest.raises(synk.WorkerError) as info:   # the master, rank 1: the same error
         f(d, synk.data(np.array([1])))
+    assert info.value.rank == 1 and isinstance(info.value.__cause__, Boom)
     np.testing.assert_allclose(f(d, synk.data(np.array([-1]))), x.sum(axis=0), rtol=1e-12)
 
 

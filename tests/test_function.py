@@ -381,7 +381,7 @@ def test_as_theano_runs_in_the_master_only(env, xd):
 
 # ---- batch_s and sliceable shared variables ----------------------------------
 
-def _scatter_S(e, rng):
+def _scatter_S(e, rng):  # noqa: N802 - S is the variable's name
     """Give each rank its rows of a fresh array in S; return the per-rank values."""
     x = rng.standard_normal((N_ROWS, 3))
     e.f_scatter_S(synk.data(x))

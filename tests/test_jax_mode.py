@@ -237,11 +237,9 @@ def _case_nccl_path(n):
     child.enable_jax()
     fake_cupy.install()
     run_all = child.on_every_rank()
+    # As in GPU mode with one GPU per rank: the NCCL backend, wrapping shared memory.
+    os.environ["SYNK_BACKEND"] = "nccl"
     synk.fork(n, use_gpu=False)
-    from synkhronos import nccl_collectives as ncc
-
-    # As in GPU mode with one GPU per rank (the master decides for every rank).
-    ncc.wanted = lambda rt, nccl: bool(nccl)
     v = pytensor.shared(np.zeros(5, "float32"), name="v")
     d = pytensor.shared(np.zeros((3, 4)), name="d")
     i = pytensor.shared(np.zeros(4, "int32"), name="i")
@@ -355,10 +353,8 @@ def _case_nccl_reconnects():
     fake_cupy.install()
     fake_cupy.FAIL.update(rank=1, call=2)       # rank 1's second NCCL call raises
     child.on_every_rank()
+    os.environ["SYNK_BACKEND"] = "nccl"
     synk.fork(2, use_gpu=False)
-    from synkhronos import nccl_collectives as ncc
-
-    ncc.wanted = lambda rt, nccl: bool(nccl)
     v = pytensor.shared(np.zeros(3), name="v")
     synk.function([], v.sum(), mode="JAX")
     synk.distribute()

@@ -1,12 +1,18 @@
 """Communication backends: one name-to-class table, imported on demand."""
 
 import importlib
+import logging
+import os
 
+from .. import gpu
 from ..errors import BackendUnavailableError
+
+logger = logging.getLogger(__name__)
 
 _BACKENDS = {
     "shm": ("synkhronos.comm.shm_backend", "ShmBackend", None),
     "zmq": ("synkhronos.comm.zmq_backend", "ZmqBackend", "pyzmq"),
+    "nccl": ("synkhronos.comm.nccl_backend", "NcclBackend", "cupy-cuda12x"),
 }
 
 
@@ -31,3 +37,22 @@ def get_backend(name):
         raise BackendUnavailableError(
             f"the {name} backend needs the package {package}: pip install {package}") from exc
     return getattr(mod, cls)
+
+
+def choose_backend(device, n_parallel, n_gpus):
+    """Return the name of the backend a run uses: ``SYNK_BACKEND``, else the device's default.
+
+    GPU mode takes NCCL when every rank has a GPU of its own and CuPy with
+    NCCL is installed; otherwise (a WARNING says why) shared memory, as CPU
+    mode does.
+    """
+    name = os.environ.get("SYNK_BACKEND")
+    if name:
+        return name
+    if device != "gpu":
+        return "shm"
+    why = gpu.nccl_unavailable(n_parallel, n_gpus)
+    if why:
+        logger.warning("NCCL not used (%s); GPU collectives go through host memory", why)
+        return "shm"
+    return "nccl"

@@ -1,7 +1,7 @@
 """Backend: the collective operations every communication backend provides.
 
-Backends know arrays, not PyTensor: every method takes NumPy arrays (a list,
-one entry per variable) and returns NumPy arrays.  Every rank of the command
+Backends know arrays and ranks, not PyTensor: every method takes a list of
+arrays (one entry per variable) and returns a list.  Every rank of a command
 calls the same method with the same ``op``, ``root`` and number of arrays.
 
 Arrays returned by broadcast, gather, all_gather and scatter may be views into
@@ -12,45 +12,76 @@ ones, or the ``out`` buffers given (``out`` is a list with one array or None
 per input; an entry of another shape or dtype than the result is ignored).
 ``out`` may be the input array itself.
 
-``keys`` (all_reduce, broadcast, gather) name one persistent buffer per array, e.g.
-a shared variable's index.  With keys, every result is the caller's to keep
-as its array: an ``out`` entry, a fresh array, or a buffer the backend keeps
-per key and writes again only in later calls with that key (the shm
-backend's homes, which the other ranks read in place, so an array passed
-back in costs no copy).  A root's results are its own input arrays unless
-replaced by such buffers; with keys, gather returns on a non-root rank
-the arrays it should keep (its own, or such buffers).  With keys,
-all_reduce needs arrays from every rank.
+``keys`` (all_reduce, broadcast, gather) name one persistent buffer per
+array, e.g. a shared variable's index.  With keys, every result is the
+caller's to keep as its array: an ``out`` entry, a fresh array, or a buffer
+the backend keeps per key and writes again only in later calls with that key
+(``is_kept`` tells which), so an array passed back in may cost no copy.  A
+root's results are its own input arrays unless replaced by such buffers; with
+keys, gather returns on a non-root rank the arrays it should keep (its own,
+or such buffers).  With keys, all_reduce needs arrays from every rank.
+
+A device backend (``device_arrays``) also takes device arrays and returns
+its results as device arrays; ``host`` is the backend that moves host memory
+(the backend itself, or the one a device backend wraps).
 """
 
 from abc import ABC, abstractmethod
+
+import numpy as np
+
+from .. import reducers
+from . import parts
+
+# Below this many bytes in all, splitting a reduction across ranks costs more
+# (an extra round of synchronisation) than it saves.
+SPLIT_BYTES = 1 << 18
+
+
+def _never_aborted():
+    pass
 
 
 class Backend(ABC):
     """Collectives among the ranks of one run.  Created in the master before fork."""
 
+    device_arrays = False
+
     def __init__(self, rt, spin_s):
         self.rt = rt
+        self.spin_s = spin_s
         self.seq = 0
-        self._check = None
         self.n_parallel = rt.n_parallel
+        self.master_rank = rt.master_rank
         self.max_n_var = rt.max_n_var
         self.max_dim = rt.max_dim
+        self.check = _never_aborted
 
     @property
     def rank(self):
         """This process's rank (the runtime's, which fork() sets in each worker)."""
         return self.rt.rank
 
-    def _get_check(self):
-        """Return (once per command) the check that raises on a dead or aborted rank."""
-        if self._check is None:
-            from ..process import backend_check  # process imports the backends
-            self._check = backend_check(self.rt, self.seq)
-        return self._check
+    @property
+    def host(self):
+        """The backend that moves host memory: this one."""
+        return self
+
+    def bind_check(self, check):
+        """Set the check every wait calls: it raises if a rank died or aborted the command.
+
+        Called once in every process, after fork; a backend never builds it
+        itself, so it needs nothing from the modules that start processes.
+        """
+        self.check = check
 
     def begin(self, seq):
-        """Start command ``seq``: reset per-command state, arm the abort check."""
+        """Start command ``seq``: reset per-command state."""
+        self.seq = seq
+
+    def is_kept(self, key, array):
+        """Whether ``array`` is the buffer this backend keeps for ``key`` (then it costs no copy)."""
+        return False
 
     @abstractmethod
     def barrier(self):
@@ -98,7 +129,6 @@ class Backend(ABC):
         barrier, so no extra synchronisation is needed.
         """
 
-    @abstractmethod
     def collect(self):
         """Root side of ``contribute``, after the end barrier.
 
@@ -106,6 +136,54 @@ class Backend(ABC):
         contribution); the root's own entry is None.  Arrays may be views
         into communication buffers, valid until the next command.
         """
+        out = []
+        for q in range(self.n_parallel):
+            if q == self.rank:
+                out.append(None)
+                continue
+            arrays, weight = self._contribution(q)
+            out.append(None if arrays is None else (arrays, weight))
+        return out
+
+    @abstractmethod
+    def _contribution(self, q):
+        """Return ``(arrays or None, weight)`` that rank ``q`` contributed in this command."""
 
     def close(self):
         """Release what the backend holds; called once in every process."""
+
+    # Shared by the host backends.
+    def _one_rank(self, arrays, op, out):
+        """A reduction over one rank: this rank's arrays, converted as the op would."""
+        if arrays is None:
+            return []
+        ops = parts.op_list(op, len(arrays))
+        return [parts.local_result(o, a, parts.out_entry(out, i))
+                for i, (o, a) in enumerate(zip(ops, arrays))]
+
+    def _split_plan(self, arrays, ops, weight):
+        """Per-rank parts for a reduction worth splitting across ranks, else None.
+
+        Worth it for unweighted reductions of many bytes whose result keeps
+        the inputs' dtype (the parts are reduced in place).
+        """
+        if (arrays is None or weight is not None
+                or sum(a.nbytes for a in arrays) < SPLIT_BYTES
+                or any(reducers.result_dtype(o, a.dtype) != a.dtype
+                       for o, a in zip(ops, arrays))):
+            return None
+        return parts.plan(arrays, self.n_parallel)
+
+    def _check_scatter(self, per_rank):
+        """Raise ValueError unless ``per_rank`` has one equally long list per rank."""
+        n = len(per_rank[0]) if per_rank else 0
+        if len(per_rank) != self.n_parallel or any(len(e) != n for e in per_rank):
+            raise ValueError("scatter: give one list per rank, all of the same length")
+        return n
+
+
+def as_arrays(arrays):
+    """NumPy views of ``arrays`` (None stays None): device and other array types are read here."""
+    if arrays is None:
+        return None
+    return [a if type(a) is np.ndarray else np.asarray(a) for a in arrays]

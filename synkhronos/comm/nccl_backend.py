@@ -1,11 +1,12 @@
 """NCCL backend: collectives on device arrays through cupy.cuda.nccl, buffers passed by DLPack.
 
-It works beside the host backend (``rt.backend``, shared memory), not instead
-of it: every collective first exchanges a small header (dtypes and shapes,
-and whether the rank has a communicator) through the host backend, so that
-all ranks decide alike, before any rank enters NCCL, whether the call can run
-there.  Calls NCCL cannot run exactly (shapes that differ between ranks, a
-dtype or op NCCL lacks) return None and the caller takes the host path; NCCL
+A backend like the others, chosen in GPU mode with one GPU per rank.  It
+wraps a host backend (shared memory) and delegates to it whatever NCCL cannot
+do exactly: every collective first exchanges a small header (dtypes and
+shapes, and whether the rank has a communicator) through the host backend, so
+that all ranks decide alike, before any rank enters NCCL, whether the call
+can run there.  Shapes that differ between ranks, a dtype or op NCCL lacks,
+weighted averages, scatter and function results take the host path; NCCL
 itself would hang on counts that differ, or crop and pad gathered data
 silently (the original's caveat).
 
@@ -14,9 +15,10 @@ collective that finds a rank without one has the master rank make a unique
 id and broadcast it through the host backend.  A communicator aborted after a
 failure is replaced the same way by the next collective.
 
-Inputs are read in place (JAX arrays via DLPack); results go into fresh
-buffers, never into JAX's, which JAX assumes immutable.  Waits for the GPU
-poll the stream and check that every rank is alive, so no wait is unbounded.
+Inputs are read in place (JAX arrays via DLPack; NumPy arrays are copied to
+the device); NCCL results are CuPy arrays in fresh buffers, never JAX's,
+which JAX assumes immutable.  Waits for the GPU poll the stream and run the
+command's check, so no wait is unbounded.
 """
 
 import contextlib
@@ -26,6 +28,9 @@ import time
 import numpy as np
 
 from .. import gpu
+from . import parts
+from .base import Backend
+from .shm_backend import ShmBackend
 
 logger = logging.getLogger(__name__)
 
@@ -97,38 +102,65 @@ def parse_header(hdr):
     return out
 
 
-class NcclBackend:
+class NcclBackend(Backend):
     """Collectives on device arrays among the ranks of one run, one GPU per rank.
 
-    Has the methods of ``comm.base.Backend`` that move device data
-    (all_reduce, reduce, broadcast, gather, all_gather) and returns CuPy
-    arrays; each returns None when the call must take the host path instead.
-    Created lazily in every rank (``rt.nccl``); every rank of a command calls
-    the same method with the same arguments, as with any backend.
+    NCCL results are CuPy arrays; results of the host path are NumPy arrays.
+    The communicator and the CUDA stream are made on first use, after fork:
+    the master must not touch CUDA before its workers exist.
 
     Raises:
         BackendUnavailableError: CuPy or NCCL is not installed.
     """
 
-    def __init__(self, rt):
-        self.cupy, self.nccl = gpu.import_cupy()
-        self.rt = rt
-        self.n_parallel = rt.n_parallel
-        self.comm = None
-        # Its own stream: NCCL kernels queue behind nothing else, and waiting
-        # for them waits for nothing else.
-        self.stream = self.cupy.cuda.Stream(non_blocking=True)
+    device_arrays = True
 
-    @property
-    def rank(self):
-        return self.rt.rank
+    def __init__(self, rt, spin_s, host_backend=ShmBackend):
+        super().__init__(rt, spin_s)
+        self.cupy, self.nccl = gpu.import_cupy()
+        self._host = host_backend(rt, spin_s)
+        self.comm = None
+        self._stream = None
 
     @property
     def host(self):
-        """The host backend: headers and the unique id travel there."""
-        return self.rt.backend
+        """The wrapped host backend: headers, the unique id and the host path go there."""
+        return self._host
 
-    # ---- agreement and the communicator ----------------------------------
+    @property
+    def stream(self):
+        # Its own stream: NCCL kernels queue behind nothing else, and waiting
+        # for them waits for nothing else.
+        if self._stream is None:
+            self._stream = self.cupy.cuda.Stream(non_blocking=True)
+        return self._stream
+
+    def bind_check(self, check):
+        super().bind_check(check)
+        self._host.bind_check(check)
+
+    def begin(self, seq):
+        self.seq = seq
+        self._host.begin(seq)
+
+    def is_kept(self, key, array):
+        return self._host.is_kept(key, array)
+
+    def barrier(self):
+        self._host.barrier()
+
+    def scatter(self, per_rank, root):
+        return self._host.scatter(per_rank, root)
+
+    def contribute(self, arrays, weight=1.0):
+        self._host.contribute(_to_host(arrays), weight)
+
+    def _contribution(self, q):
+        raise NotImplementedError  # collect() goes to the host backend whole
+
+    def collect(self):
+        return self._host.collect()
+
     def _agree(self, values):
         """Exchange headers through the host backend; return every rank's (parsed) header.
 
@@ -136,19 +168,19 @@ class NcclBackend:
         connects, or none.
         """
         mine = np.concatenate([[0 if self.comm is None else 1], header(values)])
-        parts = self.host.all_gather([mine])
+        got = self._host.all_gather([mine])
         # Copies: the host backend's results are valid until its next call.
-        hdrs = [np.array(parts[q][0]) for q in range(self.n_parallel)]
+        hdrs = [np.array(got[q][0]) for q in range(self.n_parallel)]
         if any(h[0] == 0 for h in hdrs):
             self._connect()
         return [parse_header(h[1:]) for h in hdrs]
 
     def _connect(self):
-        root = self.rt.master_rank
+        root = self.master_rank
         uid = None
         if self.rank == root:
             uid = [np.array(self.nccl.get_unique_id(), dtype=np.int64)]
-        got = self.host.broadcast(uid, root)
+        got = self._host.broadcast(uid, root)
         uid = tuple(int(x) for x in got[0])
         self._drop()
         t0 = time.perf_counter()
@@ -161,7 +193,7 @@ class NcclBackend:
         if comm is not None:
             try:
                 comm.destroy()
-            except Exception:  # a broken communicator: nothing left to release
+            except Exception:  # noqa: BLE001 - a broken communicator: nothing left to release
                 pass
 
     def _abort(self):
@@ -169,7 +201,7 @@ class NcclBackend:
         if comm is not None:
             try:
                 comm.abort()
-            except Exception:  # aborting is best effort; the next call reconnects
+            except Exception:  # noqa: BLE001 - aborting is best effort; the next call reconnects
                 pass
 
     @contextlib.contextmanager
@@ -183,12 +215,11 @@ class NcclBackend:
 
     def _wait(self):
         """Wait for this collective's NCCL work; raise if a rank died or aborted meanwhile."""
-        check = self.host._get_check()
         stream = self.stream
         spins = 0
         while not stream.done:
             try:
-                check()
+                self.check()
             except BaseException:
                 # The other ranks may never join: free the GPU from the waiting kernels.
                 self._abort()
@@ -230,14 +261,11 @@ class NcclBackend:
     def _same(hdrs):
         return all(h == hdrs[0] for h in hdrs[1:])
 
-    # ---- collectives ---------------------------------------------------
-    def all_reduce(self, values, op):
-        """Reduce device arrays over all ranks; return the results on every rank (or None)."""
-        hdrs = self._agree(values)
-        names = self._reduce_names(hdrs, op)
+    def all_reduce(self, arrays, op, weight=None, out=None, keys=None):
+        names = None if weight is not None else self._reduce_names(self._agree(arrays), op)
         if names is None:
-            return None
-        src = self._prepare(values)
+            return self._host.all_reduce(_to_host(arrays), op, weight, out, keys)
+        src = self._prepare(arrays)
         dst = [self._empty(s.shape, s.dtype) for s in src]
 
         def launch():
@@ -246,15 +274,13 @@ class NcclBackend:
                     self.comm.allReduce(s.data.ptr, d.data.ptr, s.size, self._const(ndt),
                                         self._const(nop), self.stream.ptr)
         self._run(launch, lambda: self._scale(dst, op))
-        return dst
+        return _into(dst, out)
 
-    def reduce(self, values, op, root):
-        """Reduce device arrays into ``root``; return the results there, Nones elsewhere (or None)."""
-        hdrs = self._agree(values)
-        names = self._reduce_names(hdrs, op)
+    def reduce(self, arrays, op, root, weight=None, out=None):
+        names = None if weight is not None else self._reduce_names(self._agree(arrays), op)
         if names is None:
-            return None
-        src = self._prepare(values)
+            return self._host.reduce(_to_host(arrays), op, root, weight, out)
+        src = self._prepare(arrays)
         mine = self.rank == root
         # Only the root receives; elsewhere NCCL ignores the receive buffer.
         dst = [self._empty(s.shape, s.dtype) if mine else s for s in src]
@@ -265,19 +291,15 @@ class NcclBackend:
                     self.comm.reduce(s.data.ptr, d.data.ptr, s.size, self._const(ndt),
                                      self._const(nop), root, self.stream.ptr)
         self._run(launch, (lambda: self._scale(dst, op)) if mine else None)
-        return dst if mine else [None] * len(src)
+        return _into(dst, out) if mine else None
 
-    def broadcast(self, values, root):
-        """Return the root's device arrays on every rank (others pass None), or None.
-
-        The root gets its own ``values`` back.
-        """
-        hdrs = self._agree(values if self.rank == root else None)
-        meta = hdrs[root]
+    def broadcast(self, arrays, root, out=None, keys=None):
+        mine = self.rank == root
+        meta = self._agree(arrays if mine else None)[root]
         if any(name is None for name, _ in meta):
-            return None
-        if self.rank == root:
-            bufs = self._prepare(values)
+            return self._host.broadcast(_to_host(arrays) if mine else None, root, out, keys)
+        if mine:
+            bufs = self._prepare(arrays)
         else:
             bufs = [self._empty(shape, name) for name, shape in meta]
 
@@ -288,12 +310,27 @@ class NcclBackend:
                     self.comm.broadcast(b.data.ptr, b.data.ptr, b.nbytes,
                                         self._const("NCCL_UINT8"), root, self.stream.ptr)
         self._run(launch)
-        return list(values) if self.rank == root else bufs
+        return list(arrays) if mine else _into(bufs, out)
 
-    def all_gather(self, values):
-        """Return on every rank each array stacked over ranks, shape ``(n, *shape)``, or None.
+    def all_gather(self, arrays):
+        stacked = self._all_gather(arrays)
+        if stacked is None:
+            return self._host.all_gather(_to_host(arrays))
+        return [[d[q] for d in stacked] for q in range(self.n_parallel)]
 
-        None (the host path) unless every rank's arrays have the same shapes.
+    def gather(self, arrays, root, keys=None):
+        # NCCL has no gather: an all_gather whose result only the root keeps.
+        stacked = self._all_gather(arrays)
+        if stacked is None:
+            return self._host.gather(_to_host(arrays), root, keys)
+        if self.rank != root:
+            return None if keys is None else list(arrays)
+        return [[d[q] for d in stacked] for q in range(self.n_parallel)]
+
+    def _all_gather(self, values):
+        """Each array stacked over ranks, shape ``(n, *shape)``; None for the host path.
+
+        NCCL only when every rank's arrays have the same shapes.
         """
         hdrs = self._agree(values)
         if not self._same(hdrs) or any(name is None for name, _ in hdrs[0]):
@@ -309,28 +346,18 @@ class NcclBackend:
         self._run(launch)
         return dst
 
-    def gather(self, values, root):
-        """Return at the root each array stacked over ranks, Nones elsewhere (or None).
-
-        NCCL has no gather: this is an all_gather whose result only the root keeps.
-        """
-        got = self.all_gather(values)
-        if got is None or self.rank == root:
-            return got
-        return [None] * len(got)
-
     def close(self):
-        """Release the communicator (workers exit without it; the OS reclaims theirs)."""
+        """Release the communicator and the host backend."""
         self._drop()
+        self._host.close()
 
-    # ---- helpers ---------------------------------------------------------
     def _reduce_names(self, hdrs, op):
         """Return each array's NCCL (op, dtype) names, or None for the host path."""
-        if not self._same(hdrs):
+        if not self._same(hdrs) or not hdrs[0]:
             return None
         names = []
-        for dtype, _ in hdrs[0]:
-            pair = None if dtype is None else nccl_op_name(op, dtype)
+        for o, (dtype, _) in zip(parts.op_list(op, len(hdrs[0])), hdrs[0]):
+            pair = None if dtype is None else nccl_op_name(o, dtype)
             if pair is None:
                 return None
             names.append(pair)
@@ -338,7 +365,28 @@ class NcclBackend:
 
     def _scale(self, arrays, op):
         """``avg``: the sum, scaled in place by 1/n on the current (this backend's) stream."""
-        if op != "avg" or self.n_parallel == 1:
+        if self.n_parallel == 1:
             return
-        for a in arrays:
-            a *= 1.0 / self.n_parallel
+        for o, a in zip(parts.op_list(op, len(arrays)), arrays):
+            if o == "avg":
+                a *= 1.0 / self.n_parallel
+
+
+def _into(results, out):
+    """Each result, or the ``out`` entry of its shape and dtype after the result is copied there."""
+    if out is None:
+        return results
+    final = []
+    for r, o in zip(results, out):
+        if o is not None and o.shape == r.shape and o.dtype == r.dtype:
+            if gpu.is_cupy_array(o):
+                o[...] = r
+            else:
+                np.copyto(o, gpu.to_host(r))
+            r = o
+        final.append(r)
+    return final
+
+
+def _to_host(arrays):
+    return None if arrays is None else [gpu.to_host(a) for a in arrays]

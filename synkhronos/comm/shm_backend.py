@@ -19,20 +19,15 @@ import logging
 
 import numpy as np
 
-from .. import reducers
-from ..control import wait_until
 from ..errors import CommAborted
+from ..liveness import wait_until
 from ..shmem import SharedArray
 from . import parts
-from .base import Backend
+from .base import SPLIT_BYTES, Backend, as_arrays
 from .homes import Homes
 from .slabs import EPOCH, HOMES, MADV_POPULATE_WRITE, STRIDE, Slabs, populate
 
 logger = logging.getLogger(__name__)
-
-# Below this many bytes in all, splitting the work across ranks costs more
-# (an extra barrier) than it saves.
-SPLIT_BYTES = 1 << 18
 
 
 class ShmBackend(Backend):
@@ -40,24 +35,21 @@ class ShmBackend(Backend):
 
     def __init__(self, rt, spin_s):
         super().__init__(rt, spin_s)
-        self.spin_s = spin_s
         self.block = SharedArray(rt.segment_name("comm"), 8 * STRIDE * rt.n_parallel)
         self.mv = memoryview(self.block.buffer).cast("q")
         homes = Homes(rt.master_pid, lambda seg: populate(seg, MADV_POPULATE_WRITE))
         self.slabs = Slabs(rt, self.mv, f"/synk_{rt.master_pid}_slab", self.max_dim, homes)
         self.homes = homes
-        self.seq = 0
         self.k = 0
         self.fence = False
-        self._check = None
 
-    # ---- synchronisation ---------------------------------------------
     def begin(self, seq):
         self.seq = seq
         self.k = 0
         self.fence = False
-        self._check = None
 
+    def is_kept(self, key, array):
+        return self.homes.holds(key, array)
 
     def barrier(self):
         self.k += 1
@@ -81,7 +73,7 @@ class ShmBackend(Backend):
         itself (the abort flag is read first, then the epoch: stores are not
         reordered on x86, nor loads with loads).
         """
-        check = self._get_check()
+        check = self.check
         mv = self.mv
 
         def arrival_check():
@@ -101,7 +93,6 @@ class ShmBackend(Backend):
     def _done(self):
         self.fence = True
 
-    # ---- reductions --------------------------------------------------
     def reduce(self, arrays, op, root, weight=None, out=None):
         return self._reduce(arrays, op, weight, root, out)
 
@@ -113,19 +104,11 @@ class ShmBackend(Backend):
         n = self.n_parallel
         me = self.rank
         wants = root is None or root == me
-        ops = None
-        if arrays is not None:
-            arrays = [a if type(a) is np.ndarray else np.asarray(a) for a in arrays]
-            ops = parts.op_list(op, len(arrays))
+        arrays = as_arrays(arrays)
         if n == 1:
-            return [] if arrays is None else [
-                parts.local_result(o, a, parts.out_entry(out, i))
-                for i, (o, a) in enumerate(zip(ops, arrays))]
-        plan = None
-        if (arrays is not None and weight is None
-                and sum(a.nbytes for a in arrays) >= SPLIT_BYTES
-                and all(reducers.result_dtype(o, a.dtype) == a.dtype for o, a in zip(ops, arrays))):
-            plan = parts.plan(arrays, n)
+            return self._one_rank(arrays, op, out)
+        ops = None if arrays is None else parts.op_list(op, len(arrays))
+        plan = self._split_plan(arrays, ops, weight)
         if plan is not None and keys is not None:
             return self._all_reduce_homes(arrays, ops, keys, plan)
         skip = None if plan is None else parts.skips(plan[me], len(arrays))
@@ -222,22 +205,14 @@ class ShmBackend(Backend):
                     np.copyto(dsts[i].reshape(-1)[lo:hi], got[q][i].reshape(-1)[lo:hi])
         return dsts
 
-    # ---- function-call results -----------------------------------------
     def contribute(self, arrays, weight=1.0):
         """Leave ``arrays`` for the root; only as the one backend call of a command."""
         self.slabs.pack(arrays, weight)
 
-    def collect(self):
-        out = []
-        for q in range(self.n_parallel):
-            if q == self.rank:
-                out.append(None)
-                continue
-            arrays = self.slabs.unpack(q)
-            out.append(None if arrays is None else (arrays, self.slabs.weight(q)))
-        return out
+    def _contribution(self, q):
+        arrays = self.slabs.unpack(q)
+        return arrays, (None if arrays is None else self.slabs.weight(q))
 
-    # ---- data movement -----------------------------------------------
     def broadcast(self, arrays, root, out=None, keys=None):
         self._start()
         me = self.rank
@@ -312,9 +287,7 @@ class ShmBackend(Backend):
     def scatter(self, per_rank, root):
         self._start()
         if self.rank == root:
-            n = len(per_rank[0])
-            if len(per_rank) != self.n_parallel or any(len(e) != n for e in per_rank):
-                raise ValueError("scatter: give one list per rank, all of the same length")
+            self._check_scatter(per_rank)
             self.slabs.pack([a for entry in per_rank for a in entry])
         self.barrier()
         self._done()

@@ -23,9 +23,8 @@ import time
 import numpy as np
 import zmq
 
-from .. import reducers
 from ..errors import CommAborted
-from ..shmem import pid_alive
+from ..liveness import pid_alive
 from . import parts
 from .base import Backend
 
@@ -33,7 +32,6 @@ logger = logging.getLogger(__name__)
 
 CHECK_EVERY_MS = 10
 ABORT_GRACE_MS = 50
-SPLIT_BYTES = 1 << 18
 CONTRIBUTE = -1  # the step of contribute() messages, read by collect()
 _HDR = struct.Struct("<3q")
 DIR_PREFIX = "synk_zmq_"
@@ -44,7 +42,6 @@ class ZmqBackend(Backend):
 
     def __init__(self, rt, spin_s):
         super().__init__(rt, spin_s)
-        self.spin_s = spin_s
         _sweep_stale_dirs()
         self.dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{rt.master_pid}_")
         self.master_pid = rt.master_pid
@@ -54,14 +51,11 @@ class ZmqBackend(Backend):
         self._peers = {}
         self._poller = None
         self._held = {}
-        self.seq = 0
         self.k = 0
-        self._check = None
 
     def _address(self, rank):
         return f"ipc://{self.dir}/r{rank}"
 
-    # ---- sockets, opened per process after fork ------------------------
     def _open(self):
         if self._pid == os.getpid():
             return
@@ -89,7 +83,6 @@ class ZmqBackend(Backend):
         self._open()
         self.seq = seq
         self.k = 0
-        self._check = None
         # Drop what earlier commands left (contributions nobody collected,
         # messages of an aborted collective) so the inbox stays short.
         self._held = {key: v for key, v in self._held.items() if key[0] >= seq}
@@ -97,7 +90,6 @@ class ZmqBackend(Backend):
             self._keep(self._inbox.recv_multipart(copy=False))
 
 
-    # ---- messages --------------------------------------------------------
     def _send(self, q, arrays, step=None, weight=1.0, split=False):
         """Send ``arrays`` (or None: no contribution) to rank ``q``.
 
@@ -152,7 +144,7 @@ class ZmqBackend(Backend):
                     return frames
             if timeout:
                 try:
-                    self._get_check()()
+                    self.check()
                 except CommAborted:
                     # A rank that failed on what it received sent its own
                     # message first: take it if it comes, to meet the same error.
@@ -160,7 +152,6 @@ class ZmqBackend(Backend):
                         continue
                     raise
 
-    # ---- synchronisation ---------------------------------------------
     def barrier(self):
         self.k += 1
         for q in self._peers:
@@ -168,7 +159,6 @@ class ZmqBackend(Backend):
         for q in self._peers:
             self._recv(q)
 
-    # ---- reductions --------------------------------------------------
     def reduce(self, arrays, op, root, weight=None, out=None):
         self.k += 1
         if self.rank != root:
@@ -181,16 +171,10 @@ class ZmqBackend(Backend):
         self.k += 1
         n, me = self.n_parallel, self.rank
         if n == 1:
-            return [] if arrays is None else [
-                parts.local_result(o, a, parts.out_entry(out, i))
-                for i, (o, a) in enumerate(zip(parts.op_list(op, len(arrays)), arrays))]
+            return self._one_rank(arrays, op, out)
         w = 1.0 if weight is None else weight
         ops = None if arrays is None else parts.op_list(op, len(arrays))
-        plan = None
-        if (arrays is not None and weight is None and sum(a.nbytes for a in arrays) >= SPLIT_BYTES
-                and all(reducers.result_dtype(o, a.dtype) == a.dtype
-                        for o, a in zip(ops, arrays))):
-            plan = parts.plan(arrays, n)
+        plan = self._split_plan(arrays, ops, weight)
         # First round: whole arrays, or (split) shapes plus the receiver's parts.
         for q in self._peers:
             if plan is None:
@@ -264,21 +248,12 @@ class ZmqBackend(Backend):
                 np.copyto(flats[i][lo:hi], got[j])
         return result
 
-    # ---- function-call results -----------------------------------------
     def contribute(self, arrays, weight=1.0):
-        self._send(self.rt.master_rank, arrays, step=CONTRIBUTE, weight=weight)
+        self._send(self.master_rank, arrays, step=CONTRIBUTE, weight=weight)
 
-    def collect(self):
-        out = []
-        for q in range(self.n_parallel):
-            if q == self.rank:
-                out.append(None)
-                continue
-            arrays, weight = self._recv(q, CONTRIBUTE)
-            out.append(None if arrays is None else (arrays, weight))
-        return out
+    def _contribution(self, q):
+        return self._recv(q, CONTRIBUTE)
 
-    # ---- data movement -----------------------------------------------
     def broadcast(self, arrays, root, out=None, keys=None):
         self.k += 1
         if self.rank == root:
@@ -313,9 +288,7 @@ class ZmqBackend(Backend):
     def scatter(self, per_rank, root):
         self.k += 1
         if self.rank == root:
-            n = len(per_rank[0])
-            if len(per_rank) != self.n_parallel or any(len(e) != n for e in per_rank):
-                raise ValueError("scatter: give one list per rank, all of the same length")
+            self._check_scatter(per_rank)
             for q in self._peers:
                 self._send(q, per_rank[q])
             return list(per_rank[root])
@@ -349,5 +322,3 @@ def _sweep_stale_dirs():
         pid = name[len(DIR_PREFIX):].split("_")[0]
         if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-
-    return True

@@ -135,7 +135,7 @@ def make_train_function(loss, params, x, y, update_rule="sgd", update_kwargs=Non
     """
     apply = _rule(update_rule)
     inputs, shared = _data_vars(x, y)
-    params = _updates._check_params(params, "make_train_function")
+    params = _updates.check_params(params, "make_train_function")
     weight = x.shape[0] if weighted else None
     grad_shared, grad_updates = _updates.make_flat_grad(loss, params, weight)
     param_updates = apply(grad_shared, params, **(update_kwargs or {}))
@@ -223,7 +223,7 @@ def make_serial_train_function(loss, params, x, y, update_rule="sgd", update_kwa
     """
     apply = _rule(update_rule)
     inputs, shared = _data_vars(x, y)
-    params = _updates._check_params(params, "make_serial_train_function")
+    params = _updates.check_params(params, "make_serial_train_function")
     grads = pytensor.grad(loss, params)
     upd = apply(grads, params, **(update_kwargs or {})) + list(extra_updates or [])
     extra = [o[0] if isinstance(o, tuple) else o for o in _output_list(outputs)]

@@ -35,13 +35,15 @@ Used with ``num_slices``, the gradient updates accumulate over slices by "sum",
 which keeps the weighting exact.
 """
 
-import math
 from typing import NamedTuple
 
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
 from pytensor.compile import SharedVariable
+
+from .flat import (check_params, flat_size, flatten, grads_from_flat, shape_of,  # noqa: F401
+                   make_flat_grad, unflatten)
 
 __all__ = [
     "SplitUpdates", "make_flat_grad", "flatten", "unflatten", "flat_size", "grads_from_flat",
@@ -52,9 +54,6 @@ __all__ = [
     "RULES",
 ]
 
-# Guards the division by the total weight when no rank ran (an empty batch):
-# the gradient is then zero instead of NaN.
-_TINY = 1e-30
 
 
 class SplitUpdates(NamedTuple):
@@ -68,107 +67,13 @@ class SplitUpdates(NamedTuple):
     """The flat gradient vector, to all-reduce between the two functions."""
 
 
-# ---- flat vectors ----------------------------------------------------------
-
-def _check_params(params, where):
-    if isinstance(params, SharedVariable):
-        params = [params]
-    params = list(params)
-    if not params:
-        raise ValueError(f"{where}: params is empty")
-    for p in params:
-        if not isinstance(p, SharedVariable):
-            raise TypeError(f"{where}: params must be shared variables; got {p!r}")
-    return params
-
-
-def _shape(p):
-    return p.get_value(borrow=True).shape
-
-
-def flat_size(params):
-    """Return the total number of elements of ``params`` (shared variables)."""
-    return sum(math.prod(_shape(p)) for p in _check_params(params, "flat_size"))
-
-
-def flatten(exprs):
-    """Return one symbolic vector: every expression raveled and concatenated, in order."""
-    return pt.concatenate([pt.flatten(e) for e in exprs])
-
-
-def unflatten(flat, params):
-    """Split a symbolic flat vector into pieces shaped like ``params``, in order.
-
-    Args:
-        flat: a vector with at least ``flat_size(params)`` elements; elements
-            past those are ignored.
-        params: shared variables giving the shapes.
-
-    Returns:
-        A list of symbolic tensors, one per parameter.
-    """
-    params = _check_params(params, "unflatten")
-    out, start = [], 0
-    for p in params:
-        shape = _shape(p)
-        n = math.prod(shape)
-        out.append(pt.reshape(flat[start:start + n], shape, ndim=len(shape)))
-        start += n
-    return out
-
-
-def make_flat_grad(loss, params, weight=None, name="flat_grad"):
-    """Build the gradient half: updates writing the weighted flat gradient.
-
-    The vector holds ``w * g`` (the gradient of ``loss`` w.r.t. every
-    parameter, raveled and concatenated) followed by ``w``.  Give the updates
-    to the gradient function; all-reduce the vector ("sum" or "avg") before
-    the update function runs.
-
-    Args:
-        loss: a scalar expression, normally a mean over the rows of a batch.
-        params: shared variables to differentiate with respect to.
-        weight: a scalar expression weighing this rank's gradient, normally
-            ``x.shape[0]`` (the rows its loss averages over), which makes the
-            combined gradient exact for uneven splits.  None weighs every rank
-            that ran equally.
-        name: the name of the new shared variable.
-
-    Returns:
-        ``(grad_shared, grad_updates)``: the flat shared vector (float32,
-        length ``flat_size(params) + 1``) and a list with its one update
-        triple ``(grad_shared, new_value, "sum")`` (the op sums over slices).
-    """
-    params = _check_params(params, "make_flat_grad")
-    dtype = pytensor.config.floatX
-    grads = pytensor.grad(loss, params)
-    w = pt.constant(1.0, dtype=dtype) if weight is None else pt.cast(weight, dtype)
-    flat = pt.concatenate([w * pt.cast(flatten(grads), dtype), pt.shape_padleft(w)])
-    grad_shared = pytensor.shared(np.zeros(flat_size(params) + 1, dtype=dtype), name=name)
-    return grad_shared, [(grad_shared, flat, "sum")]
-
-
-def grads_from_flat(grad_shared, params):
-    """Return the combined gradient per parameter, read from an all-reduced flat vector.
-
-    Args:
-        grad_shared: the vector made by ``make_flat_grad``.
-        params: the same parameters, in the same order.
-
-    Returns:
-        A list of symbolic gradients ``sum(w * g) / sum(w)``, one per parameter.
-    """
-    total = pt.maximum(grad_shared[-1], _TINY)
-    return unflatten(grad_shared[:-1] / total, params)
-
-
 def _grads(grads, params, where):
     """Return (per-parameter gradients, updates to add) for an apply_* function.
 
     ``grads`` is a flat vector from make_flat_grad (then it is zeroed after
     use), or a list of gradients, one per parameter (the serial form).
     """
-    params = _check_params(params, where)
+    params = check_params(params, where)
     if isinstance(grads, SharedVariable) and grads.ndim == 1:
         expected = flat_size(params) + 1
         have = len(grads.get_value(borrow=True))
@@ -184,7 +89,7 @@ def _grads(grads, params, where):
 
 def _state(p, name):
     """A new shared variable of zeros shaped and typed like parameter ``p``."""
-    value = np.zeros(_shape(p), dtype=p.dtype)
+    value = np.zeros(shape_of(p), dtype=p.dtype)
     return pytensor.shared(value, shape=p.type.shape, name=f"{p.name or 'param'}_{name}")
 
 
@@ -196,7 +101,6 @@ def _cast(p, expr):
     return pt.cast(expr, p.dtype)
 
 
-# ---- the rules, from a gradient ------------------------------------------
 # Each apply_* takes the flat vector (data-parallel) or a list of gradients
 # (serial) and returns a list of (shared, update) pairs.
 
@@ -341,10 +245,8 @@ def apply_adamax(grads, params, learning_rate=0.002, beta1=0.9, beta2=0.999, eps
     return updates
 
 
-# ---- both halves at once ---------------------------------------------------
-
 def _split(apply, loss, params, weight, **hyper):
-    params = _check_params(params, apply.__name__[len("apply_"):])
+    params = check_params(params, apply.__name__[len("apply_"):])
     grad_shared, grad_updates = make_flat_grad(loss, params, weight)
     return SplitUpdates(grad_updates, apply(grad_shared, params, **hyper), grad_shared)
 

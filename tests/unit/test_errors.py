@@ -2,7 +2,6 @@
 
 import pickle
 
-import pytest
 
 import synkhronos as synk
 from synkhronos import errors
@@ -18,27 +17,29 @@ def test_everything_derives_from_synk_error():
 def test_state_error_is_a_runtime_error():
     # The original API documents RuntimeError for call-order mistakes.
     assert issubclass(synk.SynkStateError, RuntimeError)
-    with pytest.raises(RuntimeError):
-        raise synk.SynkStateError("function() needs fork() first")
 
 
 def test_backend_unavailable_is_an_import_error():
     assert issubclass(synk.BackendUnavailableError, ImportError)
 
 
-def test_worker_error_carries_rank_and_failures():
-    failures = {2: "rank 2 of 4 (pid 1)\nTraceback ...", 3: "rank 3 of 4 (pid 2)\n..."}
-    err = synk.WorkerError("call failed in rank 2 (and 1 other rank)", 2, failures)
-    assert err.rank == 2
-    assert err.failures == failures
-    assert "rank 2" in str(err)
+def test_a_builtin_error_in_a_rank_keeps_its_type():
+    cls = errors.worker_error_type(ValueError("bad"))
+    assert issubclass(cls, synk.WorkerError) and issubclass(cls, ValueError)
+    assert errors.worker_error_type(KeyError("k")) is errors.worker_error_type(KeyError("j"))
+    assert issubclass(errors.worker_error_type(FileNotFoundError(2, "x")), OSError)
 
 
-def test_worker_died_error_carries_rank_and_exit_code():
-    err = synk.WorkerDiedError("rank 1 died", 1, -9)
-    assert err.rank == 1
-    assert err.exitcode == -9
-    assert "rank 1" in str(err)
+def test_other_errors_in_a_rank_are_plain_worker_errors():
+    class Custom(Exception):
+        pass
+
+    assert errors.worker_error_type(Custom()) is synk.WorkerError
+    assert errors.worker_error_type(None) is synk.WorkerError
+    assert errors.worker_error_type(synk.SynkStateError("x")) is synk.WorkerError
+    # a built-in type whose constructor takes other arguments cannot be mixed in
+    exc = UnicodeDecodeError("utf-8", b"x", 0, 1, "bad")
+    assert errors.worker_error_type(exc) is synk.WorkerError
 
 
 def test_public_names():

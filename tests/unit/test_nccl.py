@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import fake_cupy
-from synkhronos import gpu, nccl_collectives
+from synkhronos import gpu
+from synkhronos.comm import choose_backend, get_backend
 from synkhronos.comm import nccl_backend as nb
 from synkhronos.errors import BackendUnavailableError
 
@@ -38,7 +39,7 @@ def no_cupy(monkeypatch):
 
 def _rt(device="gpu", n_parallel=2, n_gpus=2):
     return types.SimpleNamespace(device=device, n_parallel=n_parallel, n_gpus=n_gpus,
-                                 nccl_off=None, nccl=None, rank=0, master_rank=0)
+                                 rank=0, master_rank=0, max_n_var=1000, max_dim=16)
 
 
 # ---- tables -------------------------------------------------------------------------
@@ -86,44 +87,52 @@ def test_header_round_trip():
     assert nb.dtype_code("complex128") >= 0 and nb.dtype_code("U3") == -1
 
 
-# ---- when NCCL is used ----------------------------------------------------------------
-
-def test_nccl_in_gpu_mode_with_a_gpu_per_rank(cupy_stub, caplog):
-    rt = _rt()
+def test_gpu_mode_with_a_gpu_per_rank_chooses_nccl(cupy_stub, caplog, monkeypatch):
+    monkeypatch.delenv("SYNK_BACKEND", raising=False)
     with caplog.at_level(logging.WARNING, "synkhronos"):
-        assert nccl_collectives.wanted(rt, True)
-        assert nccl_collectives.wanted(rt, True)
-    assert rt.nccl_off == "" and not caplog.records
-    assert not nccl_collectives.wanted(rt, False)   # nccl=False: the host path, quietly
+        assert choose_backend("gpu", 2, 2) == "nccl"
+    assert not caplog.records
+    assert get_backend("nccl") is nb.NcclBackend
 
 
-def test_cpu_mode_never_uses_nccl_and_says_nothing(cupy_stub, caplog):
-    rt = _rt(device="cpu", n_gpus=0)
+def test_cpu_mode_never_uses_nccl_and_says_nothing(cupy_stub, caplog, monkeypatch):
+    monkeypatch.delenv("SYNK_BACKEND", raising=False)
     with caplog.at_level(logging.WARNING, "synkhronos"):
-        assert not nccl_collectives.wanted(rt, True)
-    assert not caplog.records and rt.nccl_off is None
+        assert choose_backend("cpu", 2, 0) == "shm"
+    assert not caplog.records
 
 
-def test_ranks_sharing_a_gpu_fall_back_with_one_warning(cupy_stub, caplog):
-    rt = _rt(n_parallel=2, n_gpus=1)
+def test_synk_backend_overrides_the_choice(cupy_stub, monkeypatch):
+    monkeypatch.setenv("SYNK_BACKEND", "zmq")
+    assert choose_backend("gpu", 2, 2) == "zmq"
+
+
+def test_ranks_sharing_a_gpu_fall_back_with_a_warning(cupy_stub, caplog, monkeypatch):
+    monkeypatch.delenv("SYNK_BACKEND", raising=False)
     with caplog.at_level(logging.WARNING, "synkhronos"):
-        for _ in range(3):
-            assert not nccl_collectives.wanted(rt, True)
+        assert choose_backend("gpu", 2, 1) == "shm"
     assert len(caplog.records) == 1
     assert "2 ranks share 1 GPU" in caplog.records[0].getMessage()
     assert "NCCL" in caplog.records[0].getMessage()
 
 
-def test_missing_cupy_falls_back_with_a_warning_naming_it(no_cupy, caplog):
-    rt = _rt()
+def test_missing_cupy_falls_back_with_a_warning_naming_it(no_cupy, caplog, monkeypatch):
+    monkeypatch.delenv("SYNK_BACKEND", raising=False)
     with caplog.at_level(logging.WARNING, "synkhronos"):
-        assert not nccl_collectives.wanted(rt, True)
+        assert choose_backend("gpu", 2, 2) == "shm"
     assert len(caplog.records) == 1 and "cupy" in caplog.records[0].getMessage()
+
+
+class _HostStub:
+    """A host backend that records what it was given, for construction tests."""
+
+    def __init__(self, rt, spin_s):
+        self.made = (rt, spin_s)
 
 
 def test_backend_without_cupy_raises_naming_it(no_cupy):
     with pytest.raises(BackendUnavailableError, match="cupy"):
-        nb.NcclBackend(_rt())
+        nb.NcclBackend(_rt(), 0.0, host_backend=_HostStub)
     with pytest.raises(BackendUnavailableError, match="pip install cupy-cuda12x"):
         gpu.import_cupy()
 
@@ -132,15 +141,15 @@ def test_cupy_without_nccl_raises_naming_nccl(cupy_stub, monkeypatch):
     monkeypatch.setattr(cupy_stub, "available", False)
     with pytest.raises(BackendUnavailableError, match="NCCL"):
         gpu.import_cupy()
-    assert "NCCL" in nccl_collectives.why_not(_rt())
+    assert "NCCL" in gpu.nccl_unavailable(2, 2)
 
 
-def test_backend_is_made_once_and_connects_later(cupy_stub):
+def test_backend_wraps_a_host_backend_and_touches_no_device_until_used(cupy_stub):
     rt = _rt()
-    b = nccl_collectives.backend(rt)
-    assert nccl_collectives.backend(rt) is b and rt.nccl is b
-    assert b.comm is None                        # the first collective connects
-    b.close()
+    b = nb.NcclBackend(rt, 0.0, host_backend=_HostStub)
+    assert isinstance(b.host, _HostStub) and b.host.made == (rt, 0.0)
+    assert b.device_arrays and b.comm is None    # the first collective connects
+    assert b._stream is None                     # no CUDA stream before fork's children use it
 
 
 # ---- device arrays, host side ------------------------------------------------------------

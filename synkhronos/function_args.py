@@ -1,0 +1,73 @@
+"""The arguments of synk.function(): variable lists, outputs with reduce ops, updates with ops."""
+
+from pytensor.compile import SharedVariable
+from pytensor.graph.basic import Variable
+
+from . import reducers
+
+
+def var_list(value, what, shared=False):
+    if value is None:
+        return []
+    if isinstance(value, Variable):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"function: {what} must be a variable or a list of variables; "
+                        f"got {type(value).__name__}")
+    for v in value:
+        if not isinstance(v, Variable):
+            raise TypeError(f"function: {what} must hold PyTensor variables; got {type(v).__name__}")
+        if shared and not isinstance(v, SharedVariable):
+            raise TypeError(f"function: {what} must hold shared variables; got {v}")
+        if not shared and isinstance(v, SharedVariable):
+            raise TypeError(f"function: {what} cannot hold shared variable {v}; "
+                            "shared variables are implicit inputs")
+    return list(value)
+
+
+def _is_op_pair(x):
+    return (isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], Variable)
+            and (x[1] is None or isinstance(x[1], str)))
+
+
+def parse_outputs(outputs):
+    if outputs is None:
+        return [], [], True
+    single = isinstance(outputs, Variable) or _is_op_pair(outputs)
+    entries = [outputs] if single else outputs
+    if not isinstance(entries, (list, tuple)):
+        raise TypeError(f"function: outputs must be a variable, a (variable, op) pair or a "
+                        f"list of them; got {type(outputs).__name__}")
+    out_vars, out_ops = [], []
+    for e in entries:
+        if _is_op_pair(e):
+            var, op = e
+        elif isinstance(e, Variable):
+            var, op = e, "avg"
+        else:
+            raise TypeError(f"function: each output must be a variable or a (variable, op) "
+                            f"pair; got {e!r}")
+        out_vars.append(var)
+        out_ops.append(reducers.check_op(op, "function: output op", reducers.OUTPUT_OPS))
+    return out_vars, out_ops, not single
+
+
+def parse_updates(updates):
+    if updates is None:
+        return [], []
+    if isinstance(updates, dict):
+        updates = list(updates.items())
+    if not isinstance(updates, (list, tuple)):
+        raise TypeError("function: updates must be a list of (shared, update) pairs or "
+                        f"(shared, update, op) triples; got {type(updates).__name__}")
+    pairs, ops = [], []
+    for u in updates:
+        if not isinstance(u, (list, tuple)) or len(u) not in (2, 3):
+            raise TypeError("function: each update must be a (shared, update) pair or a "
+                            f"(shared, update, op) triple; got {u!r}")
+        if not isinstance(u[0], SharedVariable):
+            raise TypeError(f"function: an update must target a shared variable; got {u[0]!r}")
+        op = u[2] if len(u) == 3 else "avg"
+        ops.append(reducers.check_op(op, "function: update op"))
+        pairs.append((u[0], u[1]))
+    return pairs, ops

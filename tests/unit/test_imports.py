@@ -1,0 +1,88 @@
+"""The package's import graph: imports point down, so it has no cycle."""
+
+import ast
+from pathlib import Path
+
+import synkhronos
+
+PACKAGE = Path(synkhronos.__file__).parent
+
+
+def _module_name(path):
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path, name):
+    """(module, names) of every synkhronos import in ``path``, at module level or in functions."""
+    is_pkg = path.name == "__init__.py"
+    base = name.split(".") if is_pkg else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update((a.name, ()) for a in node.names if a.name.startswith("synkhronos"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                target = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module
+                                                                        else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("synkhronos"):
+                continue
+            found.add((target, tuple(a.name for a in node.names)))
+    return found
+
+
+def _graph():
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for target, names in _imports(path, name):
+            # "from . import x" imports submodule x; the package itself only for other names.
+            subs = {f"{target}.{n}" for n in names} & set(modules)
+            edges |= subs
+            if len(subs) < len(names):
+                edges.add(target)
+        graph[name] = sorted(m for m in edges if m in modules and m != name)
+    return graph
+
+
+def _cycle(graph):
+    """Return one import cycle as a list of modules, or None."""
+    state = {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in graph[node]:
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt, stack)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in graph:
+        if node not in state:
+            found = visit(node, [])
+            if found:
+                return found
+    return None
+
+
+def test_the_package_has_no_import_cycle():
+    graph = _graph()
+    assert len(graph) > 20 and "synkhronos.control" in graph["synkhronos.process"]
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert _cycle({"a": ["b"], "b": ["c"], "c": ["a"]}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": ["b"], "b": [], "c": ["a"]}) is None
