@@ -27,8 +27,8 @@ _default_float32()
 
 from .data_module import Data, data  # noqa: E402
 from .distribute import distribute  # noqa: E402
-from .errors import (BackendUnavailableError, SynkError, SynkStateError,  # noqa: E402
-                     WorkerDiedError, WorkerError)
+from .errors import (BackendUnavailableError, SharedMemoryError, SynkError,  # noqa: E402
+                     SynkStateError, WorkerDiedError, WorkerError, WorkerStalledError)
 from .function_module import Function, function  # noqa: E402
 from .process import close, fork  # noqa: E402
 from .collectives import (all_gather, all_reduce, broadcast, gather,  # noqa: E402
@@ -39,8 +39,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "fork", "close", "function", "distribute", "data", "Data", "Function",
-    "SynkError", "SynkStateError", "WorkerError", "WorkerDiedError",
-    "BackendUnavailableError",
+    "SynkError", "SynkStateError", "WorkerError", "WorkerDiedError", "WorkerStalledError",
+    "SharedMemoryError", "BackendUnavailableError",
     "broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
     "set_value", "get_value", "get_lengths", "get_shapes",
 ]

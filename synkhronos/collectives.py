@@ -25,7 +25,7 @@ from . import split as rows
 from .control import Command, handler, run_command
 from .data_module import Data
 from .rank_values import get_lengths, get_shapes, get_value, set_value  # noqa: F401
-from .runtime import require_distributed
+from .runtime import require_distributed, serialized
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ def _values(be, shareds):
     return [sv.get_array(v) for v in shareds]
 
 
+@serialized
 def broadcast(shared_vars, values=None, nccl=True):
     """Give every rank the master's value of shared variables (or ``values``).  Master only.
 
@@ -52,7 +53,10 @@ def broadcast(shared_vars, values=None, nccl=True):
         shared_vars: a shared variable, its name, or a list/tuple of either.
         values: None to send the master's current values, else one value per
             variable (NumPy array or Data), which every rank, the master
-            included, then holds.
+            included, then holds.  As with PyTensor's ``set_value``, a value
+            may have another shape than the variable's current one (a new
+            data set, say), unless the variable's type fixes that length;
+            functions using it must accept the new shape.
         nccl: use NCCL where available (GPU mode only).
 
     Raises:
@@ -119,6 +123,7 @@ def _broadcast_worker(rt, msg):
     _broadcast_local(rt, msg)
 
 
+@serialized
 def scatter(shared_vars, values, batch=None):
     """Split values along axis 0 over the ranks into shared variables.  Master only.
 
@@ -194,6 +199,7 @@ def _scatter_worker(rt, msg):
     _scatter_local(rt, msg)
 
 
+@serialized
 def gather(shared_vars, nd_up=1, nccl=True):
     """Return every rank's value of shared variables, in rank order.  Master only.
 
@@ -275,6 +281,7 @@ def _gather_worker(rt, msg):
     _gather_local(rt, msg)
 
 
+@serialized
 def all_gather(shared_vars, nccl=True):
     """Give every rank the concatenation, along axis 0, of all ranks' values.  Master only.
 
@@ -340,6 +347,7 @@ def _check_reduce(rt, shared_vars, op, in_place, where):
     return idx, single
 
 
+@serialized
 def reduce(shared_vars, op="avg", in_place=True, nccl=True):
     """Reduce shared variables over all ranks into the master.  Master only.
 
@@ -403,6 +411,7 @@ def _reduce_worker(rt, msg):
     _reduce_local(rt, msg)
 
 
+@serialized
 def all_reduce(shared_vars, op="avg", nccl=True):
     """Reduce shared variables over all ranks; every rank keeps the result.  Master only.
 

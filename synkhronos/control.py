@@ -101,8 +101,14 @@ class Control:
         return RANK_BASE + RANK_STRIDE * rank + field
 
     def post(self, rt, cmd, payload):
-        """Announce ``cmd`` to every worker; return its sequence number."""
-        data = pickle.dumps((int(cmd), payload), protocol=pickle.HIGHEST_PROTOCOL)
+        """Announce ``cmd`` to every worker; return its sequence number.
+
+        Data objects the master dropped since the last command travel along,
+        so the workers unmap them first.
+        """
+        freed = rt.freed
+        frees = [freed.popleft() for _ in range(len(freed))] if freed else None
+        data = pickle.dumps((int(cmd), payload, frees), protocol=pickle.HIGHEST_PROTOCOL)
         if len(data) > self.msg.nbytes:
             self._grow_message(rt, len(data))
         self.msg.buffer[: len(data)] = data
@@ -189,9 +195,15 @@ class Control:
         return self.current
 
     def read_message(self):
+        """Return (command, payload, ids of dropped Data objects or None)."""
         n = self.mv[MSG_LEN]
-        cmd, payload = pickle.loads(self.msg.buffer[:n])
-        return Command(cmd), payload
+        cmd, payload, frees = pickle.loads(self.msg.buffer[:n])
+        return Command(cmd), payload, frees
+
+    def pending(self):
+        """Return the workers that have not finished the current command."""
+        mv = self.mv
+        return [r for r in self.workers if mv[self.slot(r, DONE)] != self.current]
 
     def finish(self, rank, seq, status):
         mv = self.mv
@@ -246,17 +258,19 @@ def rank_header(rank, n_parallel):
     return f"rank {rank} of {n_parallel} (pid {os.getpid()})"
 
 
-def run_command(rt, cmd, payload, local=None, after=None):
+def run_command(rt, cmd, payload, local=None, after=None, what=None):
     """Run ``cmd`` on every worker and ``local(seq)`` in the master; return its result.
 
     ``after(result)``, if given, runs once every worker has finished without
     error and returns the final result.  If any rank raised, the master
     included, raises ``WorkerError`` after every rank has finished (end
-    barrier), carrying every failing rank's traceback.
+    barrier), carrying every failing rank's traceback.  ``what`` describes
+    the command in errors about ranks that stall (default: its name).
     """
     control = rt.control
     t0 = time.perf_counter()
     seq = control.post(rt, cmd, payload)
+    rt.monitor.begin(what or cmd.name.lower())
     rt.backend.begin(seq)
     result = None
     local_exc = None

@@ -3,6 +3,7 @@
 import logging
 import math
 import numbers
+import weakref
 from typing import NamedTuple
 
 import numpy as np
@@ -10,12 +11,13 @@ from pytensor.graph.basic import Variable
 
 from . import conditioning
 from .control import Command, handler, run_command
-from .runtime import require_forked
+from .runtime import require_forked, serialized
 from .shmem import SharedArray
 
 logger = logging.getLogger(__name__)
 
 
+@serialized
 def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=False,
          force_cast=False, oversize=1, name=None):
     """Return a new Data object, for input to functions and collectives.  Master only.
@@ -98,7 +100,8 @@ class Data:
     (``.data``) with full NumPy indexing; its shape may change, its ``dtype``
     and ``ndim`` may not.  Changing the shape beyond the allocation reallocates
     (the workers follow at once); the allocation never shrinks except through
-    ``free_memory()``.
+    ``free_memory()``.  A Data object that is garbage collected frees its
+    memory in the master at once and in the workers with the next command.
     """
 
     def __init__(self, ID, dtype, ndim, minibatch=False, name=None):
@@ -116,6 +119,9 @@ class Data:
         self._seg = None
         self._data = None
         self._alloc_size = 0
+        # The finalizer sees the current segment through this box, not through self.
+        self._box = [None]
+        weakref.finalize(self, _dropped, rt, ID, self._box)
         rt.datas[ID] = self
 
     @property
@@ -192,6 +198,7 @@ class Data:
         return conditioning.condition(input_data, self._dtype, self._ndim, where,
                                       "input_data", force_cast)
 
+    @serialized
     def set_value(self, input_data, force_cast=False, oversize=1):
         """(Over)write the contents, reshaping and reallocating if needed.
 
@@ -207,6 +214,7 @@ class Data:
         self._reshape(arr.shape, oversize, keep=False)
         np.copyto(self._data, arr)
 
+    @serialized
     def set_length(self, length, oversize=1):
         """Change the length (rows); reallocates only if the allocation is too small.
 
@@ -220,6 +228,7 @@ class Data:
         rest = self._data.shape[1:] if self._data is not None else (0,) * (self._ndim - 1)
         self.set_shape((int(length),) + tuple(rest), oversize)
 
+    @serialized
     def set_shape(self, shape, oversize=1):
         """Change the shape; reallocates only if the allocation is too small.
 
@@ -236,6 +245,7 @@ class Data:
             raise ValueError(f"set_shape: shape entries must be >= 0; got {shape}")
         self._reshape(shape, oversize, keep=True)
 
+    @serialized
     def free_memory(self):
         """Release the shared memory in the master and in every worker.
 
@@ -247,7 +257,7 @@ class Data:
         run_command(self._rt, Command.DATA_FREE, DataFreeMsg(self._ID))
         self._seg.unlink()
         self._seg.close()
-        self._seg = None
+        self._seg = self._box[0] = None
         self._data = None
         self._alloc_size = 0
 
@@ -280,7 +290,7 @@ class Data:
         if self._seg is not None:
             self._seg.unlink()
             self._seg.close()
-        self._seg = seg
+        self._seg = self._box[0] = seg
         self._alloc_size = n_items
         logger.debug("data %s: allocated %d bytes", self._name or self._ID, nbytes)
 
@@ -288,7 +298,22 @@ class Data:
         """Called by close(): forget the segment but keep views the user holds valid."""
         if self._seg is not None:
             self._seg.unlink()
-        self._seg = None
+        self._seg = self._box[0] = None
+
+
+def _dropped(rt, data_id, box):
+    """Finalizer of a Data object: free its memory here, and in the workers at the next command.
+
+    Runs whenever the garbage collector does, so it sends no command itself.
+    """
+    seg = box[0]
+    if seg is None:
+        return
+    box[0] = None
+    seg.unlink()
+    seg.close()
+    if not rt.closed:
+        rt.freed.append(data_id)
 
 
 class DataDesc(NamedTuple):

@@ -9,11 +9,12 @@ from . import gpu
 from . import sharedvars as sv
 from .control import Command, handler, run_command
 from .errors import SynkStateError
-from .runtime import require_forked
+from .runtime import require_forked, serialized
 
 logger = logging.getLogger(__name__)
 
 
+@serialized
 def distribute():
     """Replicate every synkhronos function, with its shared variables, in every worker.
 

@@ -16,9 +16,10 @@ class WorkerError(SynkError):
     """One or more ranks raised while running a command (the master's own share included).
 
     Whichever rank failed, the error raised is a WorkerError; when the lowest
-    failing rank raised a built-in exception type, it is also an instance of
-    that type (``except ValueError`` still catches a ValueError raised in a
-    rank), and ``__cause__`` is that rank's exception.
+    failing rank raised a built-in exception type (or one of synkhronos's,
+    such as SharedMemoryError), it is also an instance of that type
+    (``except ValueError`` still catches a ValueError raised in a rank), and
+    ``__cause__`` is that rank's exception.
 
     Attributes:
         rank: the lowest failing rank.
@@ -35,10 +36,10 @@ _WORKER_ERRORS = {}
 
 
 def worker_error_type(cause):
-    """Return WorkerError, or its subclass that is also ``type(cause)`` for a built-in type."""
+    """Return WorkerError, or its subclass that is also ``type(cause)`` (a built-in or ours)."""
     kind = type(cause)
-    if cause is None or kind.__module__ != "builtins" or not issubclass(kind, Exception) \
-            or issubclass(kind, SynkError):
+    if cause is None or not issubclass(kind, Exception) or issubclass(kind, WorkerError) \
+            or kind.__module__ not in ("builtins", __name__):
         return WorkerError
     cls = _WORKER_ERRORS.get(kind)
     if cls is None:
@@ -66,6 +67,21 @@ class WorkerDiedError(SynkError):
         super().__init__(message)
         self.rank = rank
         self.exitcode = exitcode
+
+
+class WorkerStalledError(WorkerDiedError):
+    """A rank stopped making progress: its process is stopped, or it ran past the timeout.
+
+    Handled as a dead rank: the master stops every worker and closes the run.
+
+    Attributes:
+        rank: the rank that stalled.
+        exitcode: None (the process was killed by the master, not by itself).
+    """
+
+
+class SharedMemoryError(SynkError, OSError):
+    """A shared-memory segment could not be made: /dev/shm is full, or the name is taken."""
 
 
 class BackendUnavailableError(SynkError, ImportError):

@@ -77,7 +77,8 @@ def execute(spec, rt, msg):
         # Weigh "avg" by the shared rows used, as with batch_s.
         rows = len(sliceable[0].get_value(borrow=True))
     subset = msg.subset
-    if rows == 0:
+    whole_empty = msg.n_scattered and msg.n_rows == 0 and rt.is_master
+    if rows == 0 and not whole_empty:
         results = None
     elif shared_sel is None and (num_slices == 1 or not msg.n_scattered):
         results = spec.fn(*arrays)
@@ -86,12 +87,16 @@ def execute(spec, rt, msg):
             results = [results[i] for i in subset]
     else:
         out_idx = list(range(len(spec.outputs))) if subset is None else subset
+        # More slices than rows would only add empty calls: cost stays that of the unsliced call.
+        num_slices = max(1, min(num_slices, rows))
         results = run_slices(spec, rt, arrays, msg.n_scattered, shared_sel, num_slices, out_idx)
     if rows != 0 and spec.updates and gpu.uses_jax(spec.fn):
         # JAX runs asynchronously and reads NumPy inputs (shared memory) in
         # place: finish before the command ends and the master may reuse them.
         gpu.wait([sharedvars.raw(var) for var, _ in spec.updates])
-    weight = 1.0 if rows is None else float(rows)
+    # No rows anywhere: the master's result on the empty input stands for the
+    # whole, as PyTensor's on an empty array (0 for sum; max raises there too).
+    weight = 1.0 if rows is None or whole_empty else float(rows)
     if results is not None:
         # Backends other than NumPy's (JAX) return their own array types.
         results = [r if type(r) is np.ndarray else np.asarray(r) for r in results]

@@ -30,9 +30,19 @@ def _is_op_pair(x):
             and (x[1] is None or isinstance(x[1], str)))
 
 
+def _check_not_a_long_pair(x):
+    """A tuple of a variable and strings is a malformed (variable, op) pair: say so."""
+    if (isinstance(x, tuple) and len(x) != 2 and x and isinstance(x[0], Variable)
+            and any(isinstance(e, str) for e in x[1:])):
+        raise TypeError(f"function: an output with its op is a (variable, op) pair of 2 "
+                        f"entries; got a {len(x)}-tuple {x!r}")
+
+
 def parse_outputs(outputs):
+    """Return (variables, ops, whether a list was given) from ``outputs`` as function() takes it."""
     if outputs is None:
         return [], [], True
+    _check_not_a_long_pair(outputs)
     single = isinstance(outputs, Variable) or _is_op_pair(outputs)
     entries = [outputs] if single else outputs
     if not isinstance(entries, (list, tuple)):
@@ -40,6 +50,7 @@ def parse_outputs(outputs):
                         f"list of them; got {type(outputs).__name__}")
     out_vars, out_ops = [], []
     for e in entries:
+        _check_not_a_long_pair(e)
         if _is_op_pair(e):
             var, op = e
         elif isinstance(e, Variable):

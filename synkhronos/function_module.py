@@ -11,11 +11,12 @@ from . import conditioning, data_module, execution, gpu, split
 from .control import Command, handler, run_command
 from .errors import SynkStateError
 from .function_args import parse_outputs, parse_updates, var_list
-from .runtime import require_forked
+from .runtime import require_forked, serialized
 
 logger = logging.getLogger(__name__)
 
 
+@serialized
 def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
              sliceable_shareds=None, **kwargs):
     """Build a data-parallel function; use it like ``pytensor.function``.  Master only.
@@ -149,6 +150,7 @@ class Function:
     def _detach(self):
         self._scratch = {}
 
+    @serialized
     def as_theano(self, *args, **kwargs):
         """Call the underlying PyTensor function in the master only (updates apply there)."""
         args = [a.data if isinstance(a, data_module.Data) else a for a in args]
@@ -161,6 +163,7 @@ class Function:
             fn.trust_input = True
         return out if self.spec.return_list else out[0]
 
+    @serialized
     def build_inputs(self, *args, force_cast=False, oversize=1.0, minibatch=False, **kwargs):
         """Make a Data object for each input from values given as for a call.
 
@@ -192,6 +195,7 @@ class Function:
             raise TypeError(f"{where}: missing inputs: {', '.join(missing)}")
         return values
 
+    @serialized
     def __call__(self, *args, output_subset=None, batch=None, batch_s=None, num_slices=1,
                  **kwargs):
         """Run on every rank over its share of the inputs; return reduced outputs.
@@ -216,12 +220,16 @@ class Function:
             num_slices: split each rank's rows into this many slices, run
                 them one after another and accumulate outputs and updates
                 (every slice sees the original values; updates apply once).
+                A rank never runs more slices than it has rows, so slicing
+                never costs more calls than rows.
 
         Returns:
             The outputs, reduced by their ops: one value, or a list as
             ``outputs`` was given.  A rank with no rows (fewer rows than
             ranks) does not run: it adds nothing to reductions, applies no
-            updates, and appears as None under op None.
+            updates, and appears as None under op None.  When the selection
+            has no rows at all, the result is PyTensor's on the empty input
+            (0 for a sum; a max raises, as it does in PyTensor).
 
         Raises:
             SynkStateError: before ``distribute()``, or after ``close()``.
@@ -236,9 +244,10 @@ class Function:
             raise SynkStateError("call distribute() before calling synkhronos functions")
         msg = self._prepare(rt, args, kwargs, output_subset, batch, batch_s, num_slices)
         spec = self.spec
+        name = self.name or "function"
         return run_command(rt, Command.CALL, msg, lambda seq: execution.execute(spec, rt, msg),
-                           lambda mine: execution.collect(spec, rt, mine, msg.subset,
-                                                          self.name or "function"))
+                           lambda mine: execution.collect(spec, rt, mine, msg.subset, name),
+                           what=f"call of {name}")
 
     def _prepare(self, rt, args, kwargs, output_subset, batch, batch_s, num_slices):
         """Check everything in the master and build the call message."""

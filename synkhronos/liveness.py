@@ -7,9 +7,11 @@ made here as callbacks and never import the modules that start processes.
 import os
 import time
 
-from .errors import CommAborted, WorkerDiedError
+from .errors import CommAborted, WorkerDiedError, WorkerStalledError
 
 CHECK_EVERY_S = 0.01
+SLOW_CHECK_S = 0.25  # how often /proc states and the timeout are looked at
+DEFAULT_TIMEOUT_S = 1800.0
 
 
 def pid_alive(pid):
@@ -23,20 +25,75 @@ def pid_alive(pid):
     return True
 
 
-def master_check(procs):
-    """Return a check that raises WorkerDiedError if any worker in ``procs`` has exited.
+def default_timeout_s():
+    """The timeout of one command: ``SYNK_TIMEOUT_S`` if set, else 30 minutes."""
+    env = os.environ.get("SYNK_TIMEOUT_S")
+    return float(env) if env else DEFAULT_TIMEOUT_S
+
+
+def proc_state(pid):
+    """Return the one-letter state of process ``pid`` from /proc (``"T"``: stopped), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name may hold spaces and parentheses: the state follows the last ")".
+    return stat[stat.rindex(b")") + 2:][:1].decode()
+
+
+class Monitor:
+    """The master's check on its workers: dead, stopped, or busy past the timeout.
+
+    Called often while the master waits for a command's ranks; a dead worker
+    is seen at once, a stopped one (state ``T``: SIGSTOP, a debugger) or a
+    command running past ``timeout_s`` within ``SLOW_CHECK_S``.
 
     Args:
         procs: rank to ``multiprocessing.Process``, the master's workers.
+        timeout_s: the longest a command may run (``math.inf``: no limit).
+        pending: returns the ranks that have not finished the current command.
     """
-    def check():
-        for rank, p in procs.items():
+
+    def __init__(self, procs, timeout_s, pending):
+        self.procs = procs
+        self.timeout_s = timeout_s
+        self.pending = pending
+        self.what = "nothing"
+        self.started = time.monotonic()
+        self.next_slow = 0.0
+
+    def begin(self, what):
+        """Note that the master just posted the command described by ``what``."""
+        self.what = what
+        self.started = time.monotonic()
+
+    def __call__(self):
+        for rank, p in self.procs.items():
             if not p.is_alive():
                 raise WorkerDiedError(
                     f"rank {rank} (pid {p.pid}) died with exit code {p.exitcode}; "
                     "synkhronos is closed, call fork() to start again",
                     rank, p.exitcode)
-    return check
+        now = time.monotonic()
+        if now < self.next_slow:
+            return
+        self.next_slow = now + SLOW_CHECK_S
+        ran = now - self.started
+        for rank, p in self.procs.items():
+            if proc_state(p.pid) in ("T", "t"):
+                raise WorkerStalledError(
+                    f"rank {rank} (pid {p.pid}) is stopped (SIGSTOP or a debugger) and made no "
+                    f"progress on {self.what} for {ran:.1f} s; synkhronos stopped every "
+                    "worker and is closed, call fork() to start again", rank, None)
+        if ran > self.timeout_s:
+            late = self.pending() or sorted(self.procs)
+            ranks = ", ".join(str(r) for r in late)
+            raise WorkerStalledError(
+                f"rank{'s' if len(late) > 1 else ''} {ranks} ran {self.what} for {ran:.1f} s, "
+                f"past the timeout of {self.timeout_s:g} s (fork(timeout=...) or SYNK_TIMEOUT_S);"
+                " synkhronos stopped every worker and is closed, call fork() to start again",
+                late[0], None)
 
 
 def worker_check(master_pid):

@@ -3,18 +3,22 @@
 import atexit
 import ctypes
 import logging
+import math
 import multiprocessing
+import numbers
 import os
+import shutil
 import signal
 import time
 import warnings
+import weakref
 
 from . import gpu, shmem, worker
 from .comm import choose_backend, get_backend
 from .control import Command, Control, default_spin_s, run_command
 from .errors import SynkStateError
-from .liveness import command_check, master_check, worker_check
-from .runtime import Runtime, get_runtime, set_runtime
+from .liveness import Monitor, command_check, default_timeout_s, worker_check
+from .runtime import Runtime, get_runtime, serialized, set_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +26,9 @@ _PR_SET_PDEATHSIG = 1
 JOIN_TIMEOUT_S = 5.0
 
 
+@serialized
 def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
-         max_n_var=1000, max_dim=16):
+         max_n_var=1000, max_dim=16, timeout=None):
     """Start one worker process per additional rank; the caller becomes the master.
 
     Call before building any PyTensor function that synkhronos should run, and,
@@ -46,6 +51,11 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
             ``synk_worker_<rank>.prof`` in the working directory at close().
         max_n_var: most variables in one function call or collective.
         max_dim: most dimensions of any variable passed through synkhronos.
+        timeout: seconds one command (a call, a collective) may run before
+            the ranks still busy are reported and every worker is stopped
+            (``WorkerStalledError``); None takes ``SYNK_TIMEOUT_S`` or 1800,
+            ``math.inf`` waits forever.  A stopped worker process (SIGSTOP)
+            is reported within a second whatever the timeout.
 
     Returns:
         The number of ranks.
@@ -88,11 +98,20 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
                          f"got {master_rank}")
     _check_int("max_n_var", max_n_var, 1)
     _check_int("max_dim", max_dim, 1)
+    if timeout is None:
+        timeout = default_timeout_s()
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) \
+            or math.isnan(timeout) or timeout <= 0:
+        raise ValueError(f"fork: timeout must be a number of seconds > 0 (or math.inf); "
+                         f"got {timeout!r}")
 
     shmem.sweep_stale()
     ctx = multiprocessing.get_context("fork")
+    prefix = shmem.run_prefix(os.getpid())
+    lock_fd = shmem.hold_run_lock(prefix)
     rt = Runtime(rank=master_rank, n_parallel=n_parallel, master_rank=master_rank,
-                 master_pid=os.getpid(), max_n_var=max_n_var, max_dim=max_dim,
+                 master_pid=os.getpid(), prefix=prefix, lock_fd=lock_fd,
+                 datas=weakref.WeakValueDictionary(), max_n_var=max_n_var, max_dim=max_dim,
                  device="gpu" if gpu_mode else "cpu", n_gpus=n_gpus,
                  gpu_ids=gpu.visible_ids(n_gpus), cores=cores,
                  profile_workers=bool(profile_workers), abandon=abandon)
@@ -103,8 +122,15 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
         logger.warning("JAX already ran in this process before fork(); workers cannot run "
                        "JAX-mode functions (call fork() before any JAX computation)")
     spin_s = default_spin_s(n_parallel, len(cores))
-    rt.control = Control(rt, ctx, spin_s)
-    rt.backend = get_backend(choose_backend(rt.device, n_parallel, n_gpus))(rt, spin_s)
+    try:
+        rt.control = Control(rt, ctx, spin_s)
+        rt.backend = get_backend(choose_backend(rt.device, n_parallel, n_gpus))(rt, spin_s)
+    except BaseException:
+        if rt.control is not None:
+            rt.control.close()
+        shmem.sweep(prefix)
+        os.close(lock_fd)
+        raise
     set_runtime(rt)
 
     if gpu_mode:
@@ -123,7 +149,7 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
                         name=f"synk-rank-{rank}", daemon=True)
         p.start()
         rt.procs[rank] = p
-    rt.check = master_check(rt.procs)
+    rt.monitor = rt.check = Monitor(rt.procs, float(timeout), rt.control.pending)
     rt.backend.bind_check(command_check(rt.check, rt.control.aborted_now))
     pids = [p.pid for p in rt.procs.values()]
     # A bare fork, not a multiprocessing child: multiprocessing's exit hook
@@ -131,7 +157,7 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
     janitor = os.fork()
     if janitor == 0:
         try:
-            _janitor_main(rt.master_pid, pids, read_fd, write_fd)
+            _janitor_main(rt.prefix, rt.cleanup_dirs, pids, read_fd, write_fd)
         finally:
             os._exit(0)
     rt.janitor = janitor
@@ -224,6 +250,7 @@ def _worker_main(rt, rank, read_fd, write_fd):
     rt.rank = rank
     rt.procs = {}
     rt.restore = []
+    rt.datas = {}  # this rank's mappings, by Data id
     if rt.device == "gpu":
         _select_gpu(rt, rank)
     else:
@@ -233,8 +260,8 @@ def _worker_main(rt, rank, read_fd, write_fd):
     worker.loop(rt)
 
 
-def _janitor_main(master_pid, pids, read_fd, write_fd):
-    """Wait for the master to go; then kill its workers and unlink its segments."""
+def _janitor_main(prefix, dirs, pids, read_fd, write_fd):
+    """Wait for the master to go; then kill its workers, unlink its segments, remove its dirs."""
     os.close(write_fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -247,10 +274,13 @@ def _janitor_main(master_pid, pids, read_fd, write_fd):
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
-    shmem.sweep(master_pid)
+    shmem.sweep(prefix)
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
     os._exit(0)
 
 
+@serialized
 def close():
     """Stop and join the workers and free all shared memory.  Runs at exit too.
 
@@ -290,12 +320,15 @@ def abandon(rt, reason):
 
 
 def _teardown(rt):
+    if rt.closed:
+        return  # abandoned already, while close() asked the workers to quit
     for data in list(rt.datas.values()):
         data._release()
     rt.datas.clear()
     rt.backend.close()
     rt.control.close()
-    shmem.sweep(rt.master_pid)
+    shmem.sweep(rt.prefix)
+    os.close(rt.lock_fd)
     if rt.janitor is not None:
         os.close(rt.janitor_fd)
         _reap(rt.janitor, JOIN_TIMEOUT_S)

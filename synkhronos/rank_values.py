@@ -10,10 +10,11 @@ import numpy as np
 from . import sharedvars as sv
 from .control import Command, handler, run_command
 from .data_module import Data
-from .runtime import require_distributed
+from .runtime import require_distributed, serialized
 from .sharedvars import rows
 
 
+@serialized
 def set_value(rank, shared_vars, values, batch=None):
     """Set shared variables' values in one rank.  Master only.
 
@@ -102,6 +103,7 @@ def _set_value_worker(rt, msg):
     _set_value_local(rt, msg)
 
 
+@serialized
 def get_value(rank, shared_vars):
     """Return shared variables' values in one rank (copies).  Master only.
 
@@ -144,6 +146,7 @@ def _get_value_worker(rt, msg):
     rt.backend.contribute(mine)
 
 
+@serialized
 def get_shapes(shared_vars):
     """Return the shape of shared variables in every rank.  Master only.
 
@@ -164,6 +167,7 @@ def get_shapes(shared_vars):
     return sv.ret(_shapes(rt, idx), single)
 
 
+@serialized
 def get_lengths(shared_vars):
     """Return the length (size of axis 0) of shared variables in every rank.  Master only.
 

@@ -1,6 +1,9 @@
 """Runtime: the one process-global state of synkhronos, and guards on it."""
 
+import collections
+import functools
 import itertools
+import threading
 from dataclasses import dataclass, field
 
 from .errors import SynkStateError
@@ -17,6 +20,7 @@ class Runtime:
     n_parallel: int
     master_rank: int
     master_pid: int
+    prefix: str = "/synk_"          # every segment name of the run starts so (shmem.run_prefix)
     device: str = "cpu"
     max_n_var: int = 1000
     max_dim: int = 16
@@ -24,7 +28,7 @@ class Runtime:
     backend: object = None          # comm.base.Backend
     procs: dict = field(default_factory=dict)   # rank -> Process (master only)
     janitor: object = None
-    datas: dict = field(default_factory=dict)   # data id -> Data / SharedArray
+    datas: dict = field(default_factory=dict)   # data id -> Data (master: weakly) / SharedArray
     functions: list = field(default_factory=list)
     shareds: list = field(default_factory=list)  # shared vars known to distribute()
     shared_ids: dict = field(default_factory=dict)  # id(var) -> index in shareds
@@ -32,13 +36,17 @@ class Runtime:
     closed: bool = False
     counter: object = field(default_factory=itertools.count)
     restore: list = field(default_factory=list)  # callables undoing fork() in master
-    check: object = None            # raises if another rank died (liveness.master_check/worker_check)
+    check: object = None            # raises if another rank died or stalled (liveness)
+    monitor: object = None          # master: liveness.Monitor, which is also its check
     abandon: object = None          # process.abandon: stop everything after a fatal failure
     n_gpus: int = 0
     gpu_ids: list = field(default_factory=list)  # CUDA device ids, indexed round robin by rank
     cores: list = field(default_factory=list)    # usable cores, indexed by rank when pinning
     janitor_fd: int = -1            # master: write end of the pipe the janitor watches
     profile_workers: bool = False   # workers record a cProfile until QUIT
+    lock_fd: int = -1               # the run's lock (shmem.hold_run_lock), held by every process
+    freed: collections.deque = field(default_factory=collections.deque)  # dropped Data ids
+    cleanup_dirs: list = field(default_factory=list)  # removed by the janitor after a crash
     device_shareds: set = field(default_factory=set)  # ids of shared vars whose values live on the device
     jax_before_fork: bool = False   # JAX ran in the master before fork(): workers cannot
 
@@ -51,11 +59,23 @@ class Runtime:
         return [r for r in range(self.n_parallel) if r != self.master_rank]
 
     def segment_name(self, tag):
-        """Return a fresh segment name: prefix, master pid, rank, counter, tag."""
-        return f"/synk_{self.master_pid}_{self.rank}_{next(self.counter)}{tag}"
+        """Return a fresh segment name: the run's prefix, rank, counter, tag."""
+        return f"{self.prefix}{self.rank}_{next(self.counter)}{tag}"
 
 
 _state = {"runtime": None}
+# One lock serialises the public entry points: a call from a second thread
+# waits for the first to finish instead of interleaving commands.
+_LOCK = threading.RLock()
+
+
+def serialized(fn):
+    """Decorate a public entry point: one thread at a time in the whole library."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _LOCK:
+            return fn(*args, **kwargs)
+    return wrapper
 
 
 def get_runtime():

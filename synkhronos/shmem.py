@@ -1,23 +1,62 @@
-"""SharedArray: a POSIX shared-memory segment, mmap-ed and viewed as NumPy."""
+"""SharedArray: a POSIX shared-memory segment, mmap-ed and viewed as NumPy; run prefixes and sweeps.
 
+Every segment of a run is named ``/synk_<master pid>_<run id>_...``, the run
+id random, so names cannot be guessed or collide across PID namespaces that
+share /dev/shm.  A run holds an flock on its ``..._lock`` segment for as long
+as any of its processes lives (forked children share the lock), so a sweep
+removes exactly the runs whose lock it can take: dead ones, whatever their
+namespace.
+"""
+
+import errno
+import fcntl
 import logging
 import mmap
 import os
+import secrets
 
 import numpy as np
 import posix_ipc
 
-from .liveness import pid_alive
+from .errors import SharedMemoryError
 
 logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 PREFIX = "synk"
+LOCK = "lock"
 
 
-def segment_prefix(master_pid):
-    """Return the name prefix of every segment a run with this master creates."""
-    return f"/{PREFIX}_{master_pid}_"
+def run_prefix(master_pid):
+    """Return a fresh name prefix for the segments of one run: ``/synk_<pid>_<run id>_``."""
+    return f"/{PREFIX}_{master_pid}_{secrets.token_hex(6)}_"
+
+
+def shm_space():
+    """Return (free, total) bytes of /dev/shm, or (None, None) where it cannot be read."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None, None
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def _size_text(n):
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n} B"
+
+
+def _full_error(name, nbytes):
+    free, total = shm_space()
+    where = ("" if free is None else
+             f"; {SHM_DIR} has {_size_text(free)} free of {_size_text(total)}")
+    return SharedMemoryError(
+        errno.ENOSPC,
+        f"cannot allocate {_size_text(nbytes)} of shared memory for segment {name}{where}. "
+        f"Enlarge {SHM_DIR} (docker run --shm-size=8g ..., or "
+        f"mount -o remount,size=8G {SHM_DIR}) or free what other programs keep there")
 
 
 class SharedArray:
@@ -25,6 +64,12 @@ class SharedArray:
 
     The creator owns the name and unlinks it; other processes ``attach`` by name.
     Processes forked after creation inherit the mapping and need not attach.
+    A new segment's pages are reserved at once, so a full /dev/shm raises
+    SharedMemoryError here rather than SIGBUS at the first write.
+
+    Raises:
+        SharedMemoryError: /dev/shm has too little space, or the segment
+            cannot be created (a name taken, no permission).
     """
 
     def __init__(self, name, nbytes, create=True):
@@ -32,9 +77,27 @@ class SharedArray:
         self.nbytes = int(nbytes)
         # mmap refuses length 0; a page is the smallest real allocation anyway.
         size = max(self.nbytes, 1)
-        flags = posix_ipc.O_CREX if create else 0
-        shm = posix_ipc.SharedMemory(name, flags, size=size if create else 0)
+        if create:
+            free, _ = shm_space()
+            if free is not None and size > free:
+                raise _full_error(name, size)  # at once, even for terabytes
         try:
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX if create else 0,
+                                         mode=0o600, size=size if create else 0)
+        except (posix_ipc.Error, OSError, ValueError) as exc:
+            action = "create" if create else "open"
+            raise SharedMemoryError(
+                errno.EEXIST if isinstance(exc, posix_ipc.ExistentialError) else errno.EIO,
+                f"cannot {action} shared-memory segment {name}: {exc}") from exc
+        try:
+            if create:
+                try:
+                    os.posix_fallocate(shm.fd, 0, size)
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+                        raise
+                    shm.unlink()
+                    raise _full_error(name, size) from None
             self._mmap = mmap.mmap(shm.fd, size)
         finally:
             shm.close_fd()
@@ -77,6 +140,7 @@ class SharedArray:
 
     def close(self):
         """Unmap; views made earlier must no longer be used."""
+        self._views = {}
         if self._mmap is not None:
             try:
                 self._mmap.close()
@@ -96,39 +160,77 @@ class SharedArray:
         return f"SharedArray({self.name!r}, {self.nbytes} bytes)"
 
 
-def sweep(master_pid):
-    """Unlink every segment whose name carries ``master_pid``; return their names."""
-    head = segment_prefix(master_pid)[1:]
+def hold_run_lock(prefix):
+    """Create and lock the run's lock segment; return its descriptor (inherited by fork).
+
+    Raises:
+        SharedMemoryError: the lock cannot be created.
+    """
+    path = os.path.join(SHM_DIR, prefix[1:] + LOCK)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        raise SharedMemoryError(exc.errno, f"cannot create the run's lock {path}: {exc}") \
+            from exc
+    return fd
+
+
+def sweep(prefix):
+    """Unlink every segment whose name starts with ``prefix`` (a run's); return their names."""
+    head = prefix[1:]
     removed = []
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return removed
-    for fname in names:
-        if fname.startswith(head):
-            try:
-                posix_ipc.unlink_shared_memory("/" + fname)
-                removed.append(fname)
-            except posix_ipc.Error:
-                pass
+    # The lock goes last: while it exists, another sweep does not take the run for dead.
+    for fname in sorted(n for n in names if n.startswith(head)):
+        if fname == head + LOCK:
+            continue
+        try:
+            posix_ipc.unlink_shared_memory("/" + fname)
+            removed.append(fname)
+        except posix_ipc.Error:
+            pass
+    try:
+        os.unlink(os.path.join(SHM_DIR, head + LOCK))
+        removed.append(head + LOCK)
+    except OSError:
+        pass
     return removed
 
 
-def sweep_stale():
-    """Unlink segments left by runs whose master process no longer exists."""
-    removed = []
+def dead_runs():
+    """Return the prefixes of runs whose lock no process holds: no process of theirs lives."""
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
-        return removed
-    pids = set()
+        return []
+    dead = []
     for fname in names:
         parts = fname.split("_")
-        if len(parts) >= 3 and parts[0] == PREFIX and parts[1].isdigit():
-            pids.add(int(parts[1]))
-    for pid in pids:
-        if not pid_alive(pid):
-            removed += sweep(pid)
+        if len(parts) != 4 or parts[0] != PREFIX or parts[3] != LOCK:
+            continue
+        try:
+            fd = os.open(os.path.join(SHM_DIR, fname), os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # held: the run is alive, in this namespace or another
+        finally:
+            os.close(fd)
+        dead.append("/" + fname[:-len(LOCK)])
+    return dead
+
+
+def sweep_stale():
+    """Unlink the segments of runs that are provably dead (their lock is free)."""
+    removed = []
+    for prefix in dead_runs():
+        removed += sweep(prefix)
     if removed:
         logger.info("removed %d stale shared-memory segments", len(removed))
     return removed

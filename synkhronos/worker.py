@@ -29,7 +29,9 @@ def loop(rt):
     while True:
         seq = control.wait_command(rank, last, check)
         last = seq
-        cmd, payload = control.read_message()
+        cmd, payload, frees = control.read_message()
+        if frees:
+            _unmap(rt, frees)
         rt.backend.begin(seq)
         t0 = time.perf_counter()
         status = OK
@@ -50,6 +52,14 @@ def loop(rt):
             control.finish(rank, seq, status)
             os._exit(0)
         control.finish(rank, seq, status)
+
+
+def _unmap(rt, ids):
+    """Close this rank's mappings of Data objects the master dropped."""
+    for data_id in ids:
+        seg = rt.datas.pop(data_id, None)
+        if seg is not None:
+            seg.close()
 
 
 HANDLERS.setdefault(Command.QUIT, lambda rt, payload: None)

@@ -38,8 +38,8 @@ def _view(entry, shape, dtype):
 class Homes:
     """This process's homes and its attachments to the other ranks' homes."""
 
-    def __init__(self, master_pid, populate):
-        self.prefix = f"/synk_{master_pid}_home"
+    def __init__(self, prefix, populate):
+        self.prefix = prefix + "home"
         self.populate = populate
         self.own = {}    # key -> [gen, SharedArray, nbytes mapped, views]
         self.peers = {}  # (rank, key) -> [gen, SharedArray, nbytes mapped, views]

@@ -37,8 +37,8 @@ class ShmBackend(Backend):
         super().__init__(rt, spin_s)
         self.block = SharedArray(rt.segment_name("comm"), 8 * STRIDE * rt.n_parallel)
         self.mv = memoryview(self.block.buffer).cast("q")
-        homes = Homes(rt.master_pid, lambda seg: populate(seg, MADV_POPULATE_WRITE))
-        self.slabs = Slabs(rt, self.mv, f"/synk_{rt.master_pid}_slab", self.max_dim, homes)
+        homes = Homes(rt.prefix, lambda seg: populate(seg, MADV_POPULATE_WRITE))
+        self.slabs = Slabs(rt, self.mv, rt.prefix + "slab", self.max_dim, homes)
         self.homes = homes
         self.k = 0
         self.fence = False

@@ -44,6 +44,8 @@ class ZmqBackend(Backend):
         super().__init__(rt, spin_s)
         _sweep_stale_dirs()
         self.dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{rt.master_pid}_")
+        # The janitor removes it if the master dies without close().
+        rt.cleanup_dirs.append(self.dir)
         self.master_pid = rt.master_pid
         self._pid = None
         self._ctx = None

@@ -28,6 +28,8 @@ def test_a_builtin_error_in_a_rank_keeps_its_type():
     assert issubclass(cls, synk.WorkerError) and issubclass(cls, ValueError)
     assert errors.worker_error_type(KeyError("k")) is errors.worker_error_type(KeyError("j"))
     assert issubclass(errors.worker_error_type(FileNotFoundError(2, "x")), OSError)
+    assert issubclass(errors.worker_error_type(synk.SharedMemoryError("full")),
+                      synk.SharedMemoryError)
 
 
 def test_other_errors_in_a_rank_are_plain_worker_errors():
@@ -36,7 +38,7 @@ def test_other_errors_in_a_rank_are_plain_worker_errors():
 
     assert errors.worker_error_type(Custom()) is synk.WorkerError
     assert errors.worker_error_type(None) is synk.WorkerError
-    assert errors.worker_error_type(synk.SynkStateError("x")) is synk.WorkerError
+    assert errors.worker_error_type(synk.WorkerError("x", 0, {})) is synk.WorkerError
     # a built-in type whose constructor takes other arguments cannot be mixed in
     exc = UnicodeDecodeError("utf-8", b"x", 0, 1, "bad")
     assert errors.worker_error_type(exc) is synk.WorkerError
@@ -44,7 +46,7 @@ def test_other_errors_in_a_rank_are_plain_worker_errors():
 
 def test_public_names():
     for name in ("SynkError", "SynkStateError", "WorkerError", "WorkerDiedError",
-                 "BackendUnavailableError"):
+                 "WorkerStalledError", "SharedMemoryError", "BackendUnavailableError"):
         assert name in synk.__all__
         assert getattr(synk, name) is getattr(errors, name)
 

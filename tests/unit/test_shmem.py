@@ -6,10 +6,10 @@ import subprocess
 import sys
 
 import numpy as np
-import posix_ipc
 import pytest
 
 from synkhronos import shmem
+from synkhronos.errors import SharedMemoryError
 from synkhronos.shmem import SharedArray
 
 _count = itertools.count()
@@ -79,7 +79,7 @@ def test_unlink_removes_the_name_but_keeps_the_mapping(seg):
     seg.unlink()
     assert not _exists(seg.name)
     np.testing.assert_array_equal(v, 3.0)
-    with pytest.raises(posix_ipc.ExistentialError):
+    with pytest.raises(SharedMemoryError, match="cannot open"):
         SharedArray.attach(seg.name, seg.nbytes)
     seg.unlink()  # a second unlink is harmless
 
@@ -93,11 +93,6 @@ def test_zero_byte_segment():
         s.close()
 
 
-def test_create_refuses_an_existing_name(seg):
-    with pytest.raises(posix_ipc.ExistentialError):
-        SharedArray(seg.name, 16)
-
-
 def test_close_twice_is_harmless():
     s = SharedArray(_name(), 64)
     s.unlink()
@@ -105,18 +100,18 @@ def test_close_twice_is_harmless():
     s.close()
 
 
-def test_sweep_unlinks_only_the_given_master_pid():
-    other_pid = os.getppid()
-    mine = [SharedArray(_name(), 64) for _ in range(3)]
-    theirs = SharedArray(_name(other_pid), 64)
+def test_sweep_unlinks_only_the_given_run():
+    mine, theirs = shmem.run_prefix(os.getpid()), shmem.run_prefix(os.getpid())
+    ours = [SharedArray(f"{mine}{k}", 64) for k in range(3)]
+    other = SharedArray(f"{theirs}0", 64)
     try:
-        removed = shmem.sweep(os.getpid())
-        for s in mine:
+        removed = shmem.sweep(mine)
+        for s in ours:
             assert not _exists(s.name)
             assert s.name.lstrip("/") in removed
-        assert _exists(theirs.name)
+        assert _exists(other.name)
     finally:
-        for s in mine + [theirs]:
+        for s in ours + [other]:
             s.unlink()
             s.close()
 
@@ -126,22 +121,34 @@ def _dead_pid():
         return int(f.read()) + 1   # no process can have this pid
 
 
-def test_sweep_stale_removes_segments_of_dead_masters_only():
-    dead = SharedArray(_name(_dead_pid()), 64)
-    live = SharedArray(_name(), 64)
+def _lock_path(prefix):
+    return os.path.join("/dev/shm", prefix[1:] + shmem.LOCK)
+
+
+def test_sweep_stale_removes_runs_whose_lock_is_free_only():
+    dead = shmem.run_prefix(os.getpid())          # its pid lives, but nobody holds its lock
+    os.close(shmem.hold_run_lock(dead))
+    # A run of another PID namespace: its pid means nothing here, but its lock is held.
+    alive = shmem.run_prefix(_dead_pid())
+    fd = shmem.hold_run_lock(alive)
+    segs = [SharedArray(f"{dead}x", 64), SharedArray(f"{alive}x", 64)]
     try:
-        shmem.sweep_stale()
-        assert not _exists(dead.name)
-        assert _exists(live.name)
+        removed = shmem.sweep_stale()
+        assert not _exists(segs[0].name) and not os.path.exists(_lock_path(dead))
+        assert segs[0].name.lstrip("/") in removed
+        assert _exists(segs[1].name) and os.path.exists(_lock_path(alive))
     finally:
-        for s in (dead, live):
+        os.close(fd)
+        shmem.sweep(alive)
+        for s in segs:
             s.unlink()
             s.close()
 
 
 def test_sweep_stale_after_a_process_exits_without_unlinking():
-    code = ("import os; from synkhronos.shmem import SharedArray; "
-            "s = SharedArray(f'/synk_{os.getpid()}_0_0x', 64); print(s.name); os._exit(0)")
+    code = ("import os; from synkhronos import shmem; from synkhronos.shmem import SharedArray; "
+            "p = shmem.run_prefix(os.getpid()); shmem.hold_run_lock(p); "
+            "s = SharedArray(p + 'x', 64); print(s.name); os._exit(0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     name = out.stdout.strip()
     assert name.startswith("/synk_"), out.stderr
@@ -150,5 +157,25 @@ def test_sweep_stale_after_a_process_exits_without_unlinking():
     assert not _exists(name)
 
 
-def test_segment_prefix_matches_runtime_names():
-    assert shmem.segment_prefix(4242) == "/synk_4242_"
+def test_run_prefixes_are_unguessable_and_carry_the_pid():
+    a, b = shmem.run_prefix(4242), shmem.run_prefix(4242)
+    assert a.startswith("/synk_4242_") and a.endswith("_") and a != b
+    assert len(a.split("_")[2]) == 12
+
+
+def test_a_taken_name_is_a_synk_error_naming_it():
+    name = _name()
+    first = SharedArray(name, 64)
+    try:
+        with pytest.raises(SharedMemoryError, match=name):
+            SharedArray(name, 64)
+    finally:
+        first.unlink()
+        first.close()
+
+
+def test_more_than_dev_shm_holds_fails_at_once():
+    free, _ = shmem.shm_space()
+    with pytest.raises(SharedMemoryError, match=r"cannot allocate 4096\.0 GiB.*--shm-size"):
+        SharedArray(_name(), 4 << 40)
+    assert free is not None and free > 0
