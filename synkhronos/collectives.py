@@ -430,7 +430,7 @@ def all_reduce(shared_vars, op="avg", nccl=True):
     rt = require_distributed("all_reduce()")
     idx, _ = _check_reduce(rt, shared_vars, op, True, "all_reduce")
     msg = AllReduceMsg(idx, op, bool(nccl))
-    run_command(rt, Command.ALL_REDUCE, msg, lambda seq: _all_reduce_local(rt, msg))
+    run_command(rt, Command.ALL_REDUCE, msg, lambda seq: all_reduce_local(rt, msg))
 
 
 class AllReduceMsg(NamedTuple):
@@ -441,7 +441,12 @@ class AllReduceMsg(NamedTuple):
     nccl: bool
 
 
-def _all_reduce_local(rt, msg):
+def all_reduce_local(rt, msg):
+    """Every rank, inside a command: all-reduce the variables an ``AllReduceMsg`` names.
+
+    Also the second part of a fused training step (``Function`` calls with
+    ``then``), inside the CALL command.
+    """
     shareds = [rt.shareds[i] for i in msg.idx]
     be = _transport(rt, msg.nccl)
     arrays = _values(be, shareds)
@@ -453,4 +458,4 @@ def _all_reduce_local(rt, msg):
 
 @handler(Command.ALL_REDUCE)
 def _all_reduce_worker(rt, msg):
-    _all_reduce_local(rt, msg)
+    all_reduce_local(rt, msg)

@@ -11,7 +11,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
-from . import data_module, gpu, reducers, sharedvars, split
+from . import collectives, data_module, gpu, reducers, sharedvars, split
 
 
 @dataclass
@@ -94,6 +94,9 @@ def execute(spec, rt, msg):
         # JAX runs asynchronously and reads NumPy inputs (shared memory) in
         # place: finish before the command ends and the master may reuse them.
         gpu.wait([sharedvars.raw(var) for var, _ in spec.updates])
+    if msg.then is not None:
+        # Every rank joins, with rows or without: the others wait in the all-reduce.
+        run_then(rt, msg.then)
     # No rows anywhere: the master's result on the empty input stands for the
     # whole, as PyTensor's on an empty array (0 for sum; max raises there too).
     weight = 1.0 if rows is None or whole_empty else float(rows)
@@ -103,6 +106,20 @@ def execute(spec, rt, msg):
     if rt.is_master:
         return None if results is None else (results, weight)
     rt.backend.contribute(results, weight)
+
+
+def run_then(rt, then):
+    """The rest of a fused step on every rank: all-reduce (a ``ThenMsg``), then the follow-up.
+
+    Runs after the call's own computation and before its results go to the
+    master, so one command does gradient, all-reduce and update.
+    """
+    collectives.all_reduce_local(rt, collectives.AllReduceMsg(then.idx, then.op, True))
+    follow = rt.functions[then.function_id].spec
+    follow.fn()
+    if follow.updates and gpu.uses_jax(follow.fn):
+        gpu.wait([sharedvars.raw(var) for var, _ in follow.updates])
+    rt.backend.settle()  # the workers' results go where the all-reduce just read
 
 
 def variant(spec, slice_shareds, defer):

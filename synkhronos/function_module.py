@@ -7,7 +7,7 @@ from typing import NamedTuple
 import numpy as np
 import pytensor
 
-from . import conditioning, data_module, execution, gpu, split
+from . import conditioning, data_module, execution, gpu, reducers, sharedvars, split
 from .control import Command, handler, run_command
 from .errors import SynkStateError
 from .function_args import parse_outputs, parse_updates, var_list
@@ -101,6 +101,15 @@ class CallMsg(NamedTuple):
     sel_s: object
     num_slices: int
     subset: object
+    then: object = None         # a ThenMsg: a fused step's all-reduce and follow-up call
+
+
+class ThenMsg(NamedTuple):
+    """What every rank does after its share of a fused call: all-reduce, then a call."""
+
+    idx: list                   # shared variables to all-reduce, by index in rt.shareds
+    op: str
+    function_id: int            # the function to call next, without inputs
 
 
 class Function:
@@ -236,6 +245,35 @@ class Function:
             TypeError, ValueError: bad inputs or call options (nothing runs).
             WorkerError: a rank raised; the runtime stays usable.
         """
+        return self._call(args, kwargs, output_subset, batch, batch_s, num_slices, None)
+
+    def then_all_reduce(self, shared_vars, op, then):
+        """Return a callable that runs this function, an all-reduce and ``then`` as one command.
+
+        The fused step of data-parallel training: every rank computes its
+        share (writing, say, its gradient into a shared variable), all ranks
+        all-reduce ``shared_vars`` inside the same command, and every rank
+        calls ``then`` (a function without inputs, say the update).  One
+        command and one pair of barriers instead of three.  The callable
+        takes the arguments of ``__call__`` and returns this function's
+        outputs.  Master only.
+
+        Args:
+            shared_vars: a shared variable, its name, or a list of either.
+            op: "avg", "sum", "prod", "max" or "min".
+            then: a synkhronos Function of the same run that takes no inputs.
+
+        Raises:
+            TypeError: ``then`` is not a Function without inputs.
+            ValueError: an unknown op.
+        """
+        if not isinstance(then, Function) or then._all_inputs:
+            raise TypeError("then_all_reduce: then must be a synkhronos Function without "
+                            f"inputs; got {then!r}")
+        reducers.check_op(op, "then_all_reduce: op")
+        return _FusedCall(self, shared_vars, op, then)
+
+    def _call(self, args, kwargs, output_subset, batch, batch_s, num_slices, then):
         rt = self._rt
         if rt is None or rt.closed:
             raise SynkStateError("this function belongs to a closed synkhronos run; "
@@ -243,6 +281,8 @@ class Function:
         if not rt.distributed:
             raise SynkStateError("call distribute() before calling synkhronos functions")
         msg = self._prepare(rt, args, kwargs, output_subset, batch, batch_s, num_slices)
+        if then is not None:
+            msg = msg._replace(then=then(rt))
         spec = self.spec
         name = self.name or "function"
         return run_command(rt, Command.CALL, msg, lambda seq: execution.execute(spec, rt, msg),
@@ -355,6 +395,28 @@ class Function:
                 raise ValueError(f"{name}: minibatch input {v} has {len(d)} rows; "
                                  f"batch selects {n_rows}")
         return n_rows
+
+
+class _FusedCall:
+    """A function call fused with an all-reduce and a follow-up call (``then_all_reduce``)."""
+
+    def __init__(self, f, shared_vars, op, then):
+        self.f = f
+        self.shared_vars = shared_vars
+        self.op = op
+        self.then = then
+
+    def _then(self, rt):
+        if self.then._rt is not rt:
+            raise ValueError("then_all_reduce: then belongs to another synkhronos run")
+        idx, _ = sharedvars.resolve(rt, self.shared_vars, "then_all_reduce")
+        return ThenMsg(idx, self.op, self.then._ID)
+
+    @serialized
+    def __call__(self, *args, output_subset=None, batch=None, batch_s=None, num_slices=1,
+                 **kwargs):
+        """Run the fused step; arguments and result as for ``Function.__call__``."""
+        return self.f._call(args, kwargs, output_subset, batch, batch_s, num_slices, self._then)
 
 
 def _common_length(scattered):

@@ -6,6 +6,7 @@ import pytensor.tensor as pt
 import pytest
 
 import synkhronos as synk
+from synkhronos.runtime import get_runtime
 from synkhronos.extensions import layers as L
 from synkhronos.extensions import train, updates
 
@@ -258,6 +259,50 @@ def test_train_function_batch_and_slices(forked, problem):
     assert_close(W.get_value(), Ws.get_value())
     assert_close(b.get_value(), bs.get_value())
     assert_close(synk.get_value(2, W), Ws.get_value())
+
+
+def test_a_step_is_one_command_and_equals_the_three_command_path(forked, problem):
+    """The fused step (gradient, all-reduce, update in one command) == the three commands."""
+    X, Y, W0, b0, batches = problem
+    forked(3)
+    x, y, W, b, loss = linreg(W0, b0, "fused")
+    fused = train.make_train_function(loss, [W, b], x, y, update_rule="adam",
+                                      update_kwargs={"learning_rate": 0.01}, mode=FAST)
+    x2, y2, W2, b2, loss2 = linreg(W0, b0, "three")
+    three = train.make_train_function(loss2, [W2, b2], x2, y2, update_rule="adam",
+                                      update_kwargs={"learning_rate": 0.01}, mode=FAST)
+    synk.distribute()
+    rt = get_runtime()
+    x_data, y_data = synk.data(X), synk.data(Y)
+    for idx in batches + [batches[0][:2]]:       # the last: a rank with no rows joins too
+        seq = rt.control.seq
+        out = fused(x_data, y_data, batch=idx)
+        assert rt.control.seq == seq + 1          # one command per step
+        out3 = three.f_grad(x_data, y_data, batch=idx)
+        synk.all_reduce(three.grad_shared, op="sum")
+        three.f_update()
+        np.testing.assert_allclose(out, out3, rtol=1e-6)
+    for r in range(3):
+        np.testing.assert_allclose(synk.get_value(r, W), synk.get_value(r, W2), rtol=1e-6)
+        np.testing.assert_allclose(synk.get_value(r, b), synk.get_value(r, b2), rtol=1e-6)
+
+
+def test_fused_call_checks_its_arguments(forked):
+    forked(2)
+    x = pt.matrix("x")
+    v = pytensor.shared(np.zeros(3, "float32"), name="v")
+    f = synk.function([x], (x.sum(), "sum"), updates=[(v, v + x.sum(axis=0))])
+    g = synk.function([x], x.sum())
+    h = synk.function([], updates=[(v, v * 0)])
+    with pytest.raises(TypeError, match="without inputs"):
+        f.then_all_reduce(v, "sum", g)
+    with pytest.raises(ValueError, match="op"):
+        f.then_all_reduce(v, "mean", h)
+    synk.distribute()
+    step = f.then_all_reduce(v, "sum", h)
+    data = np.ones((5, 3), "float32")
+    assert step(synk.data(data)) == 15.0
+    np.testing.assert_array_equal(synk.get_value(1, v), np.zeros(3))   # reduced, then zeroed
 
 
 def test_train_function_batch_s(forked, problem):

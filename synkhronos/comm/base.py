@@ -126,8 +126,12 @@ class Backend(ABC):
         """Worker side of ``collect``: leave ``arrays`` (or None) for the root.
 
         Called inside a command; the root reads them after the command's end
-        barrier, so no extra synchronisation is needed.
+        barrier, so no extra synchronisation is needed.  After other
+        collectives in the same command, every rank calls ``settle()`` first.
         """
+
+    def settle(self):
+        """Every rank, after a command's last collective: wait until no rank reads its buffers."""
 
     def collect(self):
         """Root side of ``contribute``, after the end barrier.

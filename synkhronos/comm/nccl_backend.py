@@ -155,6 +155,9 @@ class NcclBackend(Backend):
     def contribute(self, arrays, weight=1.0):
         self._host.contribute(_to_host(arrays), weight)
 
+    def settle(self):
+        self._host.settle()
+
     def _contribution(self, q):
         raise NotImplementedError  # collect() goes to the host backend whole
 

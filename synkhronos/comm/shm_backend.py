@@ -206,8 +206,12 @@ class ShmBackend(Backend):
         return dsts
 
     def contribute(self, arrays, weight=1.0):
-        """Leave ``arrays`` for the root; only as the one backend call of a command."""
+        """Leave ``arrays`` for the root; after other collectives, only once ``settle()`` ran."""
         self.slabs.pack(arrays, weight)
+
+    def settle(self):
+        if self.fence:
+            self.barrier()  # nobody may still read the slabs the last collective used
 
     def _contribution(self, q):
         arrays = self.slabs.unpack(q)

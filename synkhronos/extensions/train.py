@@ -57,9 +57,12 @@ def _data_vars(x, y):
 class TrainFunction:
     """A data-parallel training step made by ``make_train_function``.
 
-    Calling it runs, on every rank: the gradient function over the rank's share
-    of the batch, one all-reduce of the flat gradient, and the update
-    function.  Every rank then holds the same parameters.
+    Calling it runs, on every rank and in one command: the gradient function
+    over the rank's share of the batch, one all-reduce of the flat gradient,
+    and the update function.  Every rank then holds the same parameters.  The
+    two functions stay callable on their own (``f_grad``, then
+    ``synk.all_reduce(grad_shared)``, then ``f_update``): the same step in
+    three commands.
 
     Attributes:
         f_grad: the synkhronos function computing the loss (and outputs) and
@@ -74,6 +77,8 @@ class TrainFunction:
         self.f_update = f_update
         self.grad_shared = grad_shared
         self.all_reduce_op = all_reduce_op
+        # One command per step: gradient, all-reduce and update run inside the call.
+        self._step = f_grad.then_all_reduce(grad_shared, all_reduce_op, f_update)
 
     def __call__(self, *data, batch=None, batch_s=None, num_slices=1):
         """Run one training step on every rank; return the loss (and outputs).  Master only.
@@ -88,10 +93,7 @@ class TrainFunction:
             The loss averaged over the batch, or a list ``[loss, *outputs]``
             when ``outputs`` were given.
         """
-        out = self.f_grad(*data, batch=batch, batch_s=batch_s, num_slices=num_slices)
-        synk.all_reduce(self.grad_shared, op=self.all_reduce_op)
-        self.f_update()
-        return out
+        return self._step(*data, batch=batch, batch_s=batch_s, num_slices=num_slices)
 
 
 def make_train_function(loss, params, x, y, update_rule="sgd", update_kwargs=None,
