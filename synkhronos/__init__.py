@@ -31,6 +31,7 @@ from .errors import (BackendUnavailableError, SharedMemoryError, SynkError,  # n
                      SynkStateError, WorkerDiedError, WorkerError, WorkerStalledError)
 from .function_module import Function, function  # noqa: E402
 from .process import close, fork  # noqa: E402
+from .profiling import profile  # noqa: E402
 from .collectives import (all_gather, all_reduce, broadcast, gather,  # noqa: E402
                           get_lengths, get_shapes, get_value, reduce, scatter,
                           set_value)
@@ -42,5 +43,5 @@ __all__ = [
     "SynkError", "SynkStateError", "WorkerError", "WorkerDiedError", "WorkerStalledError",
     "SharedMemoryError", "BackendUnavailableError",
     "broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
-    "set_value", "get_value", "get_lengths", "get_shapes",
+    "set_value", "get_value", "get_lengths", "get_shapes", "profile",
 ]

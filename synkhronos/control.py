@@ -42,6 +42,7 @@ class Command(enum.IntEnum):
     SET_VALUE = 16
     GET_VALUE = 17
     GET_SHAPES = 18
+    PROFILE = 19
 
 
 HANDLERS = {}
@@ -269,8 +270,14 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None):
     """
     control = rt.control
     t0 = time.perf_counter()
+    what = what or cmd.name.lower()
+    prof = rt.profiler
+    if prof is not None:
+        prof.begin(what)
     seq = control.post(rt, cmd, payload)
-    rt.monitor.begin(what or cmd.name.lower())
+    rt.monitor.begin(what)
+    if prof is not None:
+        prof.lap("control")
     rt.backend.begin(seq)
     result = None
     local_exc = None
@@ -278,6 +285,8 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None):
         try:
             if local is not None:
                 result = local(seq)
+                if prof is not None:
+                    prof.lap("collective")  # what the local part did not book itself
         except CommAborted:
             pass
         except WorkerDiedError:
@@ -289,6 +298,8 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None):
             local_exc = exc
             control.abort(seq)
         control.wait_done(rt, seq, rt.check)
+        if prof is not None:
+            prof.lap("wait")
     except WorkerDiedError:
         rt.abandon(rt, "a worker died")
         raise
@@ -304,7 +315,9 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None):
             failures[rt.rank] = (text, local_exc)
         raise _worker_error(cmd, failures)
     if after is not None:
-        return after(result)
+        result = after(result)
+    if prof is not None:
+        prof.end("reduce")
     return result
 
 

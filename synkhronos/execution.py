@@ -44,6 +44,7 @@ class FunctionSpec:
 def execute(spec, rt, msg):
     """Run this rank's share of a call (a ``CallMsg``) and take part in the reduction."""
     rank = rt.rank
+    prof = rt.profiler
     descs = msg.descs
     if rt.is_master:
         datas = rt.datas
@@ -57,6 +58,8 @@ def execute(spec, rt, msg):
         for i in range(msg.n_scattered):
             arrays[i] = split.take(arrays[i], sel, lo, hi, descs[i].minibatch and sel is not None)
         rows = hi - lo
+    if prof is not None:
+        prof.lap("gather")
     num_slices = msg.num_slices
     sliceable = spec.sliceable
     shared_sel = None
@@ -94,6 +97,8 @@ def execute(spec, rt, msg):
         # JAX runs asynchronously and reads NumPy inputs (shared memory) in
         # place: finish before the command ends and the master may reuse them.
         gpu.wait([sharedvars.raw(var) for var, _ in spec.updates])
+    if prof is not None:
+        prof.lap("compute")
     if msg.then is not None:
         # Every rank joins, with rows or without: the others wait in the all-reduce.
         run_then(rt, msg.then)
@@ -114,11 +119,16 @@ def run_then(rt, then):
     Runs after the call's own computation and before its results go to the
     master, so one command does gradient, all-reduce and update.
     """
+    prof = rt.profiler
     collectives.all_reduce_local(rt, collectives.AllReduceMsg(then.idx, then.op, True))
+    if prof is not None:
+        prof.lap("collective")
     follow = rt.functions[then.function_id].spec
     follow.fn()
     if follow.updates and gpu.uses_jax(follow.fn):
         gpu.wait([sharedvars.raw(var) for var, _ in follow.updates])
+    if prof is not None:
+        prof.lap("compute")
     rt.backend.settle()  # the workers' results go where the all-reduce just read
 
 

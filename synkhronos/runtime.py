@@ -44,6 +44,7 @@ class Runtime:
     cores: list = field(default_factory=list)    # usable cores, indexed by rank when pinning
     janitor_fd: int = -1            # master: write end of the pipe the janitor watches
     profile_workers: bool = False   # workers record a cProfile until QUIT
+    profiler: object = None         # profiling.Profiler while synk.profile() records
     lock_fd: int = -1               # the run's lock (shmem.hold_run_lock), held by every process
     freed: collections.deque = field(default_factory=collections.deque)  # dropped Data ids
     cleanup_dirs: list = field(default_factory=list)  # removed by the janitor after a crash

@@ -5,7 +5,7 @@ import os
 import time
 
 # Importing the command modules registers their handlers in HANDLERS.
-from . import collectives, data_module, distribute, function_module  # noqa: F401
+from . import collectives, data_module, distribute, function_module, profiling  # noqa: F401
 from .control import ABORTED, FAILED, HANDLERS, OK, Command, rank_header
 from .errors import CommAborted
 
@@ -29,7 +29,13 @@ def loop(rt):
     while True:
         seq = control.wait_command(rank, last, check)
         last = seq
+        prof = rt.profiler
+        if prof is not None:
+            t_seen = time.perf_counter_ns()
         cmd, payload, frees = control.read_message()
+        if prof is not None:
+            prof.begin(_what(rt, cmd, payload), t_seen)
+            prof.lap("control")
         if frees:
             _unmap(rt, frees)
         rt.backend.begin(seq)
@@ -43,6 +49,9 @@ def loop(rt):
             control.write_error(rank, header, exc)
             control.abort(seq)
             status = FAILED
+        if prof is not None:
+            prof.lap("collective")  # what the handler did not book itself
+            prof.end("control")
         if debug:
             log.debug("rank %d ran %s in %.6f s", rank, cmd.name, time.perf_counter() - t0)
         if cmd == Command.QUIT:
@@ -52,6 +61,13 @@ def loop(rt):
             control.finish(rank, seq, status)
             os._exit(0)
         control.finish(rank, seq, status)
+
+
+def _what(rt, cmd, payload):
+    """The command as the master's profile names it."""
+    if cmd == Command.CALL:
+        return f"call of {rt.functions[payload.function_id].name or 'function'}"
+    return cmd.name.lower()
 
 
 def _unmap(rt, ids):

@@ -4,6 +4,7 @@ import multiprocessing
 import os
 
 import numpy as np
+import pytensor
 import pytensor.tensor as pt
 import pytest
 from pytensor.graph.basic import Apply
@@ -205,3 +206,49 @@ def test_thread_limits_are_restored_after_close(forked):
     assert os.environ["OMP_NUM_THREADS"] == "1"
     synk.close()
     assert os.environ.get("OMP_NUM_THREADS") == before
+
+
+def test_profile_breaks_each_ranks_time_down_and_adds_up(forked, tmp_path):
+    import json
+    import time
+
+    forked(2)
+    x = pt.dmatrix("x")
+    w = pytensor.shared(np.ones((300, 300)), name="w")
+    f = synk.function([x], (pt.tanh(x.dot(w)).dot(w).sum(), "sum"), name="heavy")
+    v = pytensor.shared(np.ones(1000), name="v")
+    g = synk.function([], v.sum())
+    synk.distribute()
+    d = synk.data(np.ones((400, 300)))
+    f(d)                                               # compiled and warm
+    walls = []
+    with synk.profile() as prof:
+        for _ in range(10):
+            t0 = time.perf_counter()
+            f(d, batch=np.arange(400)[::-1])
+            walls.append(time.perf_counter() - t0)
+        synk.all_reduce(v, "sum")
+    totals = prof.totals()
+    assert set(totals) == {0, 1}
+    master = totals[0]["call of heavy"]
+    assert master["calls"] == 10
+    parts = sum(master[c] for c in ("control", "gather", "compute", "collective", "wait",
+                                    "reduce"))
+    assert parts == pytest.approx(master["wall"], rel=1e-6)
+    # Against the wall time the caller measured around each call: within 10%.
+    assert master["wall"] == pytest.approx(sum(walls), rel=0.10)
+    worker = totals[1]["call of heavy"]
+    assert worker["calls"] == 10 and worker["compute"] > 0.5 * worker["wall"]
+    assert worker["gather"] > 0 and master["wait"] >= 0 and master["reduce"] > 0
+    assert totals[1]["all_reduce"]["calls"] == 1
+    table = prof.table()
+    assert "call of heavy" in table and "compute" in table
+    path = tmp_path / "trace.json"
+    prof.write_trace(path)
+    events = json.loads(path.read_text())["traceEvents"]
+    assert {e["tid"] for e in events} == {0, 1}
+    assert any(e["name"] == "compute" and e["tid"] == 1 for e in events)
+    # Profiling is off again: nothing is recorded.
+    f(d)
+    assert get_runtime().profiler is None
+    del g
