@@ -8,7 +8,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
-from . import data_module, gpu, reducers, sharedvars, split
+from . import compat, data_module, gpu, reducers, sharedvars, split
 
 
 def execute(f, rt, msg):
@@ -46,10 +46,7 @@ def execute(f, rt, msg):
     if rows == 0:
         results = None
     elif shared_sel is None and (num_slices == 1 or not n_scattered):
-        results = f._fn(*arrays)
-        if subset is not None:
-            # PyTensor 3 functions take no output_subset: compute all, keep some.
-            results = [results[i] for i in subset]
+        results = compat.call_subset(f._fn, arrays, subset)
     else:
         out_idx = list(range(len(f._outputs))) if subset is None else subset
         results = run_slices(f, arrays, n_scattered, shared_sel, num_slices, out_idx)
