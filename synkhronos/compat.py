@@ -4,7 +4,8 @@ synkhronos supports PyTensor 2.36 (the release that removed ``AbstractConv``)
 through 3.x.  What differs between them, as far as synkhronos is concerned:
 
 - PyTensor 2.x functions take ``output_subset=`` and compute only those
-  outputs; PyTensor 3 removed the argument (compute all, keep some).
+  outputs (2.36-2.38 warn that it is deprecated); PyTensor 3 removed the
+  argument (compute all, keep some).
 - The default linker: 2.x compiles with the C VM (``cvm``, needs g++), 3.x
   with Numba.  Both run the same graphs; only reports name the difference.
 - Module paths of compiled functions moved (``pytensor.compile.function.types``
@@ -17,6 +18,7 @@ Every other module asks this one instead of testing ``pytensor.__version__``.
 import functools
 import inspect
 import re
+import warnings
 
 import pytensor
 
@@ -79,7 +81,11 @@ def call_subset(fn, args, subset):
     if subset is None:
         return fn(*args)
     if takes_output_subset(fn):
-        return fn(*args, output_subset=list(subset))
+        # 2.36-2.38 warn on every such call that the argument is going away;
+        # that is this module's business, not the user's.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "output_subset is deprecated", FutureWarning)
+            return fn(*args, output_subset=list(subset))
     results = fn(*args)
     return [results[i] for i in subset]
 
@@ -119,8 +125,6 @@ def blas_ldflags():
     Reading the flag makes PyTensor 2.x probe for a BLAS once and warn if it
     finds none; the warning is silenced here, since the empty string says it.
     """
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:

@@ -45,6 +45,7 @@ def _two_outputs():
     return pytensor.function([x], [x + 1, 2 * x, x.sum()])
 
 
+@pytest.mark.filterwarnings("error::FutureWarning")
 def test_call_subset_real_function():
     fn = _two_outputs()
     x = np.arange(3.0)
