@@ -18,6 +18,8 @@ import pytensor  # noqa: E402
 import synkhronos as synk  # noqa: E402
 from synkhronos.extensions import pymc as synk_pymc  # noqa: E402
 
+# PyMC graphs compile to C on PyTensor 2.x: a cold cache makes the first test of
+# each runtime (which builds five models) slow on a small CI machine.
 pytestmark = pytest.mark.timeout(240)
 
 N_ROWS = 11
