@@ -87,3 +87,25 @@ def test_ancestors():
     x = pt.dvector("x")
     y = (x + 1).sum()
     assert x in set(compat.ancestors([y]))
+
+
+def test_pymc_extension_is_optional():
+    """Importing synkhronos and its extensions loads no PyMC; without PyMC the error says why."""
+    import subprocess
+    import sys
+
+    code = ("import sys, synkhronos, synkhronos.extensions\n"
+            "assert 'pymc' not in sys.modules, 'pymc imported'\n"
+            "try:\n"
+            "    import pymc\n"
+            "except ImportError:\n"
+            "    try:\n"
+            "        from synkhronos.extensions import pymc\n"
+            "    except ImportError as exc:\n"
+            "        assert \"pip install 'synkhronos[pymc]'\" in str(exc), exc\n"
+            "    else:\n"
+            "        raise AssertionError('imported without PyMC')\n")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

@@ -27,7 +27,11 @@ import pytensor
 import pytensor.tensor as pt
 from pytensor.compile import SharedVariable
 
-import pymc as pm
+try:
+    import pymc as pm
+except ImportError as exc:
+    raise ImportError("synkhronos.extensions.pymc needs PyMC: pip install 'synkhronos[pymc]'"
+                      ) from exc
 
 import synkhronos as synk
 
