@@ -14,7 +14,7 @@ PYMC_VENV := .venv-pymc
 PYMC_STAMP := $(PYMC_VENV)/.installed
 PYTEST_DEPS := "pytest>=8" "pytest-timeout>=2.2"
 
-.PHONY: test test-main test-compat test-lowest test-pymc demo bench docs clean
+.PHONY: test test-main test-compat test-lowest test-pymc demo demo-pymc bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,10 @@ test-pymc: $(PYMC_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python demos/mnist/train_mnist_cpu_data.py
+
+# The PyMC MAP demo (10^6 rows), in the PyMC environment.
+demo-pymc: $(PYMC_STAMP)
+	$(PYMC_VENV)/bin/python demos/pymc/map_regression.py
 
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict
