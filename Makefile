@@ -42,10 +42,10 @@ test-main: $(STAMP)
 
 test-compat: test-lowest test-pymc
 
-# Function calls and collectives on the lowest supported PyTensor 2.x.
+# Function calls, collectives and the doctor on the lowest supported PyTensor 2.x.
 test-lowest: $(OLD_STAMP)
 	$(OLD_VENV)/bin/python -m pytest -q tests/test_compat.py tests/test_function.py \
-		tests/test_collectives.py
+		tests/test_collectives.py tests/test_doctor.py
 
 # PyMC models (skipped in the main environment, which has no PyMC).
 test-pymc: $(PYMC_STAMP)
