@@ -32,7 +32,9 @@ def main(argv=None):
     steps = doctor.check(args.n_parallel, use_gpu=True if args.gpu else False,
                          timeout=args.timeout)
     for s in steps:
-        print(f"{'ok  ' if s.ok else 'FAIL'}  {s.name}" + (f"\n      {s.detail}" if s.detail else ""))
+        print(f"{'ok  ' if s.ok else 'FAIL'}  {s.name}")
+        if s.detail:
+            print(f"      {s.detail}")
     failed = [s for s in steps if not s.ok]
     if failed:
         print(f"FAIL: {len(failed)} of {len(steps)} steps failed: "

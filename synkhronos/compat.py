@@ -30,7 +30,7 @@ MAX_PYTENSOR_MAJOR = 3
 
 
 def parse_version(text):
-    """Return ``(major, minor, patch)`` from a version string such as ``"2.38.3"`` or ``"3.0.7.dev1"``.
+    """Return ``(major, minor, patch)`` from a version string (``"2.38.3"``, ``"3.0.7.dev1"``).
 
     Missing or non-numeric parts count as 0.
     """

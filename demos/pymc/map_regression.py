@@ -8,7 +8,8 @@ the ranks, sums the log-likelihood and its gradient over the ranks and adds
 the prior once.  Printed: evaluations per second of (logp, dlogp) for PyMC
 serial on all BLAS threads (before fork), on one BLAS thread (in the master
 after fork, which limits it to one thread on one core, taking turns round by
-round with the data-parallel calls), and synkhronos on all cores; then the MAP fit (scipy's L-BFGS-B) with PyMC serial and with synkhronos.
+round with the data-parallel calls), and synkhronos on all cores; then the
+MAP fit (scipy's L-BFGS-B) with PyMC serial and with synkhronos.
 
 PyMC serial is PyMC's own compiled (logp, dlogp) pair, ``pm.pytensorf.compile``
 on ``model.logp()`` and ``model.dlogp()``: the same graph and rewrites as

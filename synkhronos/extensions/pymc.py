@@ -84,7 +84,8 @@ class DataParallelModel:
         if not model.observed_RVs:
             raise ValueError("data_parallel: the model has no observed variables")
         value_vars = list(model.value_vars)
-        discrete = [v.name for v in value_vars if not np.issubdtype(np.dtype(v.dtype), np.floating)]
+        discrete = [v.name for v in value_vars
+                    if not np.issubdtype(np.dtype(v.dtype), np.floating)]
         if discrete:
             raise ValueError(f"data_parallel: free variables {discrete} are discrete; the "
                              "gradient needs continuous free variables only")
@@ -114,10 +115,10 @@ class DataParallelModel:
         mode = _pymc_mode(model)
         self._fn = synk.function(
             inputs=[], bcast_inputs=[x],
-            outputs=[(lik_x, "sum"), (pytensor.grad(lik_x, x), "sum")],
+            outputs=[(lik_x, "sum"), (_grad(lik_x, x), "sum")],
             sliceable_shareds=self._shards, name=name, mode=mode, on_unused_input="ignore")
         # Run in the master only: counted once, whatever the number of ranks.
-        self._once = pytensor.function([x], [once_x, pytensor.grad(once_x, x)], mode=mode,
+        self._once = pytensor.function([x], [once_x, _grad(once_x, x)], mode=mode,
                                        on_unused_input="ignore")
         self._scattered = False
         logger.info("pymc model: %d value variables (%d numbers), data %s split by rows (%d)",
@@ -287,6 +288,11 @@ class DataParallelModel:
         x0 = self.initial_x() if x0 is None else np.asarray(self._flat(x0), np.float64)
         res = minimize(self.neg_logp_dlogp, x0, jac=True, method=method, **kwargs)
         return self.unravel(res.x), res
+
+
+def _grad(cost, x):
+    # A model part may not depend on every parameter (or on none): zeros, not an error.
+    return pytensor.grad(cost, x, disconnected_inputs="ignore")
 
 
 def _empty_rows(value):
