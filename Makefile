@@ -1,11 +1,20 @@
-# Set-up happens on demand: every target below creates .venv and installs the
-# package with what it needs first.
+# Set-up happens on demand: every target below creates its virtual environment
+# and installs the package with what it needs first.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench docs clean
+# Second and third environments, for `make test-compat`: the lowest supported
+# PyTensor (synkhronos/compat.py MIN_PYTENSOR), and PyMC with the PyTensor it pins.
+LOWEST_PYTENSOR := 2.36.*
+OLD_VENV := .venv-pt236
+OLD_STAMP := $(OLD_VENV)/.installed
+PYMC_VENV := .venv-pymc
+PYMC_STAMP := $(PYMC_VENV)/.installed
+PYTEST_DEPS := "pytest>=8" "pytest-timeout>=2.2"
+
+.PHONY: test test-main test-compat test-lowest test-pymc demo demo-pymc bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -13,12 +22,42 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[test,demo,docs]"
 	touch $(STAMP)
 
-test: $(STAMP)
+$(OLD_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(OLD_VENV)
+	$(OLD_VENV)/bin/python -m pip install -q --upgrade pip
+	$(OLD_VENV)/bin/python -m pip install -q -e . "pytensor==$(LOWEST_PYTENSOR)" $(PYTEST_DEPS)
+	touch $(OLD_STAMP)
+
+$(PYMC_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(PYMC_VENV)
+	$(PYMC_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PYMC_VENV)/bin/python -m pip install -q -e ".[pymc]" $(PYTEST_DEPS)
+	touch $(PYMC_STAMP)
+
+# The whole suite on the newest PyTensor, then the compatibility environments.
+test: test-main test-compat
+
+test-main: $(STAMP)
 	$(BIN)/ruff check synkhronos tests demos bench
 	$(BIN)/python -m pytest
 
+test-compat: test-lowest test-pymc
+
+# Function calls, collectives and the doctor on the lowest supported PyTensor 2.x.
+test-lowest: $(OLD_STAMP)
+	$(OLD_VENV)/bin/python -m pytest -q tests/test_compat.py tests/test_function.py \
+		tests/test_collectives.py tests/test_doctor.py
+
+# PyMC models (skipped in the main environment, which has no PyMC).
+test-pymc: $(PYMC_STAMP)
+	$(PYMC_VENV)/bin/python -m pytest -q tests/test_compat.py tests/test_pymc.py
+
 demo: $(STAMP)
 	$(BIN)/python demos/mnist/train_mnist_cpu_data.py
+
+# The PyMC MAP demo (10^6 rows), in the PyMC environment.
+demo-pymc: $(PYMC_STAMP)
+	$(PYMC_VENV)/bin/python demos/pymc/map_regression.py
 
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict
@@ -27,4 +66,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/call_overhead.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(OLD_VENV) $(PYMC_VENV) build *.egg-info

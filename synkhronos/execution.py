@@ -11,7 +11,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
-from . import collectives, data_module, gpu, reducers, sharedvars, split
+from . import collectives, compat, data_module, gpu, reducers, sharedvars, split
 
 
 @dataclass
@@ -84,10 +84,7 @@ def execute(spec, rt, msg):
     if rows == 0 and not whole_empty:
         results = None
     elif shared_sel is None and (num_slices == 1 or not msg.n_scattered):
-        results = spec.fn(*arrays)
-        if subset is not None:
-            # PyTensor 3 functions take no output_subset: compute all, keep some.
-            results = [results[i] for i in subset]
+        results = compat.call_subset(spec.fn, arrays, subset)
     else:
         out_idx = list(range(len(spec.outputs))) if subset is None else subset
         # More slices than rows would only add empty calls: cost stays that of the unsliced call.

@@ -201,10 +201,10 @@ def sweep(prefix):
     return removed
 
 
-def dead_runs():
+def dead_runs(shm_dir=SHM_DIR):
     """Return the prefixes of runs whose lock no process holds: no process of theirs lives."""
     try:
-        names = os.listdir(SHM_DIR)
+        names = os.listdir(shm_dir)
     except OSError:
         return []
     dead = []
@@ -213,7 +213,7 @@ def dead_runs():
         if len(parts) != 4 or parts[0] != PREFIX or parts[3] != LOCK:
             continue
         try:
-            fd = os.open(os.path.join(SHM_DIR, fname), os.O_RDONLY)
+            fd = os.open(os.path.join(shm_dir, fname), os.O_RDONLY)
         except OSError:
             continue
         try:

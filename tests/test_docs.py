@@ -18,8 +18,8 @@ def test_docs_build_strict(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
                            str(site)], cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for page in ("index.html", "deep_learning/index.html", "api/core/index.html",
-                 "api/extensions/index.html"):
+    for page in ("index.html", "deep_learning/index.html", "pymc/index.html",
+                 "troubleshooting/index.html", "api/core/index.html", "api/extensions/index.html"):
         assert (site / page).exists(), page
     # The API reference is generated from the docstrings.
     api = (site / "api" / "extensions" / "index.html").read_text()

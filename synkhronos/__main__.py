@@ -1,0 +1,48 @@
+"""``python -m synkhronos``: print an environment report; ``--check`` runs every rank once.
+
+This is a program, so unlike the library it prints.  Exit status: 0 when the
+report was printed or every check passed, 1 when a check failed.
+"""
+
+import argparse
+import sys
+
+
+def main(argv=None):
+    """Print the report, or run the self-check; return the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m synkhronos",
+        description="Report on this machine's set-up for synkhronos; with --check, fork every "
+                    "rank, run a function call and each collective, and say PASS or what failed.")
+    parser.add_argument("--check", action="store_true",
+                        help="fork, call, run every collective and compare with NumPy")
+    parser.add_argument("-n", "--n-parallel", type=int, default=None,
+                        help="ranks for --check (default: every usable core, or every GPU)")
+    parser.add_argument("--gpu", action="store_true",
+                        help="--check in GPU mode (default: CPU mode)")
+    parser.add_argument("--timeout", type=float, default=120,
+                        help="seconds before --check gives up (default 120)")
+    args = parser.parse_args(argv)
+
+    from . import doctor
+
+    if not args.check:
+        print(doctor.format_report(doctor.report()))
+        return 0
+    steps = doctor.check(args.n_parallel, use_gpu=True if args.gpu else False,
+                         timeout=args.timeout)
+    for s in steps:
+        print(f"{'ok  ' if s.ok else 'FAIL'}  {s.name}")
+        if s.detail:
+            print(f"      {s.detail}")
+    failed = [s for s in steps if not s.ok]
+    if failed:
+        print(f"FAIL: {len(failed)} of {len(steps)} steps failed: "
+              + ", ".join(s.name for s in failed))
+        return 1
+    print(f"PASS: {len(steps)} steps")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

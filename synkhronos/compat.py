@@ -1,0 +1,146 @@
+"""PyTensor version differences: the one place that knows which PyTensor is installed.
+
+synkhronos supports PyTensor 2.36 (the release that removed ``AbstractConv``)
+through 3.x.  What differs between them, as far as synkhronos is concerned:
+
+- PyTensor 2.x functions take ``output_subset=`` and compute only those
+  outputs (2.36-2.38 warn that it is deprecated); PyTensor 3 removed the
+  argument (compute all, keep some).
+- The default linker: 2.x compiles with the C VM (``cvm``, needs g++), 3.x
+  with Numba.  Both run the same graphs; only reports name the difference.
+- Module paths of compiled functions moved (``pytensor.compile.function.types``
+  in 2.x, ``pytensor.compile.executor`` in 3.x); code here and in the core uses
+  the public names only (``pytensor.compile.Function``).
+
+Every other module asks this one instead of testing ``pytensor.__version__``.
+"""
+
+import functools
+import inspect
+import re
+import warnings
+
+import pytensor
+
+MIN_PYTENSOR = (2, 36)
+"""Lowest supported PyTensor (major, minor); pyproject.toml pins the same."""
+
+MAX_PYTENSOR_MAJOR = 3
+"""Highest supported PyTensor major version."""
+
+
+def parse_version(text):
+    """Return ``(major, minor, patch)`` from a version string (``"2.38.3"``, ``"3.0.7.dev1"``).
+
+    Missing or non-numeric parts count as 0.
+    """
+    parts = []
+    for piece in str(text).split(".")[:3]:
+        m = re.match(r"\d+", piece)
+        parts.append(int(m.group()) if m else 0)
+    while len(parts) < 3:
+        parts.append(0)
+    return tuple(parts)
+
+
+PYTENSOR_VERSION = parse_version(pytensor.__version__)
+"""The installed PyTensor as ``(major, minor, patch)``."""
+
+
+def is_supported(version=PYTENSOR_VERSION):
+    """Return True if ``version`` (a tuple) lies in the supported range."""
+    return MIN_PYTENSOR <= tuple(version[:2]) and version[0] <= MAX_PYTENSOR_MAJOR
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_output_subset(fn_type):
+    try:
+        return "output_subset" in inspect.signature(fn_type.__call__).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def takes_output_subset(fn):
+    """Return True if the compiled function ``fn`` accepts ``output_subset=`` (PyTensor 2.x)."""
+    return _takes_output_subset(type(fn))
+
+
+def call_subset(fn, args, subset):
+    """Call the compiled function ``fn`` on ``args``; return the outputs listed in ``subset``.
+
+    Args:
+        fn: a compiled ``pytensor.compile.Function`` with a list of outputs.
+        args: its positional inputs.
+        subset: output indices to return, in this order, or None for all.
+
+    Returns:
+        The list of outputs.  Where PyTensor still takes ``output_subset``
+        (2.x) only those outputs are computed; PyTensor 3 computes every
+        output and the others are dropped.
+    """
+    if subset is None:
+        return fn(*args)
+    if takes_output_subset(fn):
+        # 2.36-2.38 warn on every such call that the argument is going away;
+        # that is this module's business, not the user's.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "output_subset is deprecated", FutureWarning)
+            return fn(*args, output_subset=list(subset))
+    results = fn(*args)
+    return [results[i] for i in subset]
+
+
+def default_linker():
+    """Return the name of the linker PyTensor's default mode compiles with.
+
+    For example ``"numba"`` (PyTensor 3), ``"cvm"`` (2.x with g++), ``"vm"``
+    (2.x without a C compiler), ``"jax"`` or ``"c|py"``.
+    """
+    from pytensor.compile.mode import get_default_mode
+
+    mode = get_default_mode()
+    name = type(mode.linker).__name__
+    known = {"NumbaLinker": "numba", "JAXLinker": "jax", "PytorchLinker": "pytorch",
+             "MLXLinker": "mlx", "OpWiseCLinker": "c|py", "CLinker": "c",
+             "PerformLinker": "py"}
+    if name in known:
+        return known[name]
+    if name == "VMLinker":
+        c_thunks = getattr(mode.linker, "c_thunks", None)
+        if c_thunks is None:
+            c_thunks = bool(pytensor.config.cxx)
+        return "cvm" if c_thunks else "vm"
+    return name
+
+
+def default_mode_name():
+    """Return ``pytensor.config.mode`` as a string (``"Mode"``, ``"FAST_RUN"``, ``"NUMBA"``...)."""
+    mode = pytensor.config.mode
+    return mode if isinstance(mode, str) else type(mode).__name__
+
+
+def blas_ldflags():
+    """Return the BLAS link flags PyTensor's C code uses ("" where it links none).
+
+    Reading the flag makes PyTensor 2.x probe for a BLAS once and warn if it
+    finds none; the warning is silenced here, since the empty string says it.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return str(pytensor.config.blas__ldflags)
+        except Exception as exc:  # noqa: BLE001 - a report, not a failure
+            return f"unknown ({type(exc).__name__}: {exc})"
+
+
+def ancestors(variables):
+    """Return an iterator over ``variables`` and every variable they depend on.
+
+    PyTensor 2.38 moved ``ancestors`` from ``pytensor.graph.basic`` to
+    ``pytensor.graph.traversal`` (the old name warns, and goes later).
+    """
+    try:
+        from pytensor.graph.traversal import ancestors as _ancestors
+    except ImportError:  # PyTensor < 2.38
+        from pytensor.graph.basic import ancestors as _ancestors
+    return _ancestors(variables)

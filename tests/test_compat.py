@@ -1,0 +1,111 @@
+"""synkhronos.compat: the one place that knows PyTensor 2.36 from 3.x.
+
+Runs in every test environment (newest 3.x, lowest 2.x, PyMC's 2.38), so each
+helper is checked against the PyTensor it will meet.  No processes.
+"""
+
+import os
+import re
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+
+from synkhronos import compat
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("text, want", [
+    ("2.36.3", (2, 36, 3)), ("3.0.7", (3, 0, 7)), ("2.38", (2, 38, 0)),
+    ("3.1.0.dev12+g1234", (3, 1, 0)), ("3.0.0rc1", (3, 0, 0)),
+])
+def test_parse_version(text, want):
+    assert compat.parse_version(text) == want
+
+
+def test_supported_range():
+    assert compat.is_supported(compat.PYTENSOR_VERSION), pytensor.__version__
+    assert compat.is_supported((2, 36, 0)) and compat.is_supported((3, 9, 1))
+    assert not compat.is_supported((2, 35, 9)) and not compat.is_supported((4, 0, 0))
+
+
+def test_pins_agree_with_min_version():
+    """pyproject.toml, the Makefile's old environment and compat name one lowest version."""
+    low = ".".join(map(str, compat.MIN_PYTENSOR))
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        assert f'"pytensor>={low},<{compat.MAX_PYTENSOR_MAJOR + 1}"' in f.read()
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        assert re.search(rf"^LOWEST_PYTENSOR := {re.escape(low)}\.\*$", f.read(), re.M)
+
+
+def _two_outputs():
+    x = pt.dvector("x")
+    return pytensor.function([x], [x + 1, 2 * x, x.sum()])
+
+
+@pytest.mark.filterwarnings("error::FutureWarning")
+def test_call_subset_real_function():
+    fn = _two_outputs()
+    x = np.arange(3.0)
+    np.testing.assert_array_equal(compat.call_subset(fn, [x], None)[1], 2 * x)
+    got = compat.call_subset(fn, [x], [2, 0])
+    assert len(got) == 2
+    np.testing.assert_array_equal(got[0], 3.0)
+    np.testing.assert_array_equal(got[1], x + 1)
+    # 2.x takes output_subset; 3.x removed it.
+    assert compat.takes_output_subset(fn) == (compat.PYTENSOR_VERSION[0] < 3)
+
+
+def test_call_subset_without_output_subset():
+    class NoSubset:  # stands for a PyTensor 3 function
+        def __call__(self, *args):
+            return ["a", "b", "c"]
+
+    class WithSubset:  # stands for a PyTensor 2 function
+        def __call__(self, *args, output_subset=None):
+            out = ["a", "b", "c"]
+            return out if output_subset is None else [out[i] for i in output_subset]
+
+    assert compat.call_subset(NoSubset(), [], [2, 0]) == ["c", "a"]
+    assert compat.call_subset(WithSubset(), [], [1]) == ["b"]
+    assert not compat.takes_output_subset(NoSubset())
+    assert compat.takes_output_subset(WithSubset())
+
+
+def test_default_linker_and_mode():
+    linker = compat.default_linker()
+    assert linker in {"numba", "cvm", "vm", "jax", "c|py", "c", "py", "pytorch", "mlx"}
+    if compat.PYTENSOR_VERSION[0] >= 3 and pytensor.config.mode == "Mode":
+        assert linker == "numba"
+    assert isinstance(compat.default_mode_name(), str)
+    assert isinstance(compat.blas_ldflags(), str)
+
+
+def test_ancestors():
+    x = pt.dvector("x")
+    y = (x + 1).sum()
+    assert x in set(compat.ancestors([y]))
+
+
+def test_pymc_extension_is_optional():
+    """Importing synkhronos and its extensions loads no PyMC; without PyMC the error says why."""
+    import subprocess
+    import sys
+
+    code = ("import sys, synkhronos, synkhronos.extensions\n"
+            "assert 'pymc' not in sys.modules, 'pymc imported'\n"
+            "try:\n"
+            "    import pymc\n"
+            "except ImportError:\n"
+            "    try:\n"
+            "        from synkhronos.extensions import pymc\n"
+            "    except ImportError as exc:\n"
+            "        assert \"pip install 'synkhronos[pymc]'\" in str(exc), exc\n"
+            "    else:\n"
+            "        raise AssertionError('imported without PyMC')\n")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

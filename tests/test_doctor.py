@@ -1,0 +1,99 @@
+"""``python -m synkhronos``: the report, and ``--check`` passing and failing.
+
+Every run is a subprocess with a deadline, as a user would start it; the
+check forks its own ranks there and must leave no segment behind.
+"""
+
+import fcntl
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from synkhronos import doctor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _run(*args, env=None, timeout=100):
+    full_env = dict(os.environ, **(env or {}))
+    # The package of this checkout, not some other installed copy.
+    full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "synkhronos", *args], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _dead_pid():
+    """Return the pid of a process that has exited (and been reaped)."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return pid
+
+
+def test_report_lists_every_section():
+    import numpy
+    import pytensor
+
+    proc = _run()
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for section in ("versions:", "pytensor:", "cpu:", "gpu:", "shared memory:", "backends:"):
+        assert section in out
+    assert f"pytensor         {pytensor.__version__}" in out
+    assert numpy.__version__ in out
+    assert "default mode" in out and "linker" in out
+    assert "affinity" in out and "/dev/shm" in out
+    assert "shm" in out and "loads" in out
+
+
+def test_report_names_stale_segments(tmp_path):
+    # A directory of our own: every fork() on the machine sweeps /dev/shm.
+    dead = f"synk_{_dead_pid()}_00112233aabb_"
+    live = f"synk_{os.getpid()}_445566778899_"
+    (tmp_path / f"{dead}0_99doctor").write_bytes(b"\0" * 4096)
+    (tmp_path / f"{dead}lock").write_bytes(b"")            # nobody holds it: a dead run
+    (tmp_path / f"{live}0_1live").write_bytes(b"\0")
+    fd = os.open(tmp_path / f"{live}lock", os.O_CREAT | os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)                           # held: a live run
+    (tmp_path / "other_file").write_bytes(b"\0")
+    try:
+        assert doctor.stale_segments(str(tmp_path)) == {
+            f"/{dead}": [f"{dead}0_99doctor", f"{dead}lock"]}
+        text = doctor.format_report([("shared memory", doctor.shm_report(str(tmp_path)))])
+    finally:
+        os.close(fd)
+    assert re.search(r"synk segments +4 \(2 of running programs\)", text)
+    assert "STALE segments" in text and dead.rstrip("_") in text and "0.0 MiB" in text
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_check_passes(n):
+    proc = _run("--check", "-n", str(n))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[-1].startswith("PASS")
+    assert f"fork ({n} ranks, cpu mode)" in proc.stdout
+    for step in ("function call", "gather", "broadcast", "scatter", "all_gather",
+                 "set_value / get_value", "reduce", "all_reduce", "close (no segment left)"):
+        assert any(line.startswith("ok") and step in line for line in lines), step
+    assert "FAIL" not in proc.stdout
+
+
+def test_check_says_what_failed():
+    proc = _run("--check", "-n", "2", env={"SYNK_BACKEND": "nonesuch"})
+    assert proc.returncode == 1
+    assert "FAIL  fork" in proc.stdout
+    assert "nonesuch" in proc.stdout                  # the reason, not just "failed"
+    assert proc.stdout.splitlines()[-1].startswith("FAIL: ")
+
+
+def test_format_report():
+    text = doctor.format_report([("a", [("k", "v"), ("longer", "w")]), ("b", [])])
+    assert text.splitlines() == ["a:", "  k       v", "  longer  w", "b:"]
+    assert doctor._ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
