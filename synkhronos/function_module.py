@@ -280,6 +280,17 @@ class Function:
                                  "build it again after fork()")
         if not rt.distributed:
             raise SynkStateError("call distribute() before calling synkhronos functions")
+        prof = rt.profiler
+        if prof is None:
+            return self._run(rt, args, kwargs, output_subset, batch, batch_s, num_slices, then)
+        # Checking the arguments is the master's control overhead too.
+        prof.begin(f"call of {self.name or 'function'}")
+        try:
+            return self._run(rt, args, kwargs, output_subset, batch, batch_s, num_slices, then)
+        finally:
+            prof.end("control")
+
+    def _run(self, rt, args, kwargs, output_subset, batch, batch_s, num_slices, then):
         msg = self._prepare(rt, args, kwargs, output_subset, batch, batch_s, num_slices)
         if then is not None:
             msg = msg._replace(then=then(rt))

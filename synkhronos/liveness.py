@@ -31,15 +31,30 @@ def default_timeout_s():
     return float(env) if env else DEFAULT_TIMEOUT_S
 
 
-def proc_state(pid):
-    """Return the one-letter state of process ``pid`` from /proc (``"T"``: stopped), or None."""
+def _stat_fields(pid):
+    """The fields of /proc/<pid>/stat after the command name (state first), or None."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
-    # The command name may hold spaces and parentheses: the state follows the last ")".
-    return stat[stat.rindex(b")") + 2:][:1].decode()
+    # The command name may hold spaces and parentheses: the fields follow the last ")".
+    return stat[stat.rindex(b")") + 2:].split()
+
+
+def proc_state(pid):
+    """Return the one-letter state of process ``pid`` from /proc (``"T"``: stopped), or None."""
+    fields = _stat_fields(pid)
+    return None if fields is None else fields[0].decode()
+
+
+def proc_start_time(pid):
+    """Return when process ``pid`` started (clock ticks since boot), or None if it is gone.
+
+    With the pid, it names one process: pids are reused, start times are not.
+    """
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[19])
 
 
 class Monitor:
@@ -70,7 +85,8 @@ class Monitor:
 
     def __call__(self):
         for rank, p in self.procs.items():
-            if not p.is_alive():
+            # A worker that finished the command and then exited (QUIT) did its part.
+            if not p.is_alive() and rank in self.pending():
                 raise WorkerDiedError(
                     f"rank {rank} (pid {p.pid}) died with exit code {p.exitcode}; "
                     "synkhronos is closed, call fork() to start again",

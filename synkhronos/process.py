@@ -17,7 +17,7 @@ from . import gpu, shmem, worker
 from .comm import choose_backend, get_backend
 from .control import Command, Control, default_spin_s, run_command
 from .errors import SynkStateError
-from .liveness import Monitor, command_check, default_timeout_s, worker_check
+from .liveness import Monitor, command_check, default_timeout_s, proc_start_time, worker_check
 from .runtime import Runtime, get_runtime, serialized, set_runtime
 
 logger = logging.getLogger(__name__)
@@ -151,7 +151,8 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
         rt.procs[rank] = p
     rt.monitor = rt.check = Monitor(rt.procs, float(timeout), rt.control.pending)
     rt.backend.bind_check(command_check(rt.check, rt.control.aborted_now))
-    pids = [p.pid for p in rt.procs.values()]
+    # With each start time: a pid the kernel gave to another process since is left alone.
+    pids = [(p.pid, proc_start_time(p.pid)) for p in rt.procs.values()]
     # A bare fork, not a multiprocessing child: multiprocessing's exit hook
     # would wait for it, and it must outlive the master.
     janitor = os.fork()
@@ -269,7 +270,9 @@ def _janitor_main(prefix, dirs, pids, read_fd, write_fd):
             pass
     except OSError:
         pass
-    for pid in pids:
+    for pid, started in pids:
+        if proc_start_time(pid) != started:
+            continue  # gone already, and the pid maybe reused
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:

@@ -63,12 +63,13 @@ class Profiler:
 
     def end(self, category="control"):
         """Book the rest under ``category`` and keep the command's record."""
-        self._depth = max(self._depth - 1, 0)
-        if self._laps is None or self._depth:
+        if self._laps is None:
             return
         self.lap(category)
-        self.records.append((self._what, self._start, self._laps))
-        self._laps = None
+        self._depth = max(self._depth - 1, 0)
+        if not self._depth:
+            self.records.append((self._what, self._start, self._laps))
+            self._laps = None
 
 
 class ProfileMsg(NamedTuple):

@@ -215,8 +215,8 @@ def test_dropped_data_is_freed_on_every_rank(forked):
     gc.collect()
     f(synk.data(np.ones((5, 2))))
     after = ([_fd_count(p) for p in pids], len(_my_segments()))
-    # The workers' counts are exact; the master's may also drop what other tests left.
-    assert after[0][1:] == before[0][1:] and after[0][0] <= before[0][0], (before, after)
+    # No growth (counts may drop: garbage of earlier tests, inherited by fork, goes too).
+    assert all(a <= b for a, b in zip(after[0], before[0])), (before, after)
     assert after[1] == before[1], (before, after)
     assert len(get_runtime().datas) <= 3
 
