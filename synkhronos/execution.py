@@ -118,6 +118,9 @@ def run_then(rt, then):
     """
     prof = rt.profiler
     collectives.all_reduce_local(rt, collectives.AllReduceMsg(then.idx, then.op, True))
+    # Other ranks may still copy reduced parts out of this rank's buffers, which the
+    # follow-up (zeroing the gradient) and the results about to be sent overwrite.
+    rt.backend.settle()
     if prof is not None:
         prof.lap("collective")
     follow = rt.functions[then.function_id].spec
@@ -126,7 +129,6 @@ def run_then(rt, then):
         gpu.wait([sharedvars.raw(var) for var, _ in follow.updates])
     if prof is not None:
         prof.lap("compute")
-    rt.backend.settle()  # the workers' results go where the all-reduce just read
 
 
 def variant(spec, slice_shareds, defer):

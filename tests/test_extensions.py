@@ -285,6 +285,29 @@ def test_a_step_is_one_command_and_equals_the_three_command_path(forked, problem
     for r in range(3):
         np.testing.assert_allclose(synk.get_value(r, W), synk.get_value(r, W2), rtol=1e-6)
         np.testing.assert_allclose(synk.get_value(r, b), synk.get_value(r, b2), rtol=1e-6)
+    # Every rank applied the very same update: the replicas agree bit for bit.
+    for var in (W, b):
+        replicas = synk.gather(var)
+        assert all(np.array_equal(replicas[0], r) for r in replicas[1:]), var
+
+
+def test_fused_steps_keep_big_replicas_identical(forked):
+    """A gradient big enough for the split all-reduce: replicas stay equal bit for bit."""
+    forked(2)
+    rng = np.random.default_rng(3)
+    x = pt.matrix("x")
+    y = pt.matrix("y")
+    W = pytensor.shared(rng.standard_normal((300, 300)).astype("float32"), name="W_big")
+    loss = pt.mean((pt.dot(x, W) - y) ** 2)
+    step = train.make_train_function(loss, [W], x, y, update_rule="sgd",
+                                     update_kwargs={"learning_rate": 0.01}, mode=FAST)
+    synk.distribute()
+    xd = synk.data(rng.standard_normal((40, 300)).astype("float32"))
+    yd = synk.data(rng.standard_normal((40, 300)).astype("float32"))
+    for _ in range(8):
+        step(xd, yd)
+    replicas = synk.gather(W)
+    assert np.array_equal(replicas[0], replicas[1])
 
 
 def test_fused_call_checks_its_arguments(forked):
