@@ -274,3 +274,85 @@ def avg_pool_grad(gy, nchw, h, w, fh, fw, sh, sw, ph, pw):
                         for k in range(c):
                             gx[b, iy, ix, k] += gy[b, oy, ox, k] * scale
     return _back(gx, nchw)
+
+
+@numba.njit(**_JIT)
+def bn_forward(x, gamma, beta, eps, groups):
+    """Normalize the rows of ``x`` (rows, channels) in ``groups`` equal row groups.
+
+    Returns ``(y, mean, var)``: the statistics are the groups' averages, per channel.
+    """
+    rows, c = x.shape
+    if rows % groups:
+        raise ValueError("batch norm: the rows do not split into n_groups equal groups")
+    m = rows // groups
+    y = np.empty_like(x)
+    mean_all = np.zeros(c, x.dtype)
+    var_all = np.zeros(c, x.dtype)
+    mean = np.empty(c, np.float64)
+    var = np.empty(c, np.float64)
+    for g in range(groups):
+        mean[:] = 0.0
+        var[:] = 0.0
+        for r in range(g * m, (g + 1) * m):
+            for k in range(c):
+                mean[k] += x[r, k]
+        mean /= m
+        for r in range(g * m, (g + 1) * m):
+            for k in range(c):
+                d = x[r, k] - mean[k]
+                var[k] += d * d
+        var /= m
+        for k in range(c):
+            mean_all[k] += mean[k] / groups
+            var_all[k] += var[k] / groups
+            # scale and shift folded into one multiply-add per element
+            var[k] = gamma[k] / np.sqrt(var[k] + eps)
+            mean[k] = beta[k] - mean[k] * var[k]
+        for r in range(g * m, (g + 1) * m):
+            for k in range(c):
+                y[r, k] = x[r, k] * var[k] + mean[k]
+    return y, mean_all, var_all
+
+
+@numba.njit(**_JIT)
+def bn_backward(x, gamma, gy, eps, groups):
+    """Return ``(gx, ggamma, gbeta)`` of ``bn_forward``'s ``y`` for rows ``x`` and gradient ``gy``."""
+    rows, c = x.shape
+    if rows % groups:
+        raise ValueError("batch norm: the rows do not split into n_groups equal groups")
+    m = rows // groups
+    gx = np.empty_like(x)
+    ggamma = np.zeros(c, x.dtype)
+    gbeta = np.zeros(c, x.dtype)
+    mean = np.empty(c, np.float64)
+    inv = np.empty(c, np.float64)
+    sg = np.empty(c, np.float64)
+    sgx = np.empty(c, np.float64)
+    for g in range(groups):
+        mean[:] = 0.0
+        inv[:] = 0.0
+        sg[:] = 0.0
+        sgx[:] = 0.0
+        for r in range(g * m, (g + 1) * m):
+            for k in range(c):
+                mean[k] += x[r, k]
+        mean /= m
+        for r in range(g * m, (g + 1) * m):
+            for k in range(c):
+                d = x[r, k] - mean[k]
+                inv[k] += d * d
+        for k in range(c):
+            inv[k] = 1.0 / np.sqrt(inv[k] / m + eps)
+        for r in range(g * m, (g + 1) * m):
+            for k in range(c):
+                sg[k] += gy[r, k]
+                sgx[k] += gy[r, k] * (x[r, k] - mean[k]) * inv[k]
+        for k in range(c):
+            gbeta[k] += sg[k]
+            ggamma[k] += sgx[k]
+        for r in range(g * m, (g + 1) * m):
+            for k in range(c):
+                xhat = (x[r, k] - mean[k]) * inv[k]
+                gx[r, k] = gamma[k] * inv[k] / m * (m * gy[r, k] - sg[k] - xhat * sgx[k])
+    return gx, ggamma, gbeta

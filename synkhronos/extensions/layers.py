@@ -18,7 +18,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
-from . import ops
+from . import bn_ops, ops
 
 __all__ = [
     "he_normal", "glorot_uniform", "Dense", "Conv2D", "BatchNorm",
@@ -200,25 +200,12 @@ class BatchNorm:
         if deterministic:
             mean, var = self.mean.reshape(shape), self.var.reshape(shape)
             return (x - mean) * (gamma / pt.sqrt(var + self.epsilon)) + beta
-        g = self.n_groups
-        if g > 1:
-            rest = x.type.shape[1:]
-            if None in rest:
-                raise ValueError("BatchNorm: n_groups > 1 needs every axis but the first static")
-            # (g, rows // g, ...) with one -1 and constants elsewhere, which JAX can trace.
-            xg = x.reshape((g, -1, *rest))
-            axes = tuple(i for i in range(1, xg.ndim) if i != axis + 1)
-            mean = xg.mean(axis=axes, keepdims=True)
-            var = xg.var(axis=axes, keepdims=True)
-            out = ((xg - mean) * (gamma[None] / pt.sqrt(var + self.epsilon)) + beta[None])
-            out = out.reshape((-1, *rest))
-            batch_mean, batch_var = mean.mean(axis=0).reshape((-1,)), var.mean(axis=0).reshape((-1,))
-        else:
-            axes = tuple(i for i in range(x.ndim) if i != axis)
-            mean = x.mean(axis=axes, keepdims=True)
-            var = x.var(axis=axes, keepdims=True)
-            out = (x - mean) * (gamma / pt.sqrt(var + self.epsilon)) + beta
-            batch_mean, batch_var = mean.reshape((-1,)), var.reshape((-1,))
+        if self.axis % x.ndim not in (x.ndim - 1, 1) or (self.axis % x.ndim == 1 and x.ndim != 4):
+            raise ValueError("BatchNorm: the feature axis must be the last one, or 1 of 4-d "
+                             f"images; got axis {self.axis} of a {x.ndim}-d input")
+        axis = -1 if self.axis % x.ndim == x.ndim - 1 else 1
+        out, batch_mean, batch_var = bn_ops.batch_norm_train(x, self.gamma, self.beta, axis,
+                                                             self.epsilon, self.n_groups)
         a = self.alpha
         self.updates = [(self.mean, pt.cast((1 - a) * self.mean + a * batch_mean, _floatx())),
                         (self.var, pt.cast((1 - a) * self.var + a * batch_var, _floatx()))]

@@ -24,11 +24,13 @@ import sys
 
 import numpy as np
 import pytensor.tensor as pt
+from pytensor.gradient import DisconnectedType
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 from pytensor.link.numba.dispatch import basic as numba_basic
 from pytensor.scalar import upcast
 
+from . import bn_ops
 from . import kernels as K
 
 logger = logging.getLogger(__name__)
@@ -95,8 +97,23 @@ def _float_dtype(*xs):
     return dtype if dtype.startswith("float") else "float64"
 
 
+def _disconnected():
+    return DisconnectedType()()
+
+
+def _geometry_constant(values):
+    # The geometry also travels as a constant input: the Numba backend then compiles one
+    # function per Op class and dtype that reads it at run time, where a closure over each
+    # node's props compiled one per node (minutes of LLVM for a ResNet).
+    return pt.constant(np.asarray(values, dtype="int64"))
+
+
 class _Geometry(Op):
-    """Shared props and checks of the convolution Ops."""
+    """Shared props and checks of the convolution Ops.
+
+    Every node has a last input: the geometry as a constant int64 vector
+    ``[nchw, sh, sw, ph, pw, dh, dw, groups, extra...]`` for the Numba backend.
+    """
 
     __props__ = ("layout", "stride", "padding", "dilation", "groups")
 
@@ -115,6 +132,12 @@ class _Geometry(Op):
 
     def _geom(self):
         return (*self.stride, *self.padding, *self.dilation, self.groups)
+
+    def _geom_input(self, *extra):
+        return _geometry_constant((self.layout == "NCHW", *self._geom(), *extra))
+
+    def connection_pattern(self, node):
+        return [[True], [True], [False]]
 
     def _out_hw(self, h, w, fh, fw):
         (sh, sw), (ph, pw), (dh, dw) = self.stride, self.padding, self.dilation
@@ -150,21 +173,21 @@ class Conv2d(_Geometry):
             raise ValueError(f"conv2d: a {fh}x{fw} filter does not fit {h}x{wd} images "
                              f"(padding {self.padding}, dilation {self.dilation})")
         out = pt.tensor(dtype=dtype, shape=_image_shape(self.layout, n, f, oh, ow))
-        return Apply(self, [x, w], [out])
+        return Apply(self, [x, w, self._geom_input()], [out])
 
     def perform(self, node, inputs, output_storage):
-        x, w = inputs
+        x, w, _ = inputs
         output_storage[0][0] = K.conv_forward(x, w, self.layout == "NCHW", *self._geom())
 
     def infer_shape(self, fgraph, node, shapes):
-        xs, ws = shapes
+        xs, ws = shapes[:2]
         h, w = (xs[a] for a in _spatial_axes(self.layout))
         fh, fw = _kernel_hw(self.layout, ws)
         oh, ow = self._out_hw(h, w, fh, fw)
         return [_image_shape(self.layout, xs[0], _weight_io(self.layout, ws)[1], oh, ow)]
 
     def pullback(self, inputs, outputs, output_grads):
-        x, w = inputs
+        x, w, _ = inputs
         (gy,) = output_grads
         h, wd = (x.type.shape[a] for a in _spatial_axes(self.layout))
         if None in (h, wd):
@@ -176,7 +199,7 @@ class Conv2d(_Geometry):
                              "variable created with shape=..., or a tensor with static shape)")
         props = self._geometry_props()
         return [Conv2dGradInput(in_hw=(h, wd), **props)(gy, w),
-                Conv2dGradWeights(kernel_hw=(fh, fw), **props)(x, gy)]
+                Conv2dGradWeights(kernel_hw=(fh, fw), **props)(x, gy), _disconnected()]
 
 
 class Conv2dGradInput(_Geometry):
@@ -196,15 +219,15 @@ class Conv2dGradInput(_Geometry):
         c = None if cg is None else cg * self.groups
         out = pt.tensor(dtype=dtype, shape=_image_shape(self.layout, gy.type.shape[0], c,
                                                         *self.in_hw))
-        return Apply(self, [gy, w], [out])
+        return Apply(self, [gy, w, self._geom_input(*self.in_hw)], [out])
 
     def perform(self, node, inputs, output_storage):
-        gy, w = inputs
+        gy, w, _ = inputs
         output_storage[0][0] = K.conv_grad_input(gy, w, self.layout == "NCHW", *self.in_hw,
                                                  *self._geom())
 
     def infer_shape(self, fgraph, node, shapes):
-        gys, ws = shapes
+        gys, ws = shapes[:2]
         c = _weight_io(self.layout, ws)[0] * self.groups
         return [_image_shape(self.layout, gys[0], c, *self.in_hw)]
 
@@ -226,15 +249,15 @@ class Conv2dGradWeights(_Geometry):
         c, f = x.type.shape[ca], gy.type.shape[ca]
         cg = None if c is None else c // self.groups
         out = pt.tensor(dtype=dtype, shape=_weight_shape(self.layout, f, cg, *self.kernel_hw))
-        return Apply(self, [x, gy], [out])
+        return Apply(self, [x, gy, self._geom_input(*self.kernel_hw)], [out])
 
     def perform(self, node, inputs, output_storage):
-        x, gy = inputs
+        x, gy, _ = inputs
         output_storage[0][0] = K.conv_grad_weights(x, gy, self.layout == "NCHW",
                                                    *self.kernel_hw, *self._geom())
 
     def infer_shape(self, fgraph, node, shapes):
-        xs, gys = shapes
+        xs, gys = shapes[:2]
         ca = _channel_axis(self.layout)
         return [_weight_shape(self.layout, gys[ca], xs[ca] // self.groups, *self.kernel_hw)]
 
@@ -260,6 +283,12 @@ class _Pool(Op):
     def _geom(self):
         return (*self.size, *self.stride, *self.padding)
 
+    def _geom_input(self, *extra):
+        return _geometry_constant((self.layout == "NCHW", *self._geom(), *extra))
+
+    def connection_pattern(self, node):
+        return [[True]] * (len(node.inputs) - 1) + [[False]]
+
     def _out_shape(self, shape):
         h, w = (shape[a] for a in _spatial_axes(self.layout))
         oh = conv_out_len(h, self.size[0], self.stride[0], self.padding[0])
@@ -278,7 +307,7 @@ class MaxPool2d(_Pool):
         x = pt.as_tensor_variable(x)
         x = _tensor4(x, _float_dtype(x), "max_pool2d", "x")
         out = pt.tensor(dtype=x.dtype, shape=self._out_shape(x.type.shape))
-        return Apply(self, [x], [out])
+        return Apply(self, [x, self._geom_input()], [out])
 
     def perform(self, node, inputs, output_storage):
         output_storage[0][0] = K.max_pool_forward(inputs[0], self.layout == "NCHW",
@@ -288,7 +317,7 @@ class MaxPool2d(_Pool):
         return [self._out_shape(shapes[0])]
 
     def pullback(self, inputs, outputs, output_grads):
-        return [MaxPool2dGrad(**self._props_kw())(inputs[0], output_grads[0])]
+        return [MaxPool2dGrad(**self._props_kw())(inputs[0], output_grads[0]), _disconnected()]
 
 
 class MaxPool2dGrad(_Pool):
@@ -299,10 +328,10 @@ class MaxPool2dGrad(_Pool):
         dtype = _float_dtype(x, pt.as_tensor_variable(gy))
         x = _tensor4(x, dtype, "MaxPool2dGrad", "x")
         gy = _tensor4(gy, dtype, "MaxPool2dGrad", "gy")
-        return Apply(self, [x, gy], [x.type()])
+        return Apply(self, [x, gy, self._geom_input()], [x.type()])
 
     def perform(self, node, inputs, output_storage):
-        x, gy = inputs
+        x, gy, _ = inputs
         output_storage[0][0] = K.max_pool_grad(x, gy, self.layout == "NCHW", *self._geom())
 
     def infer_shape(self, fgraph, node, shapes):
@@ -316,7 +345,7 @@ class AvgPool2d(_Pool):
         x = pt.as_tensor_variable(x)
         x = _tensor4(x, _float_dtype(x), "avg_pool2d", "x")
         out = pt.tensor(dtype=x.dtype, shape=self._out_shape(x.type.shape))
-        return Apply(self, [x], [out])
+        return Apply(self, [x, self._geom_input()], [out])
 
     def perform(self, node, inputs, output_storage):
         output_storage[0][0] = K.avg_pool_forward(inputs[0], self.layout == "NCHW",
@@ -326,12 +355,12 @@ class AvgPool2d(_Pool):
         return [self._out_shape(shapes[0])]
 
     def pullback(self, inputs, outputs, output_grads):
-        (x,) = inputs
+        x = inputs[0]
         h, w = (x.type.shape[a] for a in _spatial_axes(self.layout))
         if None in (h, w):
             raise ValueError("avg_pool2d: the gradient needs the images' height and width "
                              "static")
-        return [AvgPool2dGrad(in_hw=(h, w), **self._props_kw())(output_grads[0])]
+        return [AvgPool2dGrad(in_hw=(h, w), **self._props_kw())(output_grads[0]), _disconnected()]
 
 
 class AvgPool2dGrad(_Pool):
@@ -348,7 +377,8 @@ class AvgPool2dGrad(_Pool):
         gy = _tensor4(gy, _float_dtype(gy), "AvgPool2dGrad", "gy")
         shape = _image_shape(self.layout, gy.type.shape[0],
                              gy.type.shape[_channel_axis(self.layout)], *self.in_hw)
-        return Apply(self, [gy], [pt.tensor(dtype=gy.dtype, shape=shape)])
+        return Apply(self, [gy, self._geom_input(*self.in_hw)],
+                     [pt.tensor(dtype=gy.dtype, shape=shape)])
 
     def perform(self, node, inputs, output_storage):
         output_storage[0][0] = K.avg_pool_grad(inputs[0], self.layout == "NCHW", *self.in_hw,
@@ -388,87 +418,62 @@ def avg_pool2d(x, size=2, stride=None, padding=0, layout="NCHW"):
 
 
 # ---- Numba backend (the default mode) ------------------------------------------------
+# One module-level function per Op class reads the geometry input, so every node of a
+# class shares one compiled function (and one cache entry) per dtype.
 
-@numba_basic.register_funcify_default_op_cache_key(Conv2d)
-def _numba_conv2d(op, node=None, **kwargs):
-    nchw, geom = op.layout == "NCHW", op._geom()
-    sh, sw, ph, pw, dh, dw, groups = geom
-    forward = K.conv_forward
-
-    @numba_basic.numba_njit
-    def conv2d_numba(x, w):
-        return forward(x, w, nchw, sh, sw, ph, pw, dh, dw, groups)
-
-    return conv2d_numba
+_NUMBA_KEY_VERSION = 1
 
 
-@numba_basic.register_funcify_default_op_cache_key(Conv2dGradInput)
-def _numba_conv2d_grad_input(op, node=None, **kwargs):
-    nchw, (h, wd) = op.layout == "NCHW", op.in_hw
-    sh, sw, ph, pw, dh, dw, groups = op._geom()
-    grad = K.conv_grad_input
-
-    @numba_basic.numba_njit
-    def conv2d_grad_input_numba(gy, w):
-        return grad(gy, w, nchw, h, wd, sh, sw, ph, pw, dh, dw, groups)
-
-    return conv2d_grad_input_numba
+@numba_basic.numba_njit
+def _conv2d_numba(x, w, g):
+    return K.conv_forward(x, w, g[0] == 1, g[1], g[2], g[3], g[4], g[5], g[6], g[7])
 
 
-@numba_basic.register_funcify_default_op_cache_key(Conv2dGradWeights)
-def _numba_conv2d_grad_weights(op, node=None, **kwargs):
-    nchw, (fh, fw) = op.layout == "NCHW", op.kernel_hw
-    sh, sw, ph, pw, dh, dw, groups = op._geom()
-    grad = K.conv_grad_weights
-
-    @numba_basic.numba_njit
-    def conv2d_grad_weights_numba(x, gy):
-        return grad(x, gy, nchw, fh, fw, sh, sw, ph, pw, dh, dw, groups)
-
-    return conv2d_grad_weights_numba
+@numba_basic.numba_njit
+def _conv2d_grad_input_numba(gy, w, g):
+    return K.conv_grad_input(gy, w, g[0] == 1, g[8], g[9], g[1], g[2], g[3], g[4], g[5], g[6],
+                             g[7])
 
 
-def _numba_pool(kernel):
+@numba_basic.numba_njit
+def _conv2d_grad_weights_numba(x, gy, g):
+    return K.conv_grad_weights(x, gy, g[0] == 1, g[8], g[9], g[1], g[2], g[3], g[4], g[5], g[6],
+                               g[7])
+
+
+@numba_basic.numba_njit
+def _max_pool2d_numba(x, g):
+    return K.max_pool_forward(x, g[0] == 1, g[1], g[2], g[3], g[4], g[5], g[6])
+
+
+@numba_basic.numba_njit
+def _max_pool2d_grad_numba(x, gy, g):
+    return K.max_pool_grad(x, gy, g[0] == 1, g[1], g[2], g[3], g[4], g[5], g[6])
+
+
+@numba_basic.numba_njit
+def _avg_pool2d_numba(x, g):
+    return K.avg_pool_forward(x, g[0] == 1, g[1], g[2], g[3], g[4], g[5], g[6])
+
+
+@numba_basic.numba_njit
+def _avg_pool2d_grad_numba(gy, g):
+    return K.avg_pool_grad(gy, g[0] == 1, g[7], g[8], g[1], g[2], g[3], g[4], g[5], g[6])
+
+
+def _register_numba(op_type, fn):
+    key = f"synkhronos.extensions.{op_type.__name__}.v{_NUMBA_KEY_VERSION}"
+
+    @numba_basic.register_funcify_and_cache_key(op_type)
     def funcify(op, node=None, **kwargs):
-        nchw = op.layout == "NCHW"
-        fh, fw, sh, sw, ph, pw = op._geom()
-
-        @numba_basic.numba_njit
-        def pool_numba(x):
-            return kernel(x, nchw, fh, fw, sh, sw, ph, pw)
-
-        return pool_numba
-    return funcify
+        return fn, key
 
 
-numba_basic.register_funcify_default_op_cache_key(MaxPool2d)(_numba_pool(K.max_pool_forward))
-numba_basic.register_funcify_default_op_cache_key(AvgPool2d)(_numba_pool(K.avg_pool_forward))
-
-
-@numba_basic.register_funcify_default_op_cache_key(MaxPool2dGrad)
-def _numba_max_pool_grad(op, node=None, **kwargs):
-    nchw = op.layout == "NCHW"
-    fh, fw, sh, sw, ph, pw = op._geom()
-    grad = K.max_pool_grad
-
-    @numba_basic.numba_njit
-    def max_pool_grad_numba(x, gy):
-        return grad(x, gy, nchw, fh, fw, sh, sw, ph, pw)
-
-    return max_pool_grad_numba
-
-
-@numba_basic.register_funcify_default_op_cache_key(AvgPool2dGrad)
-def _numba_avg_pool_grad(op, node=None, **kwargs):
-    nchw, (h, w) = op.layout == "NCHW", op.in_hw
-    fh, fw, sh, sw, ph, pw = op._geom()
-    grad = K.avg_pool_grad
-
-    @numba_basic.numba_njit
-    def avg_pool_grad_numba(gy):
-        return grad(gy, nchw, h, w, fh, fw, sh, sw, ph, pw)
-
-    return avg_pool_grad_numba
+for _op_type, _fn in ((Conv2d, _conv2d_numba), (Conv2dGradInput, _conv2d_grad_input_numba),
+                      (Conv2dGradWeights, _conv2d_grad_weights_numba),
+                      (MaxPool2d, _max_pool2d_numba), (MaxPool2dGrad, _max_pool2d_grad_numba),
+                      (AvgPool2d, _avg_pool2d_numba), (AvgPool2dGrad, _avg_pool2d_grad_numba)):
+    _register_numba(_op_type, _fn)
 
 
 # ---- JAX backend (GPU mode) ------------------------------------------------------------
@@ -488,7 +493,7 @@ def _jax_conv(op):
     (sh, sw), (ph, pw) = op.stride, op.padding
     dn = _dimension_numbers(op.layout)
 
-    def conv(x, w):
+    def conv(x, w, geometry=None):
         return lax.conv_general_dilated(x, w, window_strides=(sh, sw),
                                         padding=((ph, ph), (pw, pw)), rhs_dilation=op.dilation,
                                         dimension_numbers=dn, feature_group_count=op.groups)
@@ -510,7 +515,7 @@ def _jax_max_pool(op):
 
     dims, strides, pads = _jax_window(op)
 
-    def pool(x):
+    def pool(x, geometry=None):
         return lax.reduce_window(x, jnp.array(-jnp.inf, x.dtype), lax.max, dims, strides, pads)
     return pool
 
@@ -521,7 +526,7 @@ def _jax_avg_pool(op):
     dims, strides, pads = _jax_window(op)
     scale = 1.0 / (op.size[0] * op.size[1])
 
-    def pool(x):
+    def pool(x, geometry=None):
         return lax.reduce_window(x, x.dtype.type(0), lax.add, dims, strides, pads) * \
             x.dtype.type(scale)
     return pool
@@ -540,7 +545,7 @@ def _register_jax():
     def _jax_conv2d_grad_input(op, **kwargs):
         conv = _jax_conv(op)
 
-        def conv2d_grad_input(gy, w):
+        def conv2d_grad_input(gy, w, geometry=None):
             cg, _ = _weight_io(op.layout, w.shape)
             shape = _image_shape(op.layout, gy.shape[0], cg * op.groups, *op.in_hw)
             _, vjp = jax.vjp(lambda x: conv(x, w), jnp.zeros(shape, gy.dtype))
@@ -552,7 +557,7 @@ def _register_jax():
         conv = _jax_conv(op)
         ca = _channel_axis(op.layout)
 
-        def conv2d_grad_weights(x, gy):
+        def conv2d_grad_weights(x, gy, geometry=None):
             shape = _weight_shape(op.layout, gy.shape[ca], x.shape[ca] // op.groups,
                                   *op.kernel_hw)
             _, vjp = jax.vjp(lambda w: conv(x, w), jnp.zeros(shape, x.dtype))
@@ -567,7 +572,7 @@ def _register_jax():
     def _jax_max_pool2d_grad(op, **kwargs):
         pool = _jax_max_pool(op)
 
-        def max_pool2d_grad(x, gy):
+        def max_pool2d_grad(x, gy, geometry=None):
             return jax.vjp(pool, x)[1](gy)[0]
         return max_pool2d_grad
 
@@ -579,13 +584,14 @@ def _register_jax():
     def _jax_avg_pool2d_grad(op, **kwargs):
         pool = _jax_avg_pool(op)
 
-        def avg_pool2d_grad(gy):
+        def avg_pool2d_grad(gy, geometry=None):
             c = gy.shape[_channel_axis(op.layout)]
             shape = _image_shape(op.layout, gy.shape[0], c, *op.in_hw)
             return jax.vjp(pool, jnp.zeros(shape, gy.dtype))[1](gy)[0]
         return avg_pool2d_grad
 
-    logger.debug("convolution and pooling Ops registered with the JAX backend")
+    bn_ops.register_jax(jax_funcify)
+    logger.debug("convolution, pooling and batch-norm Ops registered with the JAX backend")
 
 
 class _RegisterAfterLoad(importlib.abc.Loader):
