@@ -21,40 +21,56 @@ from pytensor.link.numba.dispatch import basic as numba_basic
 
 from . import kernels as K
 
+_c = np.ascontiguousarray   # kernels then compile for C-ordered arrays only
+
 __all__ = ["BatchNormTrain", "BatchNormGrad", "batch_norm_train"]
 
 
 @numba.njit(cache=True)
-def _rows(x, first):
-    # Features last, as a (rows, features) matrix; "first": NCHW images, features on axis 1.
-    if first:
-        x = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
-    else:
-        x = np.ascontiguousarray(x)
+def _rows_last(x):
     c = x.shape[x.ndim - 1]
     return x.reshape((x.size // c, c))
 
 
 @numba.njit(cache=True)
-def _unrows(y, x, first):
-    if first:
-        n, c, h, w = x.shape
-        return np.ascontiguousarray(y.reshape((n, h, w, c)).transpose(0, 3, 1, 2))
-    return y.reshape(x.shape)
+def _rows_first(x):
+    # NCHW images: features to the end, as a (rows, features) matrix.
+    x = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+    return x.reshape((x.size // x.shape[3], x.shape[3]))
 
 
 @numba.njit(cache=True)
-def bn_train(x, gamma, beta, eps, groups, first):
-    """Return ``(y, mean, var)`` of ``x`` of any shape."""
-    y, mean, var = K.bn_forward(_rows(x, first), gamma, beta, eps, groups)
-    return _unrows(y, x, first), mean, var
+def _unrows_first(y, x):
+    n, c, h, w = x.shape
+    return np.ascontiguousarray(y.reshape((n, h, w, c)).transpose(0, 3, 1, 2))
 
 
 @numba.njit(cache=True)
-def bn_grad(x, gamma, gy, eps, groups, first):
-    """Return ``(gx, ggamma, gbeta)``."""
-    gx, ggamma, gbeta = K.bn_backward(_rows(x, first), gamma, _rows(gy, first), eps, groups)
-    return _unrows(gx, x, first), ggamma, gbeta
+def bn_train_last(x, gamma, beta, eps, groups):
+    """Return ``(y, mean, var)`` of C-ordered ``x`` of any shape, features last."""
+    y, mean, var = K.bn_forward(_rows_last(x), gamma, beta, eps, groups)
+    return y.reshape(x.shape), mean, var
+
+
+@numba.njit(cache=True)
+def bn_train_first(x, gamma, beta, eps, groups):
+    """Return ``(y, mean, var)`` of NCHW images ``x``."""
+    y, mean, var = K.bn_forward(_rows_first(x), gamma, beta, eps, groups)
+    return _unrows_first(y, x), mean, var
+
+
+@numba.njit(cache=True)
+def bn_grad_last(x, gamma, gy, eps, groups):
+    """Return ``(gx, ggamma, gbeta)``, features last."""
+    gx, ggamma, gbeta = K.bn_backward(_rows_last(x), gamma, _rows_last(gy), eps, groups)
+    return gx.reshape(x.shape), ggamma, gbeta
+
+
+@numba.njit(cache=True)
+def bn_grad_first(x, gamma, gy, eps, groups):
+    """Return ``(gx, ggamma, gbeta)`` for NCHW images."""
+    gx, ggamma, gbeta = K.bn_backward(_rows_first(x), gamma, _rows_first(gy), eps, groups)
+    return _unrows_first(gx, x), ggamma, gbeta
 
 
 class _BatchNorm(Op):
@@ -101,7 +117,8 @@ class BatchNormTrain(_BatchNorm):
 
     def perform(self, node, inputs, output_storage):
         x, gamma, beta, _ = inputs
-        outs = bn_train(x, gamma, beta, self.epsilon, self.n_groups, self._first())
+        train = bn_train_first if self._first() else bn_train_last
+        outs = train(_c(x), _c(gamma), _c(beta), self.epsilon, self.n_groups)
         for storage, value in zip(output_storage, outs):
             storage[0] = value
 
@@ -138,7 +155,8 @@ class BatchNormGrad(_BatchNorm):
 
     def perform(self, node, inputs, output_storage):
         x, gamma, gy, _ = inputs
-        outs = bn_grad(x, gamma, gy, self.epsilon, self.n_groups, self._first())
+        grad = bn_grad_first if self._first() else bn_grad_last
+        outs = grad(_c(x), _c(gamma), _c(gy), self.epsilon, self.n_groups)
         for storage, value in zip(output_storage, outs):
             storage[0] = value
 
@@ -152,23 +170,35 @@ def batch_norm_train(x, gamma, beta, axis=-1, epsilon=1e-4, n_groups=1):
 
 
 @numba_basic.numba_njit
-def _bn_train_numba(x, gamma, beta, p):
-    return bn_train(x, gamma, beta, p[0], int(p[1]), p[2] == 1.0)
+def _bn_train_last_numba(x, gamma, beta, p):
+    return bn_train_last(_c(x), _c(gamma), _c(beta), p[0], int(p[1]))
 
 
 @numba_basic.numba_njit
-def _bn_grad_numba(x, gamma, gy, p):
-    return bn_grad(x, gamma, gy, p[0], int(p[1]), p[2] == 1.0)
+def _bn_train_first_numba(x, gamma, beta, p):
+    return bn_train_first(_c(x), _c(gamma), _c(beta), p[0], int(p[1]))
+
+
+@numba_basic.numba_njit
+def _bn_grad_last_numba(x, gamma, gy, p):
+    return bn_grad_last(_c(x), _c(gamma), _c(gy), p[0], int(p[1]))
+
+
+@numba_basic.numba_njit
+def _bn_grad_first_numba(x, gamma, gy, p):
+    return bn_grad_first(_c(x), _c(gamma), _c(gy), p[0], int(p[1]))
 
 
 @numba_basic.register_funcify_and_cache_key(BatchNormTrain)
 def _numba_bn_train(op, node=None, **kwargs):
-    return _bn_train_numba, "synkhronos.extensions.BatchNormTrain.v1"
+    fn = _bn_train_first_numba if op._first() else _bn_train_last_numba
+    return fn, f"synkhronos.extensions.BatchNormTrain.first{int(op._first())}.v1"
 
 
 @numba_basic.register_funcify_and_cache_key(BatchNormGrad)
 def _numba_bn_grad(op, node=None, **kwargs):
-    return _bn_grad_numba, "synkhronos.extensions.BatchNormGrad.v1"
+    fn = _bn_grad_first_numba if op._first() else _bn_grad_last_numba
+    return fn, f"synkhronos.extensions.BatchNormGrad.first{int(op._first())}.v1"
 
 
 def _jax_bn(op):

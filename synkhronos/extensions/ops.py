@@ -177,7 +177,7 @@ class Conv2d(_Geometry):
 
     def perform(self, node, inputs, output_storage):
         x, w, _ = inputs
-        output_storage[0][0] = K.conv_forward(x, w, self.layout == "NCHW", *self._geom())
+        output_storage[0][0] = K.conv_forward(_c(x), _c(w), self.layout == "NCHW", *self._geom())
 
     def infer_shape(self, fgraph, node, shapes):
         xs, ws = shapes[:2]
@@ -223,7 +223,7 @@ class Conv2dGradInput(_Geometry):
 
     def perform(self, node, inputs, output_storage):
         gy, w, _ = inputs
-        output_storage[0][0] = K.conv_grad_input(gy, w, self.layout == "NCHW", *self.in_hw,
+        output_storage[0][0] = K.conv_grad_input(_c(gy), _c(w), self.layout == "NCHW", *self.in_hw,
                                                  *self._geom())
 
     def infer_shape(self, fgraph, node, shapes):
@@ -253,7 +253,7 @@ class Conv2dGradWeights(_Geometry):
 
     def perform(self, node, inputs, output_storage):
         x, gy, _ = inputs
-        output_storage[0][0] = K.conv_grad_weights(x, gy, self.layout == "NCHW",
+        output_storage[0][0] = K.conv_grad_weights(_c(x), _c(gy), self.layout == "NCHW",
                                                    *self.kernel_hw, *self._geom())
 
     def infer_shape(self, fgraph, node, shapes):
@@ -310,7 +310,7 @@ class MaxPool2d(_Pool):
         return Apply(self, [x, self._geom_input()], [out])
 
     def perform(self, node, inputs, output_storage):
-        output_storage[0][0] = K.max_pool_forward(inputs[0], self.layout == "NCHW",
+        output_storage[0][0] = K.max_pool_forward(_c(inputs[0]), self.layout == "NCHW",
                                                   *self._geom())
 
     def infer_shape(self, fgraph, node, shapes):
@@ -332,7 +332,7 @@ class MaxPool2dGrad(_Pool):
 
     def perform(self, node, inputs, output_storage):
         x, gy, _ = inputs
-        output_storage[0][0] = K.max_pool_grad(x, gy, self.layout == "NCHW", *self._geom())
+        output_storage[0][0] = K.max_pool_grad(_c(x), _c(gy), self.layout == "NCHW", *self._geom())
 
     def infer_shape(self, fgraph, node, shapes):
         return [shapes[0]]
@@ -348,7 +348,7 @@ class AvgPool2d(_Pool):
         return Apply(self, [x, self._geom_input()], [out])
 
     def perform(self, node, inputs, output_storage):
-        output_storage[0][0] = K.avg_pool_forward(inputs[0], self.layout == "NCHW",
+        output_storage[0][0] = K.avg_pool_forward(_c(inputs[0]), self.layout == "NCHW",
                                                   *self._geom())
 
     def infer_shape(self, fgraph, node, shapes):
@@ -381,7 +381,7 @@ class AvgPool2dGrad(_Pool):
                      [pt.tensor(dtype=gy.dtype, shape=shape)])
 
     def perform(self, node, inputs, output_storage):
-        output_storage[0][0] = K.avg_pool_grad(inputs[0], self.layout == "NCHW", *self.in_hw,
+        output_storage[0][0] = K.avg_pool_grad(_c(inputs[0]), self.layout == "NCHW", *self.in_hw,
                                                *self._geom())
 
     def infer_shape(self, fgraph, node, shapes):
@@ -422,43 +422,44 @@ def avg_pool2d(x, size=2, stride=None, padding=0, layout="NCHW"):
 # class shares one compiled function (and one cache entry) per dtype.
 
 _NUMBA_KEY_VERSION = 1
+_c = np.ascontiguousarray   # kernels then compile for C-ordered arrays only
 
 
 @numba_basic.numba_njit
 def _conv2d_numba(x, w, g):
-    return K.conv_forward(x, w, g[0] == 1, g[1], g[2], g[3], g[4], g[5], g[6], g[7])
+    return K.conv_forward(_c(x), _c(w), g[0] == 1, g[1], g[2], g[3], g[4], g[5], g[6], g[7])
 
 
 @numba_basic.numba_njit
 def _conv2d_grad_input_numba(gy, w, g):
-    return K.conv_grad_input(gy, w, g[0] == 1, g[8], g[9], g[1], g[2], g[3], g[4], g[5], g[6],
+    return K.conv_grad_input(_c(gy), _c(w), g[0] == 1, g[8], g[9], g[1], g[2], g[3], g[4], g[5], g[6],
                              g[7])
 
 
 @numba_basic.numba_njit
 def _conv2d_grad_weights_numba(x, gy, g):
-    return K.conv_grad_weights(x, gy, g[0] == 1, g[8], g[9], g[1], g[2], g[3], g[4], g[5], g[6],
+    return K.conv_grad_weights(_c(x), _c(gy), g[0] == 1, g[8], g[9], g[1], g[2], g[3], g[4], g[5], g[6],
                                g[7])
 
 
 @numba_basic.numba_njit
 def _max_pool2d_numba(x, g):
-    return K.max_pool_forward(x, g[0] == 1, g[1], g[2], g[3], g[4], g[5], g[6])
+    return K.max_pool_forward(_c(x), g[0] == 1, g[1], g[2], g[3], g[4], g[5], g[6])
 
 
 @numba_basic.numba_njit
 def _max_pool2d_grad_numba(x, gy, g):
-    return K.max_pool_grad(x, gy, g[0] == 1, g[1], g[2], g[3], g[4], g[5], g[6])
+    return K.max_pool_grad(_c(x), _c(gy), g[0] == 1, g[1], g[2], g[3], g[4], g[5], g[6])
 
 
 @numba_basic.numba_njit
 def _avg_pool2d_numba(x, g):
-    return K.avg_pool_forward(x, g[0] == 1, g[1], g[2], g[3], g[4], g[5], g[6])
+    return K.avg_pool_forward(_c(x), g[0] == 1, g[1], g[2], g[3], g[4], g[5], g[6])
 
 
 @numba_basic.numba_njit
 def _avg_pool2d_grad_numba(gy, g):
-    return K.avg_pool_grad(gy, g[0] == 1, g[7], g[8], g[1], g[2], g[3], g[4], g[5], g[6])
+    return K.avg_pool_grad(_c(gy), g[0] == 1, g[7], g[8], g[1], g[2], g[3], g[4], g[5], g[6])
 
 
 def _register_numba(op_type, fn):
