@@ -517,7 +517,7 @@ def _jax_max_pool(op):
     dims, strides, pads = _jax_window(op)
 
     def pool(x, geometry=None):
-        return lax.reduce_window(x, jnp.array(-jnp.inf, x.dtype), lax.max, dims, strides, pads)
+        return lax.reduce_window(x, -jnp.inf, lax.max, dims, strides, pads)
     return pool
 
 
@@ -528,7 +528,7 @@ def _jax_avg_pool(op):
     scale = 1.0 / (op.size[0] * op.size[1])
 
     def pool(x, geometry=None):
-        return lax.reduce_window(x, x.dtype.type(0), lax.add, dims, strides, pads) * \
+        return lax.reduce_window(x, 0.0, lax.add, dims, strides, pads) * \
             x.dtype.type(scale)
     return pool
 
