@@ -1,9 +1,9 @@
 """Extensions: update rules split for data parallelism, a training-step helper, small layers.
 
-    from synkhronos.extensions import updates, train, layers
+    from synkhronos.extensions import updates, train, layers, ops, bn_ops
 """
 
-from . import layers, train, updates
+from . import bn_ops, layers, ops, train, updates
 from .train import make_serial_train_function, make_train_function
 
-__all__ = ["updates", "train", "layers", "make_train_function", "make_serial_train_function"]
+__all__ = ["updates", "train", "layers", "ops", "bn_ops", "make_train_function", "make_serial_train_function"]
