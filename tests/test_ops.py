@@ -7,12 +7,12 @@ pytest process (tests/child.py), which never starts JAX itself.
 
 import importlib.util
 
+import child
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
 
-import child
 from synkhronos.extensions import bn_ops, ops
 
 MODES = [None, "FAST_COMPILE", "JAX"]
@@ -23,7 +23,7 @@ HAS_JAX = importlib.util.find_spec("jax") is not None
 
 def ref_conv(x, w, s, p, d, g):
     """NCHW cross-correlation, one output element at a time."""
-    n, c, h, wd = x.shape
+    n, _, h, wd = x.shape
     f, cg, fh, fw = w.shape
     xp = np.pad(x, ((0, 0), (0, 0), (p, p), (p, p)))
     oh = (h + 2 * p - d * (fh - 1) - 1) // s + 1
