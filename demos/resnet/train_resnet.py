@@ -39,6 +39,7 @@ import argparse
 import time
 
 import numpy as np
+import pytensor
 import pytensor.tensor as pt
 
 import synkhronos as synk
@@ -172,7 +173,7 @@ def main(argv=None):
     args = parse_args(argv)
     rng = np.random.default_rng(args.seed)
     images = rng.standard_normal((args.n_images, args.image_size, args.image_size, 3),
-                                 dtype=np.float32)
+                                 dtype=np.float32).astype(pytensor.config.floatX)
     labels = rng.integers(0, args.classes, args.n_images)
 
     n_parallel = synk.fork(args.n_parallel)
