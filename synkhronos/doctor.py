@@ -20,7 +20,6 @@ PACKAGES = ("pytensor", "numpy", "scipy", "numba", "jax", "jaxlib", "cupy", "mpi
             "pyzmq", "posix_ipc", "threadpoolctl", "nvidia-ml-py")
 
 
-# ---- the report -------------------------------------------------------------
 def report():
     """Return the environment report as a list of ``(section, [(key, value), ...])``."""
     return [
@@ -222,7 +221,6 @@ def _backends():
     return items
 
 
-# ---- the check --------------------------------------------------------------
 @dataclass
 class Step:
     """One step of ``check()``: its name, whether it passed, and what went wrong."""

@@ -1,9 +1,10 @@
-"""The arguments of synk.function(): variable lists, outputs with reduce ops, updates with ops."""
+"""The arguments of synk.function() (variables, outputs with ops, updates with ops) and the
+row checks of its calls."""
 
 from pytensor.compile import SharedVariable
 from pytensor.graph.basic import Variable
 
-from . import reducers
+from . import reducers, split
 
 
 def var_list(value, what, shared=False):
@@ -82,3 +83,46 @@ def parse_updates(updates):
         ops.append(reducers.check_op(op, "function: update op"))
         pairs.append((u[0], u[1]))
     return pairs, ops
+
+
+def check_lengths(name, inputs, scattered, sel):
+    """Check every scattered input against the selection; return the rows selected."""
+    if sel is None and len(scattered) == 1 and scattered[0]._ndim:
+        return len(scattered[0]._data)
+    if not scattered:
+        if sel is not None:
+            raise ValueError(f"{name}: batch needs at least one scattered input")
+        return 0
+    for d, var in zip(scattered, inputs):
+        if d.ndim == 0:
+            raise ValueError(f"{name}: input {var} is 0-d and cannot be scattered; "
+                             "put it in bcast_inputs")
+    full = [(d, v) for d, v in zip(scattered, inputs) if not (d.minibatch and sel is not None)]
+    if sel is None:
+        lengths = {len(d) for d in scattered}
+        if len(lengths) > 1:
+            desc = ", ".join(f"{v}: {len(d)}" for d, v in zip(scattered, inputs))
+            raise ValueError(f"{name}: scattered inputs must have equal lengths; got {desc}")
+        return lengths.pop()
+    if full:
+        length = min(len(d) for d, _ in full)
+        need = split.rows_needed(sel, length)
+        for d, v in full:
+            if len(d) < need:
+                raise ValueError(f"{name}: batch needs {need} rows but input {v} has {len(d)}")
+        n_rows = split.selection_length(sel, length)
+    else:
+        if sel[0] == "range" and sel[2] is None:
+            raise ValueError(f"{name}: an open-ended batch slice needs a non-minibatch input")
+        n_rows = split.selection_length(sel, 0)
+    for d, v in zip(scattered, inputs):
+        if d.minibatch and len(d) < n_rows:
+            raise ValueError(f"{name}: minibatch input {v} has {len(d)} rows; "
+                             f"batch selects {n_rows}")
+    return n_rows
+
+
+def common_length(scattered):
+    """The rows of the scattered inputs a selection is resolved against."""
+    full = [d for d in scattered if not d.minibatch]
+    return min(len(d) for d in (full or scattered))

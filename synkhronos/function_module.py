@@ -10,7 +10,8 @@ import pytensor
 from . import conditioning, data_module, execution, gpu, reducers, sharedvars, split
 from .control import Command, handler, run_command
 from .errors import SynkStateError
-from .function_args import parse_outputs, parse_updates, var_list
+from .function_args import (check_lengths, common_length, parse_outputs, parse_updates,
+                            var_list)
 from .runtime import require_forked, serialized
 
 logger = logging.getLogger(__name__)
@@ -315,9 +316,9 @@ class Function:
         n_scattered = len(self.spec.inputs)
         scattered = datas[:n_scattered]
         sel = None if batch is None else split.normalize_batch(batch)
-        n_rows = self._check_lengths(scattered, sel)
+        n_rows = check_lengths(self.name or "function", self.spec.inputs, scattered, sel)
         if sel is not None:
-            sel = split.resolve(sel, _common_length(scattered))
+            sel = split.resolve(sel, common_length(scattered))
         if type(num_slices) is not int or num_slices != 1:
             if not (isinstance(num_slices, numbers.Integral) and not isinstance(num_slices, bool)
                     and num_slices >= 1):
@@ -369,44 +370,6 @@ class Function:
         raise TypeError(f"{name}: input {var} must be a synkhronos Data or a NumPy array; "
                         f"got {type(value).__name__}")
 
-    def _check_lengths(self, scattered, sel):
-        """Check every scattered input against the selection; return the rows selected."""
-        name = self.name or "function"
-        if sel is None and len(scattered) == 1 and scattered[0]._ndim:
-            return len(scattered[0]._data)
-        if not scattered:
-            if sel is not None:
-                raise ValueError(f"{name}: batch needs at least one scattered input")
-            return 0
-        inputs = self.spec.inputs
-        for d, var in zip(scattered, inputs):
-            if d.ndim == 0:
-                raise ValueError(f"{name}: input {var} is 0-d and cannot be scattered; "
-                                 "put it in bcast_inputs")
-        full = [(d, v) for d, v in zip(scattered, inputs) if not (d.minibatch and sel is not None)]
-        if sel is None:
-            lengths = {len(d) for d in scattered}
-            if len(lengths) > 1:
-                desc = ", ".join(f"{v}: {len(d)}" for d, v in zip(scattered, inputs))
-                raise ValueError(f"{name}: scattered inputs must have equal lengths; got {desc}")
-            return lengths.pop()
-        if full:
-            length = min(len(d) for d, _ in full)
-            need = split.rows_needed(sel, length)
-            for d, v in full:
-                if len(d) < need:
-                    raise ValueError(f"{name}: batch needs {need} rows but input {v} has {len(d)}")
-            n_rows = split.selection_length(sel, length)
-        else:
-            if sel[0] == "range" and sel[2] is None:
-                raise ValueError(f"{name}: an open-ended batch slice needs a non-minibatch input")
-            n_rows = split.selection_length(sel, 0)
-        for d, v in zip(scattered, inputs):
-            if d.minibatch and len(d) < n_rows:
-                raise ValueError(f"{name}: minibatch input {v} has {len(d)} rows; "
-                                 f"batch selects {n_rows}")
-        return n_rows
-
 
 class _FusedCall:
     """A function call fused with an all-reduce and a follow-up call (``then_all_reduce``)."""
@@ -428,11 +391,6 @@ class _FusedCall:
                  **kwargs):
         """Run the fused step; arguments and result as for ``Function.__call__``."""
         return self.f._call(args, kwargs, output_subset, batch, batch_s, num_slices, self._then)
-
-
-def _common_length(scattered):
-    full = [d for d in scattered if not d.minibatch]
-    return min(len(d) for d in (full or scattered))
 
 
 @handler(Command.CALL)

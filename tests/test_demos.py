@@ -16,10 +16,10 @@ DEMOS = os.path.join(ROOT, "demos")
 SCRIPT_TIMEOUT_S = 110    # below pytest-timeout's 120 s, so a hang reports its output
 
 
-def run(script, *args):
+def run(script, *args, timeout=SCRIPT_TIMEOUT_S):
     """Run a demo script; return its stdout, failing with its output if it fails."""
     cmd = [sys.executable, os.path.join(DEMOS, script), *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
@@ -110,3 +110,28 @@ def test_resnet50_layout():
     x = pt.tensor4("x", shape=(None, 32, 32, 3))
     assert small.forward(x).type.shape[1] == 10
     assert len(small.bn_updates()) == 2 * len(small.bns)
+
+
+TINY_RESNET = ("--depth", "14", "--width", "4", "--image-size", "16", "--batch-size", "16",
+               "--n-images", "64", "--steps", "2", "--warmup", "1", "--n-parallel", "2")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs jax")
+@pytest.mark.timeout(400)
+@pytest.mark.slow
+def test_resnet_jax_mode_matches_serial_twin():
+    """GPU mode's code path on the CPU: data-parallel JAX follows the serial JAX twin."""
+    out = run("resnet/train_resnet.py", *TINY_RESNET, "--mode", "JAX", timeout=380)
+    assert "mode JAX" in out and "speedup" in out, out
+    diff = float(re.search(r"largest difference (\S+);", out).group(1))
+    assert diff < 1e-3, out                    # float32 throughout
+    bn = float(re.search(r"statistics differ by (\S+)", out).group(1))
+    assert bn < 1e-4, out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.slow
+def test_resnet_default_mode():
+    """CPU mode (Numba kernels); on a cold compile cache this compiles for minutes."""
+    out = run("resnet/train_resnet.py", *TINY_RESNET, "--no-serial", timeout=580)
+    assert re.search(r"data-parallel \(2 ranks\): \d+\.\d images/s", out), out

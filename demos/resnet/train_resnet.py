@@ -17,19 +17,29 @@ Data-parallel training keeps the images in a ``synk.Data`` set on the host and
 passes random minibatches with ``batch=`` (index lists); the gradient is
 all-reduced as one flat vector and every rank applies the same momentum-SGD
 update.  Batch norm uses each rank's share of the minibatch (per-device batch
-norm, as the original).  The serial twin then trains the same network in this
-process with plain PyTensor, and images/s of both and the speedup are printed.
-Timed steps exclude compilation (warm-up steps run first).
+norm, as the original) and each rank keeps its own running statistics; one
+line averages them over the ranks (done here after training, at the end of an
+"epoch")::
 
-The first run compiles with Numba for several minutes (each op of the graph
-once, per process); PyTensor caches compiled code on disk, so later runs of
-the same configuration start within about a minute.
+    synk.all_reduce(L.batch_norm_stats(model.bns), "avg")
+
+The serial twin then trains the same network in this process with plain
+PyTensor, its batch norm computing statistics over the same row groups as the
+ranks (``n_groups``), so both follow the same loss trajectory; images/s of
+both, the speedup and the largest loss difference are printed.  Timed steps
+exclude compilation (warm-up steps run first).
+
+Convolution and pooling are single Ops (``synkhronos.extensions.ops``), so the
+same script runs in CPU mode (Numba kernels) and with ``--mode JAX`` (XLA;
+cuDNN on a GPU).  Compiled code is cached on disk, so later runs of the same
+configuration start faster.
 """
 
 import argparse
 import time
 
 import numpy as np
+import pytensor
 import pytensor.tensor as pt
 
 import synkhronos as synk
@@ -55,6 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--n-parallel", type=int, default=None, help="ranks (default: every core)")
     p.add_argument("--no-serial", action="store_true", help="skip the serial twin")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mode", default=None,
+                   help="PyTensor mode of every function, e.g. JAX (default: the rank's mode)")
     return p.parse_args(argv)
 
 
@@ -65,17 +77,19 @@ class ResNet:
     calls; ``bn_updates()`` returns them for the training function.
     """
 
-    def __init__(self, depth, width, n_classes, seed=0):
+    def __init__(self, depth, width, n_classes, seed=0, bn_groups=1):
         rng = np.random.default_rng(seed)
+        self.bn_groups = bn_groups
         self.stem = L.Conv2D(3, width, 7, stride=2, pad=3, rng=rng, bias=False, name="stem")
-        self.stem_bn = L.BatchNorm(width, name="stem.bn")
+        self.stem_bn = L.BatchNorm(width, name="stem.bn", n_groups=bn_groups)
         self.blocks = []
         n_in = width
         for stage, n_blocks in enumerate(BLOCKS[depth]):
             inner = width * 2 ** stage
             for b in range(n_blocks):
                 stride = 2 if (b == 0 and stage > 0) else 1
-                self.blocks.append(self._block(n_in, inner, stride, rng, f"s{stage}b{b}"))
+                self.blocks.append(self._block(n_in, inner, stride, rng, f"s{stage}b{b}",
+                                               bn_groups))
                 n_in = 4 * inner
         self.fc = L.Dense(n_in, n_classes, rng, init="glorot", name="fc")
         self.bns = [self.stem_bn] + [bn for blk in self.blocks for _, bn in blk["layers"]] + \
@@ -85,20 +99,22 @@ class ResNet:
         self.params = [p for layer in convs + self.bns + [self.fc] for p in layer.params]
 
     @staticmethod
-    def _block(n_in, inner, stride, rng, name):
+    def _block(n_in, inner, stride, rng, name, bn_groups):
+        def bn(n, suffix):
+            return L.BatchNorm(n, name=f"{name}.{suffix}", n_groups=bn_groups)
+
         layers = [
-            (L.Conv2D(n_in, inner, 1, rng=rng, bias=False, name=f"{name}.c1"),
-             L.BatchNorm(inner, name=f"{name}.bn1")),
+            (L.Conv2D(n_in, inner, 1, rng=rng, bias=False, name=f"{name}.c1"), bn(inner, "bn1")),
             (L.Conv2D(inner, inner, 3, stride=stride, pad=1, rng=rng, bias=False, name=f"{name}.c2"),
-             L.BatchNorm(inner, name=f"{name}.bn2")),
+             bn(inner, "bn2")),
             (L.Conv2D(inner, 4 * inner, 1, rng=rng, bias=False, name=f"{name}.c3"),
-             L.BatchNorm(4 * inner, name=f"{name}.bn3")),
+             bn(4 * inner, "bn3")),
         ]
         short = None
         if stride != 1 or n_in != 4 * inner:
             short = (L.Conv2D(n_in, 4 * inner, 1, stride=stride, rng=rng, bias=False,
                               name=f"{name}.short"),
-                     L.BatchNorm(4 * inner, name=f"{name}.short_bn"))
+                     bn(4 * inner, "short_bn"))
         return {"layers": layers, "short": short}
 
     def forward(self, x, deterministic=False):
@@ -120,36 +136,44 @@ class ResNet:
         return [u for bn in self.bns for u in bn.updates]
 
 
-def build(args, parallel):
+def build(args, parallel, bn_groups=1):
     """Return (train step, model) for the data-parallel (after fork) or serial run."""
     x = pt.tensor4("x", shape=(None, args.image_size, args.image_size, 3))
     y = pt.lvector("y")
-    model = ResNet(args.depth, args.width, args.classes, args.seed)
+    model = ResNet(args.depth, args.width, args.classes, args.seed, bn_groups)
     loss = L.softmax_cross_entropy(model.forward(x), y).mean()
     make = make_train_function if parallel else make_serial_train_function
+    kwargs = {} if args.mode is None else {"mode": args.mode}
     step = make(loss, model.params, x, y, update_rule="momentum",
                 update_kwargs={"learning_rate": args.learning_rate, "momentum": 0.9},
-                extra_updates=model.bn_updates())
+                extra_updates=model.bn_updates(), **kwargs)
     return step, model
 
 
-def run_steps(step, x_data, y_data, args, rng):
-    """Run warm-up then timed steps on random minibatches; return (images/s, last loss)."""
+def run_steps(step, x_data, y_data, args, rng, t_start=None):
+    """Run warm-up then timed steps on random minibatches; return (images/s, losses)."""
     n = len(x_data)
+    losses = []
     for _ in range(args.warmup):
-        step(x_data, y_data, batch=rng.choice(n, args.batch_size, replace=False))
+        losses.append(float(step(x_data, y_data, batch=rng.choice(n, args.batch_size,
+                                                                  replace=False))))
+    if t_start is not None:
+        print(f"first timed step starts {time.perf_counter() - t_start:.1f} s after start",
+              flush=True)
     t0 = time.perf_counter()
     for _ in range(args.steps):
-        loss = step(x_data, y_data, batch=rng.choice(n, args.batch_size, replace=False))
+        losses.append(float(step(x_data, y_data, batch=rng.choice(n, args.batch_size,
+                                                                  replace=False))))
     dt = time.perf_counter() - t0
-    return args.steps * args.batch_size / dt, float(loss)
+    return args.steps * args.batch_size / dt, losses
 
 
 def main(argv=None):
+    t_start = time.perf_counter()
     args = parse_args(argv)
     rng = np.random.default_rng(args.seed)
     images = rng.standard_normal((args.n_images, args.image_size, args.image_size, 3),
-                                 dtype=np.float32)
+                                 dtype=np.float32).astype(pytensor.config.floatX)
     labels = rng.integers(0, args.classes, args.n_images)
 
     n_parallel = synk.fork(args.n_parallel)
@@ -159,20 +183,29 @@ def main(argv=None):
     n_values = sum(p.get_value(borrow=True).size for p in model.params)
     print(f"ResNet-{args.depth}: width {args.width}, {args.image_size}x{args.image_size} images, "
           f"{args.classes} classes, {n_values / 1e6:.2f} M parameters; built in "
-          f"{time.perf_counter() - t0:.1f} s; {n_parallel} ranks", flush=True)
+          f"{time.perf_counter() - t0:.1f} s; {n_parallel} ranks; mode {args.mode or 'default'}",
+          flush=True)
     x_data, y_data = synk.data(images), synk.data(labels)
     t0 = time.perf_counter()
-    parallel_ips, loss = run_steps(step, x_data, y_data, args, np.random.default_rng(1))
-    print(f"data-parallel ({n_parallel} ranks): {parallel_ips:.1f} images/s, last loss {loss:.3f} "
-          f"({time.perf_counter() - t0:.1f} s with warm-up)", flush=True)
+    parallel_ips, losses = run_steps(step, x_data, y_data, args, np.random.default_rng(1), t_start)
+    print(f"data-parallel ({n_parallel} ranks): {parallel_ips:.1f} images/s, last loss "
+          f"{losses[-1]:.4f} ({time.perf_counter() - t0:.1f} s with warm-up)", flush=True)
+    # End of an "epoch": every rank's batch-norm running statistics become their average.
+    synk.all_reduce(L.batch_norm_stats(model.bns), "avg")
+    bn_mean = model.stem_bn.mean.get_value()
     synk.close()
 
     if args.no_serial:
         return parallel_ips, None
-    step, _ = build(args, parallel=False)
-    serial_ips, loss = run_steps(step, images, labels, args, np.random.default_rng(1))
-    print(f"serial: {serial_ips:.1f} images/s, last loss {loss:.3f}", flush=True)
+    # The serial twin normalizes over the same row groups as the ranks: the same trajectory.
+    step, serial_model = build(args, parallel=False, bn_groups=n_parallel)
+    serial_ips, serial_losses = run_steps(step, images, labels, args, np.random.default_rng(1))
+    print(f"serial: {serial_ips:.1f} images/s, last loss {serial_losses[-1]:.4f}", flush=True)
     print(f"speedup: {parallel_ips / serial_ips:.2f}x on {n_parallel} ranks", flush=True)
+    diff = np.max(np.abs(np.subtract(losses, serial_losses)))
+    bn_diff = np.max(np.abs(bn_mean - np.asarray(serial_model.stem_bn.mean.get_value())))
+    print(f"loss trajectories ({len(losses)} steps): largest difference {diff:.2e}; "
+          f"averaged batch-norm statistics differ by {bn_diff:.2e}", flush=True)
     return parallel_ips, serial_ips
 
 

@@ -1,14 +1,15 @@
 """A few small layers for the demos and quick starts: dense, convolution, batch norm, pooling.
 
-Plain PyTensor expressions, so they compile on every PyTensor backend and
-``pytensor.grad`` differentiates them.  Images are channels-last, ``(batch,
-height, width, channels)``: convolution is then im2col (one gather of every
-window through a constant index array) and one matrix product, with no
-transposes.  The images' height, width and channels must be static, e.g.
-``pt.tensor4("x", shape=(None, 28, 28, 1))``: the index arrays are built once
-in NumPy, and every shape but the batch size stays a constant.  Layers are
-callables holding their parameters in ``params``; this is a quick start, not a
-deep-learning framework.
+Convolution and pooling are the Ops of ``synkhronos.extensions.ops``: one
+node each (and one per gradient), run by ``jax.lax`` in GPU mode (mode "JAX")
+and by Numba im2col + BLAS kernels in CPU mode, so one model definition
+trains in both.  Everything else is plain PyTensor expressions.  Images are
+channels-last by default, ``(batch, height, width, channels)``, the faster
+layout on the CPU (``layout="NCHW"`` is accepted too).  The images' height,
+width and channels must be static, e.g. ``pt.tensor4("x", shape=(None, 28, 28,
+1))``: every shape but the batch size then stays a constant, which the JAX
+backend needs.  Layers are callables holding their parameters in ``params``;
+this is a quick start, not a deep-learning framework.
 """
 
 import math
@@ -17,10 +18,13 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
+from . import bn_ops, ops
+
 __all__ = [
     "he_normal", "glorot_uniform", "Dense", "Conv2D", "BatchNorm",
     "relu", "softmax", "log_softmax", "cross_entropy", "softmax_cross_entropy", "accuracy",
     "flatten2d", "window_index", "im2col", "conv2d", "max_pool2d", "avg_pool2d", "global_avg_pool",
+    "batch_norm_stats",
 ]
 
 
@@ -31,8 +35,6 @@ def _floatx():
 def _rng(rng):
     return rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
 
-
-# ---- weight initialisation ------------------------------------------------
 
 def he_normal(shape, fan_in, rng=None, gain=math.sqrt(2.0)):
     """Return He-normal weights: N(0, (gain / sqrt(fan_in))**2), as floatX.
@@ -54,8 +56,6 @@ def _shared(value, name):
     value = np.asarray(value, dtype=_floatx())
     return pytensor.shared(value, name=name, shape=value.shape)
 
-
-# ---- layers with parameters ---------------------------------------------
 
 class Dense:
     """A fully connected layer: ``x @ W + b``.
@@ -91,54 +91,78 @@ class Dense:
 
 
 class Conv2D:
-    """A 2-D convolution (cross-correlation, as in every DL library) by im2col + GEMM.
+    """A 2-D convolution (cross-correlation, as in every DL library): one ``ops.Conv2d`` node.
 
     Args:
         n_in: input channels.
         n_out: output channels (filters).
         filter_size: an int or ``(height, width)``.
-        stride: an int.
-        pad: zero padding on each side, an int, or "same" (``filter_size // 2``).
+        stride: an int or a pair.
+        pad: zero padding on each side, an int, a pair, or "same" (``filter_size // 2``).
         rng: a NumPy Generator or seed for the weights (He-normal).
         bias: add a bias per filter (leave it out before batch norm).
         name: prefix of the parameter names.
+        dilation: spacing of the filter taps, an int or a pair.
+        groups: split channels and filters into this many groups.
+        layout: "NHWC" (weights ``(fh, fw, n_in // groups, n_out)``) or "NCHW"
+            (weights ``(n_out, n_in // groups, fh, fw)``).
 
     Attributes:
-        W: weights of shape ``(fh, fw, n_in, n_out)``.
+        W: the weights.
         b: the bias, or None.
         params: the list of parameters.
     """
 
     def __init__(self, n_in, n_out, filter_size, stride=1, pad=0, rng=None, bias=True,
-                 name="conv"):
-        fh, fw = (filter_size, filter_size) if isinstance(filter_size, int) else filter_size
+                 name="conv", dilation=1, groups=1, layout="NHWC"):
+        fh, fw = _pair(filter_size)
+        if n_in % groups or n_out % groups:
+            raise ValueError(f"Conv2D: n_in {n_in} and n_out {n_out} must split into "
+                             f"{groups} groups")
         self.filter_size = (fh, fw)
         self.stride = stride
-        self.pad = fh // 2 if pad == "same" else pad
-        self.W = _shared(he_normal((fh, fw, n_in, n_out), fh * fw * n_in, rng), f"{name}.W")
+        self.pad = (fh // 2, fw // 2) if pad == "same" else pad
+        self.dilation = dilation
+        self.groups = groups
+        self.layout = layout
+        w = he_normal((fh, fw, n_in // groups, n_out), fh * fw * n_in // groups, rng)
+        if layout == "NCHW":
+            w = np.ascontiguousarray(w.transpose(3, 2, 0, 1))
+        self.W = _shared(w, f"{name}.W")
         self.b = _shared(np.zeros(n_out), f"{name}.b") if bias else None
         self.params = [self.W] + ([self.b] if bias else [])
 
     def __call__(self, x):
-        """Apply to images ``(batch, height, width, n_in)``; return ``(batch, oh, ow, n_out)``."""
-        out = conv2d(x, self.W, self.stride, self.pad)
-        return out if self.b is None else out + self.b
+        """Apply to images ``(batch, height, width, n_in)`` (or NCHW); return the feature maps."""
+        out = conv2d(x, self.W, self.stride, self.pad, self.dilation, self.groups, self.layout)
+        if self.b is None:
+            return out
+        return out + (self.b if self.layout == "NHWC" else self.b[:, None, None])
 
 
 class BatchNorm:
-    """Batch normalization over every axis but the last, with running statistics.
+    """Batch normalization over every axis but the feature axis, with running statistics.
 
     In training (``deterministic=False``) the layer normalizes with the
-    statistics of the rows it sees (in data-parallel runs: each rank's share)
-    and its ``updates`` move the running mean and variance towards them; add
-    those updates to the training function.  With ``deterministic=True`` it
-    normalizes with the running statistics (evaluation).
+    statistics of the rows it sees (in data-parallel runs: each rank's share,
+    as the original Synkhronos did) and its ``updates`` move the running mean
+    and variance towards them; add those updates to the training function.
+    Each rank then keeps its own running statistics: average them with one
+    ``synk.all_reduce(batch_norm_stats(layers), "avg")`` (e.g. at the end of an
+    epoch).  With ``deterministic=True`` it normalizes with the running
+    statistics (evaluation).
 
     Args:
-        n_features: size of the last axis.
+        n_features: size of the feature axis.
         alpha: weight of the newest batch in the running averages.
         epsilon: added to the variance.
         name: prefix of the parameter names.
+        axis: the feature axis (-1 for NHWC images and matrices, 1 for NCHW).
+        n_groups: normalize each of this many equal, consecutive groups of
+            rows with its own statistics ("ghost" batch norm).  A serial
+            twin of a data-parallel run on N ranks sets N, so it computes
+            what the ranks compute; the running statistics then follow the
+            mean of the groups' statistics, as the ranks' averaged ones do.
 
     Attributes:
         gamma, beta: the trained scale and shift (``params``).
@@ -146,7 +170,9 @@ class BatchNorm:
         updates: ``(shared, update)`` pairs from the last training-mode call.
     """
 
-    def __init__(self, n_features, alpha=0.1, epsilon=1e-4, name="bn"):
+    def __init__(self, n_features, alpha=0.1, epsilon=1e-4, name="bn", axis=-1, n_groups=1):
+        self.axis = axis
+        self.n_groups = n_groups
         self.alpha = alpha
         self.epsilon = epsilon
         self.gamma = _shared(np.ones(n_features), f"{name}.gamma")
@@ -156,21 +182,40 @@ class BatchNorm:
         self.params = [self.gamma, self.beta]
         self.updates = []
 
+    @property
+    def stats(self):
+        """The running statistics ``[mean, var]`` (shared variables, one copy per rank)."""
+        return [self.mean, self.var]
+
     def __call__(self, x, deterministic=False):
-        """Normalize ``x`` (any ndim >= 2, features last)."""
+        """Normalize ``x`` (any ndim >= 2)."""
+        axis = self.axis % x.ndim
+        shape = [1] * x.ndim
+        shape[axis] = -1
+        gamma, beta = self.gamma.reshape(shape), self.beta.reshape(shape)
         if deterministic:
-            mean, var = self.mean, self.var
-        else:
-            axes = tuple(range(x.ndim - 1))
-            mean = x.mean(axis=axes)
-            var = x.var(axis=axes)
-            a = self.alpha
-            self.updates = [(self.mean, pt.cast((1 - a) * self.mean + a * mean, _floatx())),
-                            (self.var, pt.cast((1 - a) * self.var + a * var, _floatx()))]
-        return (x - mean) * (self.gamma / pt.sqrt(var + self.epsilon)) + self.beta
+            mean, var = self.mean.reshape(shape), self.var.reshape(shape)
+            return (x - mean) * (gamma / pt.sqrt(var + self.epsilon)) + beta
+        if self.axis % x.ndim not in (x.ndim - 1, 1) or (self.axis % x.ndim == 1 and x.ndim != 4):
+            raise ValueError("BatchNorm: the feature axis must be the last one, or 1 of 4-d "
+                             f"images; got axis {self.axis} of a {x.ndim}-d input")
+        axis = -1 if self.axis % x.ndim == x.ndim - 1 else 1
+        out, batch_mean, batch_var = bn_ops.batch_norm_train(x, self.gamma, self.beta, axis,
+                                                             self.epsilon, self.n_groups)
+        a = self.alpha
+        self.updates = [(self.mean, pt.cast((1 - a) * self.mean + a * batch_mean, _floatx())),
+                        (self.var, pt.cast((1 - a) * self.var + a * batch_var, _floatx()))]
+        return out
 
 
-# ---- functions ----------------------------------------------------------------
+def batch_norm_stats(layers):
+    """Return the running statistics of batch-norm layers, for one all-reduce.
+
+    ``synk.all_reduce(batch_norm_stats(bns), "avg")`` makes every rank's
+    running mean and variance the average over ranks.
+    """
+    return [s for bn in layers for s in bn.stats]
+
 
 def relu(x):
     """Return ``max(x, 0)``."""
@@ -311,41 +356,38 @@ def im2col(x, filter_size, stride=1, pad=0):
     return cols.reshape((x.shape[0], oh, ow, fh * fw * c))
 
 
-def conv2d(x, W, stride=1, pad=0):
+def _static_weights(W):
+    # A shared variable made without shape= has no static shape; its value has one.
+    if hasattr(W, "get_value") and None in W.type.shape:
+        return pt.specify_shape(W, W.get_value(borrow=True).shape)
+    return W
+
+
+def conv2d(x, W, stride=1, pad=0, dilation=1, groups=1, layout="NHWC"):
     """Return the convolution of images ``(n, h, w, c)`` with weights ``(fh, fw, c, f)``.
 
-    One matrix product of the im2col matrix with the reshaped weights.
+    One ``ops.Conv2d`` node (see there for "NCHW").
     """
-    fh, fw, c, f = W.get_value(borrow=True).shape if hasattr(W, "get_value") else W.type.shape
-    h, w, _ = _spatial(x, "conv2d")
-    cols = im2col(x, (fh, fw), stride, pad)
-    _, oh, ow = window_index(h, w, (fh, fw), stride, pad)
-    n = x.shape[0]
-    out = pt.dot(cols.reshape((n * oh * ow, fh * fw * c)), W.reshape((fh * fw * c, f)))
-    return out.reshape((n, oh, ow, f))
+    return ops.conv2d(x, _static_weights(W), stride, pad, dilation, groups, layout)
 
 
-def max_pool2d(x, size=2, stride=None, pad=0):
+def max_pool2d(x, size=2, stride=None, pad=0, layout="NHWC"):
     """Return the max over ``size x size`` windows of images ``(n, h, w, c)``.
 
     Args:
-        size: the window side.
+        size: the window side (or a pair).
         stride: the step (default ``size``).
         pad: padding on each side; padded cells never win the max.
+        layout: "NHWC" or "NCHW".
     """
-    stride = size if stride is None else stride
-    low = np.finfo(x.dtype).min if x.dtype.startswith("float") else np.iinfo(x.dtype).min
-    cols, oh, ow = _windows(x, size, stride, pad, low, "max_pool2d")
-    return cols.max(axis=2).reshape((x.shape[0], oh, ow, x.type.shape[3]))
+    return ops.max_pool2d(x, size, stride, pad, layout)
 
 
-def avg_pool2d(x, size=2, stride=None, pad=0):
+def avg_pool2d(x, size=2, stride=None, pad=0, layout="NHWC"):
     """Return the mean over ``size x size`` windows (padding counts as zeros)."""
-    stride = size if stride is None else stride
-    cols, oh, ow = _windows(x, size, stride, pad, 0.0, "avg_pool2d")
-    return cols.mean(axis=2).reshape((x.shape[0], oh, ow, x.type.shape[3]))
+    return ops.avg_pool2d(x, size, stride, pad, layout)
 
 
-def global_avg_pool(x):
-    """Return the mean over height and width: ``(n, h, w, c)`` to ``(n, c)``."""
-    return x.mean(axis=(1, 2))
+def global_avg_pool(x, layout="NHWC"):
+    """Return the mean over height and width: ``(n, h, w, c)`` (or NCHW) to ``(n, c)``."""
+    return x.mean(axis=(1, 2) if layout == "NHWC" else (2, 3))

@@ -124,7 +124,6 @@ class DataParallelModel:
         logger.info("pymc model: %d value variables (%d numbers), data %s split by rows (%d)",
                     len(value_vars), self.size, [c.name for c in self.containers], self.n_rows)
 
-    # ---- building -----------------------------------------------------------
     def _choose_data(self, lik, data):
         model = self.model
         containers = [v for v in model.data_vars if isinstance(v, SharedVariable)]
@@ -189,7 +188,6 @@ class DataParallelModel:
                     out[length] = shard.shape[0].astype(length.dtype)
         return out
 
-    # ---- data ---------------------------------------------------------------
     def scatter(self):
         """Split the rows of the model's containers over the ranks.  Master only.
 
@@ -202,7 +200,6 @@ class DataParallelModel:
         synk.scatter(self._shards, [c.get_value(borrow=True) for c in self.containers])
         self._scattered = True
 
-    # ---- points -------------------------------------------------------------
     def ravel(self, point):
         """Return the flat vector of a point dict (keys: ``value_names``)."""
         missing = [n for n in self.value_names if n not in point]
@@ -237,7 +234,6 @@ class DataParallelModel:
             raise ValueError(f"x must have shape ({self.size},); got {x.shape}")
         return x
 
-    # ---- evaluation ---------------------------------------------------------
     def _call(self, point, subset):
         x = self._flat(point)
         if not self._scattered:

@@ -1,0 +1,164 @@
+"""The JAX implementations of the convolution, pooling and batch-norm Ops (GPU mode).
+
+Registered with PyTensor's ``jax_funcify`` when PyTensor's JAX dispatch module
+is imported (it imports jax, which CPU users need not pay for): at once if it
+is loaded already, otherwise by an import hook that runs after it loads.
+"""
+
+import importlib.abc
+import importlib.util
+import logging
+import sys
+
+from . import bn_ops
+from .ops import (AvgPool2d, AvgPool2dGrad, Conv2d, Conv2dGradInput, Conv2dGradWeights,
+                  MaxPool2d, MaxPool2dGrad, _channel_axis, _image_shape, _weight_io,
+                  _weight_shape)
+
+logger = logging.getLogger(__name__)
+
+_JAX_DISPATCH = "pytensor.link.jax.dispatch"
+
+
+def _dimension_numbers(layout):
+    return ("NCHW", "OIHW", "NCHW") if layout == "NCHW" else ("NHWC", "HWIO", "NHWC")
+
+
+def _jax_conv(op):
+    from jax import lax
+
+    (sh, sw), (ph, pw) = op.stride, op.padding
+    dn = _dimension_numbers(op.layout)
+
+    def conv(x, w, geometry=None):
+        return lax.conv_general_dilated(x, w, window_strides=(sh, sw),
+                                        padding=((ph, ph), (pw, pw)), rhs_dilation=op.dilation,
+                                        dimension_numbers=dn, feature_group_count=op.groups)
+    return conv
+
+
+def _jax_window(op):
+    fh, fw = op.size
+    sh, sw = op.stride
+    ph, pw = op.padding
+    if op.layout == "NCHW":
+        return (1, 1, fh, fw), (1, 1, sh, sw), ((0, 0), (0, 0), (ph, ph), (pw, pw))
+    return (1, fh, fw, 1), (1, sh, sw, 1), ((0, 0), (ph, ph), (pw, pw), (0, 0))
+
+
+def _jax_max_pool(op):
+    import jax.numpy as jnp
+    from jax import lax
+
+    dims, strides, pads = _jax_window(op)
+
+    def pool(x, geometry=None):
+        return lax.reduce_window(x, -jnp.inf, lax.max, dims, strides, pads)
+    return pool
+
+
+def _jax_avg_pool(op):
+    from jax import lax
+
+    dims, strides, pads = _jax_window(op)
+    scale = 1.0 / (op.size[0] * op.size[1])
+
+    def pool(x, geometry=None):
+        return lax.reduce_window(x, 0.0, lax.add, dims, strides, pads) * \
+            x.dtype.type(scale)
+    return pool
+
+
+def _register_jax():
+    import jax
+    import jax.numpy as jnp
+    from pytensor.link.jax.dispatch import jax_funcify
+
+    @jax_funcify.register(Conv2d)
+    def _jax_conv2d(op, **kwargs):
+        return _jax_conv(op)
+
+    @jax_funcify.register(Conv2dGradInput)
+    def _jax_conv2d_grad_input(op, **kwargs):
+        conv = _jax_conv(op)
+
+        def conv2d_grad_input(gy, w, geometry=None):
+            cg, _ = _weight_io(op.layout, w.shape)
+            shape = _image_shape(op.layout, gy.shape[0], cg * op.groups, *op.in_hw)
+            _, vjp = jax.vjp(lambda x: conv(x, w), jnp.zeros(shape, gy.dtype))
+            return vjp(gy)[0]
+        return conv2d_grad_input
+
+    @jax_funcify.register(Conv2dGradWeights)
+    def _jax_conv2d_grad_weights(op, **kwargs):
+        conv = _jax_conv(op)
+        ca = _channel_axis(op.layout)
+
+        def conv2d_grad_weights(x, gy, geometry=None):
+            shape = _weight_shape(op.layout, gy.shape[ca], x.shape[ca] // op.groups,
+                                  *op.kernel_hw)
+            _, vjp = jax.vjp(lambda w: conv(x, w), jnp.zeros(shape, x.dtype))
+            return vjp(gy)[0]
+        return conv2d_grad_weights
+
+    @jax_funcify.register(MaxPool2d)
+    def _jax_max_pool2d(op, **kwargs):
+        return _jax_max_pool(op)
+
+    @jax_funcify.register(MaxPool2dGrad)
+    def _jax_max_pool2d_grad(op, **kwargs):
+        pool = _jax_max_pool(op)
+
+        def max_pool2d_grad(x, gy, geometry=None):
+            return jax.vjp(pool, x)[1](gy)[0]
+        return max_pool2d_grad
+
+    @jax_funcify.register(AvgPool2d)
+    def _jax_avg_pool2d(op, **kwargs):
+        return _jax_avg_pool(op)
+
+    @jax_funcify.register(AvgPool2dGrad)
+    def _jax_avg_pool2d_grad(op, **kwargs):
+        pool = _jax_avg_pool(op)
+
+        def avg_pool2d_grad(gy, geometry=None):
+            c = gy.shape[_channel_axis(op.layout)]
+            shape = _image_shape(op.layout, gy.shape[0], c, *op.in_hw)
+            return jax.vjp(pool, jnp.zeros(shape, gy.dtype))[1](gy)[0]
+        return avg_pool2d_grad
+
+    bn_ops.register_jax(jax_funcify)
+    logger.debug("convolution, pooling and batch-norm Ops registered with the JAX backend")
+
+
+class _RegisterAfterLoad(importlib.abc.Loader):
+    """Run the real loader of PyTensor's JAX dispatch module, then register our Ops."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        _register_jax()
+
+
+class _JaxDispatchHook(importlib.abc.MetaPathFinder):
+    """Find PyTensor's JAX dispatch module as usual, wrapping its loader; once."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _JAX_DISPATCH:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _RegisterAfterLoad(spec.loader)
+        return spec
+
+
+if _JAX_DISPATCH in sys.modules:
+    _register_jax()
+elif not any(isinstance(f, _JaxDispatchHook) for f in sys.meta_path):
+    sys.meta_path.insert(0, _JaxDispatchHook())
