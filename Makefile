@@ -62,8 +62,13 @@ demo-pymc: $(PYMC_STAMP)
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict
 
+# Figures for bench/RESULTS.md and the docs' pictures (needs the bench extra).
 bench: $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[bench]"
 	$(BIN)/python bench/call_overhead.py
+	$(BIN)/python bench/scaling.py --plot docs/img/scaling_mlp.png
+	$(BIN)/python bench/collectives.py --markdown --plot docs/img/all_reduce.png
+	$(BIN)/python bench/soak.py
 
 clean:
 	rm -rf $(VENV) $(OLD_VENV) $(PYMC_VENV) build *.egg-info
