@@ -31,9 +31,12 @@ class FunctionSpec:
     kwargs: dict
     variants: dict = field(default_factory=dict)  # per process: compiled slicing variants
     simple: bool = field(init=False)              # one output with a collective op
+    collective: bool = field(init=False)          # the graph holds in-graph collectives
 
     def __post_init__(self):
         self.simple = len(self.outputs) == 1 and self.output_ops[0] in reducers.COLLECTIVE_OPS
+        self.collective = any(getattr(node.op, "synk_collective", False)
+                              for node in self.fn.maker.fgraph.apply_nodes)
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -77,7 +80,13 @@ def execute(spec, rt, msg):
         # Weigh "avg" by the shared rows used, as with batch_s.
         rows = len(sliceable[0].get_value(borrow=True))
     subset = msg.subset
-    if rows == 0:
+    if spec.collective:
+        # Every rank reaches the graph's collectives, a rank with no rows too
+        # (its results still count for nothing).
+        results = _run_collective(spec, rt, arrays, msg, shared_sel, subset)
+        if rows == 0:
+            results = None
+    elif rows == 0:
         results = None
     elif shared_sel is None and (num_slices == 1 or not msg.n_scattered):
         results = spec.fn(*arrays)
@@ -87,7 +96,7 @@ def execute(spec, rt, msg):
     else:
         out_idx = list(range(len(spec.outputs))) if subset is None else subset
         results = run_slices(spec, rt, arrays, msg.n_scattered, shared_sel, num_slices, out_idx)
-    if rows != 0 and spec.updates and gpu.uses_jax(spec.fn):
+    if (rows != 0 or spec.collective) and spec.updates and gpu.uses_jax(spec.fn):
         # JAX runs asynchronously and reads NumPy inputs (shared memory) in
         # place: finish before the command ends and the master may reuse them.
         gpu.wait([sharedvars.raw(var) for var, _ in spec.updates])
@@ -98,6 +107,25 @@ def execute(spec, rt, msg):
     if rt.is_master:
         return None if results is None else (results, weight)
     rt.backend.contribute(results, weight)
+
+
+def _run_collective(spec, rt, arrays, msg, shared_sel, subset):
+    """Run a graph holding in-graph collectives once, whatever this rank's rows."""
+    rt.in_call = True
+    try:
+        if shared_sel is None:
+            results = spec.fn(*arrays)
+            if subset is not None:
+                results = [results[i] for i in subset]
+        else:
+            out_idx = list(range(len(spec.outputs))) if subset is None else subset
+            results = run_slices(spec, rt, arrays, msg.n_scattered, shared_sel, 1, out_idx)
+    finally:
+        rt.in_call = False
+    # Another rank may still read this rank's buffers from the graph's last
+    # collective; meet before anyone packs its results into them.
+    rt.backend.barrier()
+    return results
 
 
 def variant(spec, slice_shareds, defer):

@@ -263,6 +263,10 @@ class Function:
                     and num_slices >= 1):
                 raise ValueError(f"{self.name or 'function'}: num_slices must be an int >= 1; "
                                  f"got {num_slices!r}")
+            if num_slices > 1 and self.spec.collective:
+                raise ValueError(f"{self.name or 'function'}: num_slices > 1 cannot run a graph "
+                                 "holding in-graph collectives (ranks would meet them a different "
+                                 "number of times); use num_slices=1")
             if num_slices > 1 and None in self.spec.output_ops:
                 raise ValueError(f"{self.name or 'function'}: num_slices > 1 cannot combine the "
                                  "slices of an output with op None; use 'gather' or a reduce op")
