@@ -42,6 +42,8 @@ class Command(enum.IntEnum):
     SET_VALUE = 16
     GET_VALUE = 17
     GET_SHAPES = 18
+    SAVE_STATE = 30
+    LOAD_STATE = 31
 
 
 HANDLERS = {}

@@ -109,6 +109,12 @@ class _CollectiveOp(Op):
         # Folding would run the collective once, at compile time, in one process.
         return False
 
+    def __setstate__(self, state):
+        # Unpickled in a worker (distribute()) that forked before the graph was
+        # built: teach its JAX backend the Op before the function compiles.
+        self.__dict__.update(state)
+        _register_jax()
+
 
 class AllReduceOp(_CollectiveOp):
     """Combine a tensor elementwise over the ranks: kind "sum", "mean", "max" or "min"."""
