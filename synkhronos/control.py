@@ -44,6 +44,7 @@ class Command(enum.IntEnum):
     GET_SHAPES = 18
     SAVE_STATE = 30
     LOAD_STATE = 31
+    OVERLAP_STEP = 32
 
 
 HANDLERS = {}

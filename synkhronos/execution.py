@@ -46,6 +46,14 @@ class FunctionSpec:
 
 def execute(spec, rt, msg):
     """Run this rank's share of a call (a ``CallMsg``) and take part in the reduction."""
+    results, weight = run_share(spec, rt, msg)
+    if rt.is_master:
+        return None if results is None else (results, weight)
+    rt.backend.contribute(results, weight)
+
+
+def run_share(spec, rt, msg):
+    """Run this rank's share of a call; return ``(results or None, weight)``."""
     rank = rt.rank
     descs = msg.descs
     if rt.is_master:
@@ -104,9 +112,7 @@ def execute(spec, rt, msg):
     if results is not None:
         # Backends other than NumPy's (JAX) return their own array types.
         results = [r if type(r) is np.ndarray else np.asarray(r) for r in results]
-    if rt.is_master:
-        return None if results is None else (results, weight)
-    rt.backend.contribute(results, weight)
+    return results, weight
 
 
 def _run_collective(spec, rt, arrays, msg, shared_sel, subset):

@@ -5,7 +5,8 @@ import os
 import time
 
 # Importing the command modules registers their handlers in HANDLERS.
-from . import checkpoint, collectives, data_module, distribute, function_module  # noqa: F401
+from . import (checkpoint, collectives, data_module, distribute,  # noqa: F401
+               function_module, overlap)
 from .control import ABORTED, FAILED, HANDLERS, OK, Command, rank_header
 from .errors import CommAborted
 
