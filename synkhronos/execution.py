@@ -126,6 +126,10 @@ def _run_collective(spec, rt, arrays, msg, shared_sel, subset):
         else:
             out_idx = list(range(len(spec.outputs))) if subset is None else subset
             results = run_slices(spec, rt, arrays, msg.n_scattered, shared_sel, 1, out_idx)
+        if gpu.uses_jax(spec.fn):
+            # JAX dispatches asynchronously: its collectives (host callbacks)
+            # must run while this rank is still inside the call.
+            gpu.wait(list(results) + [sharedvars.raw(var) for var, _ in spec.updates])
     finally:
         rt.in_call = False
     # Another rank may still read this rank's buffers from the graph's last
