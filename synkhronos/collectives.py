@@ -445,9 +445,11 @@ def _all_reduce_local(rt, msg):
     shareds = [rt.shareds[i] for i in msg.idx]
     if msg.dtype is not None:
         host = rt.backend.host
-        result = compressed.all_reduce(host, _values(host, shareds), msg.op, msg.dtype)
+        arrays = _values(host, shareds)
+        result = compressed.all_reduce(host, arrays, msg.op, msg.dtype,
+                                       out=[sv.out_of(a) for a in arrays])
         for var, value in zip(shareds, result):
-            sv.store(rt, var, value)
+            sv.adopt(rt, var, value)
         return
     be = _transport(rt, msg.nccl)
     arrays = _values(be, shareds)

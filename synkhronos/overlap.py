@@ -53,7 +53,7 @@ def _reduce(rt, arr, msg):
     be = rt.backend.host
     if msg.dtype is None:
         return be.all_reduce([arr], msg.op, out=[arr])[0]
-    return compressed.all_reduce(be, [arr], msg.op, msg.dtype)[0]
+    return compressed.all_reduce(be, [arr], msg.op, msg.dtype, out=[arr])[0]
 
 
 def _local(rt, msg):
@@ -82,7 +82,7 @@ def _local(rt, msg):
     if msg.pending:
         # Others may still read this rank's buffers: meet before anyone packs results.
         rt.backend.barrier()
-        sv.store(rt, prev, box["out"])
+        sv.adopt(rt, prev, box["out"])
         rt.functions[msg.update_id].spec.fn()   # applies the rule, zeroes ``prev``
     if msg.call is not None:
         # Double buffering: this step's gradient waits in ``prev`` for the next step.

@@ -45,21 +45,25 @@ def check(dtype, op, arrays_dtypes, where):
             raise TypeError(f"{where}: dtype={dtype!r} compresses floats; {name} is {dt}")
 
 
-def all_reduce(backend, arrays, op, dtype):
+def all_reduce(backend, arrays, op, dtype, out=None):
     """Sum (``op`` "sum") or average ("avg") ``arrays`` over the ranks in 16-bit transport.
 
-    Every rank calls it with arrays of the same shapes; returns new arrays of
-    the inputs' dtypes.
+    Every rank calls it with arrays of the same shapes.  Returns arrays of
+    the inputs' dtypes: the ``out`` entries that fit (one array or None per
+    input; an input itself may be its own ``out``), else new ones.
     """
     n = backend.n_parallel
     small = small_dtype(dtype)
     arrays = [np.ascontiguousarray(a) for a in arrays]
     if n == 1:
         return [np.array(a.astype(small).astype(a.dtype)) for a in arrays]
-    peaks = [np.array([np.max(np.abs(a), initial=0.0)], dtype=np.float64) for a in arrays]
+    peaks = [np.array([max(float(a.max(initial=0.0)), -float(a.min(initial=0.0)))])
+             for a in arrays]
     peaks = backend.all_reduce(peaks, "max")
     scales = [_scale(float(p[0]), n, dtype) for p in peaks]
-    sent = [(a.reshape(-1) * s).astype(small).view(np.uint16) for a, s in zip(arrays, scales)]
+    conv = _Bf16() if dtype == "bfloat16" else _NumpyCasts(small)
+    sent = [conv.down(a.reshape(-1), s, _buffer(("sent", i), a.size))
+            for i, (a, s) in enumerate(zip(arrays, scales))]
     plan = parts.plan([np.empty(a.size, small) for a in arrays], n)
     me = backend.rank
     # Reduce-scatter: every rank sums its own part of every array in float32.
@@ -68,17 +72,111 @@ def all_reduce(backend, arrays, op, dtype):
     for i, lo, hi in plan[me]:
         acc = np.zeros(hi - lo, np.float32)
         for q in range(n):
-            acc += got[q][i][lo:hi].view(small).astype(np.float32)
-        mine.append(acc.astype(small).view(np.uint16))
+            conv.accumulate(acc, got[q][i][lo:hi])
+        mine.append(conv.down(acc, 1.0, np.empty(acc.size, np.uint16)))
     # All-gather of the reduced parts, still 16-bit.
     got = backend.all_gather(mine)
-    out = [np.empty(a.size, a.dtype) for a in arrays]
+    # This rank's inputs were read (cast down) above: they may be the outputs now.
+    res = [parts.result_buffer(a, parts.out_entry(out, i)) for i, a in enumerate(arrays)]
+    flats = [r.reshape(-1) for r in res]
     for q in range(n):
         for (i, lo, hi), part in zip(plan[q], got[q]):
-            value = part.view(small).astype(np.float32)
             factor = (1.0 / n if op == "avg" else 1.0) / scales[i]
-            np.multiply(value, factor, out=out[i][lo:hi], casting="unsafe")
-    return [o.reshape(a.shape) for o, a in zip(out, arrays)]
+            conv.up(part, factor, flats[i][lo:hi])
+    return res
+
+
+_buffers = {}
+
+
+def _buffer(key, size):
+    """A uint16 buffer kept per process and key: fresh pages are slow to first touch."""
+    buf = _buffers.get(key)
+    if buf is None or buf.size != size:
+        buf = _buffers[key] = np.empty(size, np.uint16)
+    return buf
+
+
+class _NumpyCasts:
+    """Conversions through NumPy's casts (float16; bfloat16 through ml_dtypes)."""
+
+    def __init__(self, small):
+        self.small = small
+
+    def down(self, a, scale, dst):
+        small = (a * scale if scale != 1.0 else a).astype(self.small)
+        np.copyto(dst, small.view(np.uint16))
+        return dst
+
+    def accumulate(self, acc, bits):
+        acc += bits.view(self.small).astype(np.float32)
+
+    def up(self, bits, factor, out):
+        np.multiply(bits.view(self.small).astype(np.float32), factor, out=out, casting="unsafe")
+
+
+class _Bf16:
+    """bfloat16 conversions as bit operations in one compiled pass each (Numba).
+
+    NumPy has no bfloat16 and ml_dtypes' casts run an element at a time; a
+    bfloat16 is the top half of a float32, rounded to nearest even.
+    """
+
+    def __init__(self):
+        self.k = _bf16_kernels()
+
+    def down(self, a, scale, dst):
+        self.k[0](np.ascontiguousarray(a, dtype=np.float32), np.float32(scale), dst)
+        return dst
+
+    def accumulate(self, acc, bits):
+        self.k[1](acc, np.ascontiguousarray(bits))
+
+    def up(self, bits, factor, out):
+        if out.dtype == np.float32:
+            self.k[2](np.ascontiguousarray(bits), np.float32(factor), out)
+            return
+        tmp = np.empty(bits.size, np.float32)
+        self.k[2](np.ascontiguousarray(bits), np.float32(factor), tmp)
+        np.copyto(out, tmp, casting="unsafe")
+
+
+_kernels = {}
+
+
+def _bf16_kernels():
+    """Compile (once per process) the three bfloat16 kernels."""
+    if "bf16" not in _kernels:
+        import numba
+
+        @numba.njit(nogil=True, cache=True)
+        def down(src, scale, dst):
+            f = np.empty(1, np.float32)
+            u = f.view(np.uint32)
+            for i in range(src.size):
+                f[0] = src[i] * scale
+                b = u[0]
+                b += np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))
+                dst[i] = np.uint16(b >> np.uint32(16))
+
+        @numba.njit(nogil=True, cache=True)
+        def accumulate(acc, bits):
+            u = np.empty(1, np.uint32)
+            f = u.view(np.float32)
+            for i in range(acc.size):
+                u[0] = np.uint32(bits[i]) << np.uint32(16)
+                acc[i] += f[0]
+
+        @numba.njit(nogil=True, cache=True)
+        def up(bits, factor, dst):
+            u = np.empty(1, np.uint32)
+            f = u.view(np.float32)
+            for i in range(dst.size):
+                u[0] = np.uint32(bits[i]) << np.uint32(16)
+                dst[i] = f[0] * factor
+
+        _kernels["bf16"] = (down, accumulate, up)
+    return _kernels["bf16"]
 
 
 def _scale(peak, n, dtype):
