@@ -39,7 +39,10 @@ def built(request, runtime_keeper):
     n = request.param
     runtime_keeper.fork(n)
     x = pt.matrix("x")
+    s = pytensor.shared(np.zeros((1, 3), "float32"), shape=(None, 3), name="s")
     fns = {
+        "sliced": synk.function([], [(ingraph.psum(s.sum(axis=0)), "max")],
+                                sliceable_shareds=[s], mode=MODE),
         "reduce": synk.function([x], [(ingraph.psum(x.sum(axis=0)), None),
                                       (ingraph.pmean(x.sum(axis=0)), None),
                                       (ingraph.pmax(pad_max(x)), None),
@@ -59,6 +62,7 @@ def built(request, runtime_keeper):
         "default": synk.function([x], [(ingraph.psum(x.sum(axis=0)), "max")]),
     }
     synk.distribute()
+    fns["s"] = s
     yield n, fns
     runtime_keeper.close()
 
@@ -152,3 +156,18 @@ def test_default_mode_runs_the_op(built):
     n, fns = built
     x = data(5)
     np.testing.assert_allclose(fns["default"](x)[0], x.sum(axis=0), rtol=1e-6)
+
+
+def test_batch_s_and_a_rank_without_shared_rows(built):
+    n, fns = built
+    x = data(8, 3)
+    synk.scatter(fns["s"], x)
+    parts = shares(x, n)
+    got = fns["sliced"](batch_s=slice(0, 2))
+    np.testing.assert_allclose(got[0], sum(p[:2].sum(axis=0) for p in parts), rtol=1e-6)
+    # Rank 0 selects no rows; it still joins the psum.
+    per_rank = [[]] + [[0, 1]] * (n - 1)
+    got = fns["sliced"](batch_s=per_rank)
+    want = sum(p[:2].sum(axis=0) for p in parts[1:]) if n > 1 else None
+    if n > 1:
+        np.testing.assert_allclose(got[0], want, rtol=1e-6)
