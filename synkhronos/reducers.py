@@ -44,12 +44,12 @@ def combine(op, parts, weights=None, out=None):
         out: optional output array of the result's shape and dtype.
     """
     first = parts[0]
+    if first.ndim == 0 and out is None and first.dtype.kind == "f":
+        return _combine_scalars(op, parts, weights, first.dtype)
     if op == "avg" and weights is not None and _all_equal(parts):
         # Equal parts (an in-graph psum, say) average to themselves exactly;
         # the weighted sum below could be an ulp off.
         return _place(first, out, result_dtype(op, first.dtype))
-    if first.ndim == 0 and out is None and first.dtype.kind == "f":
-        return _combine_scalars(op, parts, weights, first.dtype)
     if op == "avg":
         if weights is None:
             acc = parts[0].astype(result_dtype(op, parts[0].dtype))
@@ -90,7 +90,9 @@ def _combine_scalars(op, parts, weights, dtype):
     # reduce them several times faster than NumPy scalar arithmetic.
     values = [float(p) for p in parts]
     if op == "avg":
-        if weights is None:
+        if weights is not None and values.count(values[0]) == len(values):
+            result = values[0]  # equal values (an in-graph psum) stay exact
+        elif weights is None:
             result = sum(values) / len(values)
         else:
             result = sum(v * w for v, w in zip(values, weights)) / float(sum(weights))
