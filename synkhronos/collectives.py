@@ -20,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import reducers
+from .comm import compressed
 from . import sharedvars as sv
 from . import split as rows
 from .control import Command, handler, run_command
@@ -412,13 +413,17 @@ def _reduce_worker(rt, msg):
 
 
 @serialized
-def all_reduce(shared_vars, op="avg", nccl=True):
+def all_reduce(shared_vars, op="avg", nccl=True, dtype=None):
     """Reduce shared variables over all ranks; every rank keeps the result.  Master only.
 
     Args:
         shared_vars: a shared variable, its name, or a list/tuple of either.
         op: "avg", "sum", "prod", "max" or "min" ("avg" is sum, then scale).
         nccl: use NCCL where available (GPU mode only).
+        dtype: None, or "bfloat16" / "float16" to send float values in that
+            16-bit type (scaled first, summed in float32; op "sum" or "avg"
+            only; see ``synkhronos.comm.compressed``).  Results keep the
+            variables' dtypes, at the small type's precision.
 
     Raises:
         SynkStateError: before distribute().
@@ -429,7 +434,10 @@ def all_reduce(shared_vars, op="avg", nccl=True):
     """
     rt = require_distributed("all_reduce()")
     idx, _ = _check_reduce(rt, shared_vars, op, True, "all_reduce")
-    msg = AllReduceMsg(idx, op, bool(nccl))
+    if dtype is not None:
+        compressed.check(dtype, op, [(rt.shareds[i], rt.shareds[i].dtype) for i in idx],
+                         "all_reduce")
+    msg = AllReduceMsg(idx, op, bool(nccl), dtype)
     run_command(rt, Command.ALL_REDUCE, msg, lambda seq: all_reduce_local(rt, msg))
 
 
@@ -439,6 +447,7 @@ class AllReduceMsg(NamedTuple):
     idx: list
     op: str
     nccl: bool
+    dtype: object = None    # a 16-bit transport type, or None
 
 
 def all_reduce_local(rt, msg):
@@ -448,6 +457,14 @@ def all_reduce_local(rt, msg):
     ``then``), inside the CALL command.
     """
     shareds = [rt.shareds[i] for i in msg.idx]
+    if msg.dtype is not None:
+        host = rt.backend.host
+        arrays = _values(host, shareds)
+        result = compressed.all_reduce(host, arrays, msg.op, msg.dtype,
+                                       out=[sv.out_of(a) for a in arrays])
+        for var, value in zip(shareds, result):
+            sv.adopt(rt, var, value)
+        return
     be = _transport(rt, msg.nccl)
     arrays = _values(be, shareds)
     outs = None if be.device_arrays else [sv.out_of(a) for a in arrays]

@@ -43,6 +43,9 @@ class Command(enum.IntEnum):
     GET_VALUE = 17
     GET_SHAPES = 18
     PROFILE = 19
+    SAVE_STATE = 30
+    LOAD_STATE = 31
+    OVERLAP_STEP = 32
 
 
 HANDLERS = {}

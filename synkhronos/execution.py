@@ -31,9 +31,12 @@ class FunctionSpec:
     kwargs: dict
     variants: dict = field(default_factory=dict)  # per process: compiled slicing variants
     simple: bool = field(init=False)              # one output with a collective op
+    collective: bool = field(init=False)          # the graph holds in-graph collectives
 
     def __post_init__(self):
         self.simple = len(self.outputs) == 1 and self.output_ops[0] in reducers.COLLECTIVE_OPS
+        self.collective = any(getattr(node.op, "synk_collective", False)
+                              for node in self.fn.maker.fgraph.apply_nodes)
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -43,6 +46,14 @@ class FunctionSpec:
 
 def execute(spec, rt, msg):
     """Run this rank's share of a call (a ``CallMsg``) and take part in the reduction."""
+    results, weight = run_share(spec, rt, msg)
+    if rt.is_master:
+        return None if results is None else (results, weight)
+    rt.backend.contribute(results, weight)
+
+
+def run_share(spec, rt, msg):
+    """Run this rank's share of a call; return ``(results or None, weight)``."""
     rank = rt.rank
     prof = rt.profiler
     descs = msg.descs
@@ -81,7 +92,13 @@ def execute(spec, rt, msg):
         rows = len(sliceable[0].get_value(borrow=True))
     subset = msg.subset
     whole_empty = msg.n_scattered and msg.n_rows == 0 and rt.is_master
-    if rows == 0 and not whole_empty:
+    if spec.collective:
+        # Every rank reaches the graph's collectives, a rank with no rows too
+        # (its results still count for nothing).
+        results = _run_collective(spec, rt, arrays, msg, shared_sel, subset)
+        if rows == 0:
+            results = None
+    elif rows == 0 and not whole_empty:
         results = None
     elif shared_sel is None and (num_slices == 1 or not msg.n_scattered):
         results = compat.call_subset(spec.fn, arrays, subset)
@@ -90,7 +107,7 @@ def execute(spec, rt, msg):
         # More slices than rows would only add empty calls: cost stays that of the unsliced call.
         num_slices = max(1, min(num_slices, rows))
         results = run_slices(spec, rt, arrays, msg.n_scattered, shared_sel, num_slices, out_idx)
-    if rows != 0 and spec.updates and gpu.uses_jax(spec.fn):
+    if (rows != 0 or spec.collective) and spec.updates and gpu.uses_jax(spec.fn):
         # JAX runs asynchronously and reads NumPy inputs (shared memory) in
         # place: finish before the command ends and the master may reuse them.
         gpu.wait([sharedvars.raw(var) for var, _ in spec.updates])
@@ -105,9 +122,28 @@ def execute(spec, rt, msg):
     if results is not None:
         # Backends other than NumPy's (JAX) return their own array types.
         results = [r if type(r) is np.ndarray else np.asarray(r) for r in results]
-    if rt.is_master:
-        return None if results is None else (results, weight)
-    rt.backend.contribute(results, weight)
+    return results, weight
+
+
+def _run_collective(spec, rt, arrays, msg, shared_sel, subset):
+    """Run a graph holding in-graph collectives once, whatever this rank's rows."""
+    rt.in_call = True
+    try:
+        if shared_sel is None:
+            results = compat.call_subset(spec.fn, arrays, subset)
+        else:
+            out_idx = list(range(len(spec.outputs))) if subset is None else subset
+            results = run_slices(spec, rt, arrays, msg.n_scattered, shared_sel, 1, out_idx)
+        if gpu.uses_jax(spec.fn):
+            # JAX dispatches asynchronously: its collectives (host callbacks)
+            # must run while this rank is still inside the call.
+            gpu.wait(list(results) + [sharedvars.raw(var) for var, _ in spec.updates])
+    finally:
+        rt.in_call = False
+    # Another rank may still read this rank's buffers from the graph's last
+    # collective; meet before anyone packs its results into them.
+    rt.backend.settle()
+    return results
 
 
 def run_then(rt, then):
@@ -117,7 +153,8 @@ def run_then(rt, then):
     master, so one command does gradient, all-reduce and update.
     """
     prof = rt.profiler
-    collectives.all_reduce_local(rt, collectives.AllReduceMsg(then.idx, then.op, True))
+    collectives.all_reduce_local(rt, collectives.AllReduceMsg(then.idx, then.op, True,
+                                                              then.dtype))
     # Other ranks may still copy reduced parts out of this rank's buffers, which the
     # follow-up (zeroing the gradient) and the results about to be sent overwrite.
     rt.backend.settle()

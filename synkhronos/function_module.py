@@ -9,6 +9,7 @@ import pytensor
 
 from . import conditioning, data_module, execution, gpu, reducers, sharedvars, split
 from .control import Command, handler, run_command
+from .comm import compressed
 from .errors import SynkStateError
 from .function_args import (check_lengths, common_length, parse_outputs, parse_updates,
                             var_list)
@@ -111,6 +112,7 @@ class ThenMsg(NamedTuple):
     idx: list                   # shared variables to all-reduce, by index in rt.shareds
     op: str
     function_id: int            # the function to call next, without inputs
+    dtype: object = None        # a 16-bit transport type ("bfloat16", "float16"), or None
 
 
 class Function:
@@ -248,7 +250,7 @@ class Function:
         """
         return self._call(args, kwargs, output_subset, batch, batch_s, num_slices, None)
 
-    def then_all_reduce(self, shared_vars, op, then):
+    def then_all_reduce(self, shared_vars, op, then, dtype=None):
         """Return a callable that runs this function, an all-reduce and ``then`` as one command.
 
         The fused step of data-parallel training: every rank computes its
@@ -263,6 +265,8 @@ class Function:
             shared_vars: a shared variable, its name, or a list of either.
             op: "avg", "sum", "prod", "max" or "min".
             then: a synkhronos Function of the same run that takes no inputs.
+            dtype: None, or "bfloat16" / "float16" to send the reduction in
+                16 bits (as ``all_reduce(..., dtype=)``).
 
         Raises:
             TypeError: ``then`` is not a Function without inputs.
@@ -272,7 +276,9 @@ class Function:
             raise TypeError("then_all_reduce: then must be a synkhronos Function without "
                             f"inputs; got {then!r}")
         reducers.check_op(op, "then_all_reduce: op")
-        return _FusedCall(self, shared_vars, op, then)
+        if dtype is not None:
+            compressed.check(dtype, op, [], "then_all_reduce")
+        return _FusedCall(self, shared_vars, op, then, dtype)
 
     def _call(self, args, kwargs, output_subset, batch, batch_s, num_slices, then):
         rt = self._rt
@@ -324,6 +330,10 @@ class Function:
                     and num_slices >= 1):
                 raise ValueError(f"{self.name or 'function'}: num_slices must be an int >= 1; "
                                  f"got {num_slices!r}")
+            if num_slices > 1 and self.spec.collective:
+                raise ValueError(f"{self.name or 'function'}: num_slices > 1 cannot run a graph "
+                                 "holding in-graph collectives (ranks would meet them a different "
+                                 "number of times); use num_slices=1")
             if num_slices > 1 and None in self.spec.output_ops:
                 raise ValueError(f"{self.name or 'function'}: num_slices > 1 cannot combine the "
                                  "slices of an output with op None; use 'gather' or a reduce op")
@@ -374,17 +384,22 @@ class Function:
 class _FusedCall:
     """A function call fused with an all-reduce and a follow-up call (``then_all_reduce``)."""
 
-    def __init__(self, f, shared_vars, op, then):
+    def __init__(self, f, shared_vars, op, then, dtype):
         self.f = f
         self.shared_vars = shared_vars
         self.op = op
         self.then = then
+        self.dtype = dtype
 
     def _then(self, rt):
         if self.then._rt is not rt:
             raise ValueError("then_all_reduce: then belongs to another synkhronos run")
         idx, _ = sharedvars.resolve(rt, self.shared_vars, "then_all_reduce")
-        return ThenMsg(idx, self.op, self.then._ID)
+        if self.dtype is not None:
+            compressed.check(self.dtype, self.op,
+                             [(rt.shareds[i], rt.shareds[i].dtype) for i in idx],
+                             "then_all_reduce")
+        return ThenMsg(idx, self.op, self.then._ID, self.dtype)
 
     @serialized
     def __call__(self, *args, output_subset=None, batch=None, batch_s=None, num_slices=1,

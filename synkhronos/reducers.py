@@ -46,6 +46,10 @@ def combine(op, parts, weights=None, out=None):
     first = parts[0]
     if first.ndim == 0 and out is None and first.dtype.kind == "f":
         return _combine_scalars(op, parts, weights, first.dtype)
+    if op == "avg" and weights is not None and _all_equal(parts):
+        # Equal parts (an in-graph psum, say) average to themselves exactly;
+        # the weighted sum below could be an ulp off.
+        return _place(first, out, result_dtype(op, first.dtype))
     if op == "avg":
         if weights is None:
             acc = parts[0].astype(result_dtype(op, parts[0].dtype))
@@ -68,12 +72,27 @@ def combine(op, parts, weights=None, out=None):
     return np.asarray(acc)
 
 
+def _all_equal(parts):
+    first = parts[0]
+    return all(p is first or (p.shape == first.shape and np.array_equal(p, first))
+               for p in parts[1:])
+
+
+def _place(value, out, dtype):
+    if out is not None:
+        np.copyto(out, value, casting="unsafe")
+        return out
+    return np.array(value, dtype=dtype)
+
+
 def _combine_scalars(op, parts, weights, dtype):
     # 0-d float outputs (losses, accuracies) are the common case; Python floats
     # reduce them several times faster than NumPy scalar arithmetic.
     values = [float(p) for p in parts]
     if op == "avg":
-        if weights is None:
+        if weights is not None and values.count(values[0]) == len(values):
+            result = values[0]  # equal values (an in-graph psum) stay exact
+        elif weights is None:
             result = sum(values) / len(values)
         else:
             result = sum(v * w for v, w in zip(values, weights)) / float(sum(weights))

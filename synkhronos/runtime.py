@@ -50,6 +50,7 @@ class Runtime:
     cleanup_dirs: list = field(default_factory=list)  # removed by the janitor after a crash
     device_shareds: set = field(default_factory=set)  # ids of shared vars whose values live on the device
     jax_before_fork: bool = False   # JAX ran in the master before fork(): workers cannot
+    in_call: bool = False           # running a call's graph: in-graph collectives combine ranks
 
     @property
     def is_master(self):

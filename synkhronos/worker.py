@@ -5,7 +5,8 @@ import os
 import time
 
 # Importing the command modules registers their handlers in HANDLERS.
-from . import collectives, data_module, distribute, function_module, profiling  # noqa: F401
+from . import (checkpoint, collectives, data_module, distribute,  # noqa: F401
+               function_module, overlap, profiling)
 from .control import ABORTED, FAILED, HANDLERS, OK, Command, rank_header
 from .errors import CommAborted
 

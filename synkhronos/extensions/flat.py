@@ -90,9 +90,13 @@ def make_flat_grad(loss, params, weight=None, name="flat_grad"):
     """
     params = check_params(params, "make_flat_grad")
     dtype = pytensor.config.floatX
-    grads = pytensor.grad(loss, params)
     w = pt.constant(1.0, dtype=dtype) if weight is None else pt.cast(weight, dtype)
-    flat = pt.concatenate([w * pt.cast(flatten(grads), dtype), pt.shape_padleft(w)])
+    # The gradient of the weighted loss, not the weighted gradient: the same
+    # without in-graph collectives, but with them (synchronized batch norm)
+    # psum's gradient sums every rank's upstream gradient, each of which
+    # must already carry its rank's weight.
+    grads = pytensor.grad(w * loss, params)
+    flat = pt.concatenate([pt.cast(flatten(grads), dtype), pt.shape_padleft(w)])
     grad_shared = pytensor.shared(np.zeros(flat_size(params) + 1, dtype=dtype), name=name)
     return grad_shared, [(grad_shared, flat, "sum")]
 

@@ -196,10 +196,10 @@ class BatchNorm:
         if deterministic:
             mean, var = self.mean.reshape(shape), self.var.reshape(shape)
             return (x - mean) * (gamma / pt.sqrt(var + self.epsilon)) + beta
-        if self.axis % x.ndim not in (x.ndim - 1, 1) or (self.axis % x.ndim == 1 and x.ndim != 4):
+        if not (axis == x.ndim - 1 or (axis == 1 and x.ndim == 4)):
             raise ValueError("BatchNorm: the feature axis must be the last one, or 1 of 4-d "
                              f"images; got axis {self.axis} of a {x.ndim}-d input")
-        axis = -1 if self.axis % x.ndim == x.ndim - 1 else 1
+        axis = -1 if axis == x.ndim - 1 else 1
         out, batch_mean, batch_var = bn_ops.batch_norm_train(x, self.gamma, self.beta, axis,
                                                              self.epsilon, self.n_groups)
         a = self.alpha

@@ -9,7 +9,10 @@ from pytensor.compile import SharedVariable
 
 import synkhronos as synk
 
+from .. import overlap as _overlap_mod
+from ..comm import compressed
 from ..data_module import Data
+from ..errors import SynkStateError
 from . import updates as _updates
 
 logger = logging.getLogger(__name__)
@@ -72,13 +75,19 @@ class TrainFunction:
         all_reduce_op: the op of the all-reduce ("sum" by default).
     """
 
-    def __init__(self, f_grad, f_update, grad_shared, all_reduce_op):
+    def __init__(self, f_grad, f_update, grad_shared, all_reduce_op, all_reduce_dtype=None,
+                 grad_prev=None):
         self.f_grad = f_grad
         self.f_update = f_update
         self.grad_shared = grad_shared
         self.all_reduce_op = all_reduce_op
+        self.all_reduce_dtype = all_reduce_dtype
+        self.grad_prev = grad_prev
+        self.overlap = grad_prev is not None
+        self._pending = False
         # One command per step: gradient, all-reduce and update run inside the call.
-        self._step = f_grad.then_all_reduce(grad_shared, all_reduce_op, f_update)
+        self._step = f_grad.then_all_reduce(grad_shared, all_reduce_op, f_update,
+                                            dtype=all_reduce_dtype)
 
     def __call__(self, *data, batch=None, batch_s=None, num_slices=1):
         """Run one training step on every rank; return the loss (and outputs).  Master only.
@@ -93,12 +102,40 @@ class TrainFunction:
             The loss averaged over the batch, or a list ``[loss, *outputs]``
             when ``outputs`` were given.
         """
+        if self.overlap:
+            call = self.f_grad._prepare(self._runtime(), data, {}, None, batch, batch_s,
+                                        num_slices)
+            out = self._overlapped(call)
+            self._pending = True
+            return out
         return self._step(*data, batch=batch, batch_s=batch_s, num_slices=num_slices)
+
+    def flush(self):
+        """Apply the gradient still waiting in an overlapped step (no-op otherwise).  Master only.
+
+        Call it at the end of training and before ``checkpoint.save``: an
+        overlapped step applies each gradient one step later.
+        """
+        if self.overlap and self._pending:
+            self._overlapped(None)
+            self._pending = False
+
+    def _runtime(self):
+        rt = self.f_grad._rt
+        if rt is None or rt.closed or not rt.distributed:
+            raise SynkStateError("call distribute() before the training step (and after fork())")
+        return rt
+
+    def _overlapped(self, call):
+        return _overlap_mod.step(self._runtime(), self.f_grad, self.f_update, self.grad_shared,
+                            self.grad_prev, self.all_reduce_op, self.all_reduce_dtype,
+                            self._pending, call)
 
 
 def make_train_function(loss, params, x, y, update_rule="sgd", update_kwargs=None,
                         outputs=None, extra_updates=None, weighted=True,
-                        all_reduce_op="sum", **kwargs):
+                        all_reduce_op="sum", all_reduce_dtype=None, overlap=False,
+                        **kwargs):
     """Build a data-parallel training step; call it after ``distribute()``.  Master only.
 
     Call after ``fork()`` and before ``distribute()``: it builds two synkhronos
@@ -126,6 +163,12 @@ def make_train_function(loss, params, x, y, update_rule="sgd", update_kwargs=Non
             uneven splits give exactly the full batch's gradient; False weighs
             ranks equally, as the original Synkhronos did.
         all_reduce_op: "sum" or "avg" (the same result, see ``updates``).
+        all_reduce_dtype: None, or "bfloat16" / "float16": send the gradient
+            in that 16-bit type (``synk.all_reduce(..., dtype=)``).
+        overlap: double buffering (ChainerMN): each step all-reduces the
+            previous step's gradient while it computes its own, and updates
+            with the previous (one step old) gradient; call ``flush()`` on
+            the step at the end.  Not with in-graph collectives.
         **kwargs: passed on to ``synk.function`` (e.g. ``mode=``).
 
     Returns:
@@ -140,15 +183,28 @@ def make_train_function(loss, params, x, y, update_rule="sgd", update_kwargs=Non
     params = _updates.check_params(params, "make_train_function")
     weight = x.shape[0] if weighted else None
     grad_shared, grad_updates = _updates.make_flat_grad(loss, params, weight)
-    param_updates = apply(grad_shared, params, **(update_kwargs or {}))
+    grad_prev = None
+    if overlap:
+        # The second buffer of double buffering: the update reads this one.
+        grad_prev = pytensor.shared(np.zeros_like(grad_shared.get_value()),
+                                    name=f"{grad_shared.name}_prev")
+    param_updates = apply(grad_prev if overlap else grad_shared, params,
+                          **(update_kwargs or {}))
     extra = _output_list(outputs)
     f_grad = synk.function(inputs, outputs=[loss] + extra if extra else loss,
                            updates=grad_updates + list(extra_updates or []),
                            sliceable_shareds=shared or None, **kwargs)
+    if overlap and f_grad.spec.collective:
+        raise ValueError("make_train_function: overlap=True cannot run a graph holding "
+                         "in-graph collectives (they would share the backend with the "
+                         "overlapped all-reduce)")
     f_update = synk.function([], updates=param_updates, **kwargs)
     logger.info("training step built: rule %s, %d parameters (%d values)",
                 apply.__name__[len("apply_"):], len(params), _updates.flat_size(params))
-    return TrainFunction(f_grad, f_update, grad_shared, all_reduce_op)
+    if all_reduce_dtype is not None:
+        compressed.check(all_reduce_dtype, all_reduce_op, [], "make_train_function")
+    return TrainFunction(f_grad, f_update, grad_shared, all_reduce_op, all_reduce_dtype,
+                         grad_prev)
 
 
 class SerialTrainFunction:
@@ -213,11 +269,12 @@ class SerialTrainFunction:
 
 def make_serial_train_function(loss, params, x, y, update_rule="sgd", update_kwargs=None,
                                outputs=None, extra_updates=None, weighted=True,
-                               all_reduce_op="sum", **kwargs):
+                               all_reduce_op="sum", all_reduce_dtype=None, overlap=False,
+                               **kwargs):
     """Build the serial twin of ``make_train_function``: plain PyTensor, no fork needed.
 
-    Same arguments (``weighted`` and ``all_reduce_op`` are accepted and
-    ignored), same rule code applied to the full batch's gradient, so the two
+    Same arguments (``weighted``, ``all_reduce_op``, ``all_reduce_dtype`` and
+    ``overlap`` are accepted and ignored), same rule code applied to the full batch's gradient, so the two
     give the same parameter trajectory.  Use it for baselines and speedups.
 
     Returns:
