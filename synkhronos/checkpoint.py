@@ -172,7 +172,7 @@ def _save_local(rt, msg):
             for q in range(rt.n_parallel)]
 
 
-@handler(Command.SAVE_STATE)
+@handler(Command.SAVE_STATE, SaveMsg)
 def _save_worker(rt, msg):
     _save_local(rt, msg)
 
@@ -183,7 +183,7 @@ def _load_local(rt, msg, blobs=None):
     _restore_local(rt, [rt.shareds[i] for i in msg.idx], pickle.loads(np.asarray(mine).tobytes()))
 
 
-@handler(Command.LOAD_STATE)
+@handler(Command.LOAD_STATE, LoadMsg)
 def _load_worker(rt, msg):
     _load_local(rt, msg)
 

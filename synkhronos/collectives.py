@@ -119,7 +119,7 @@ def _broadcast_local(rt, msg, items=None):
             sv.store(rt, var, sv.data_view(rt, desc))
 
 
-@handler(Command.BROADCAST)
+@handler(Command.BROADCAST, BroadcastMsg)
 def _broadcast_worker(rt, msg):
     _broadcast_local(rt, msg)
 
@@ -195,7 +195,7 @@ def _scatter_local(rt, msg, per_rank=None):
             sv.store(rt, var, rows.take(view, s, lo, hi))
 
 
-@handler(Command.SCATTER)
+@handler(Command.SCATTER, ScatterMsg)
 def _scatter_worker(rt, msg):
     _scatter_local(rt, msg)
 
@@ -277,7 +277,7 @@ def _join(join, parts, var, where):
         raise ValueError(f"{where}: the values of {var} ({shapes}) cannot be {how}") from None
 
 
-@handler(Command.GATHER)
+@handler(Command.GATHER, GatherMsg)
 def _gather_worker(rt, msg):
     _gather_local(rt, msg)
 
@@ -331,7 +331,7 @@ def _all_gather_local(rt, msg):
         sv.adopt(rt, var, value)
 
 
-@handler(Command.ALL_GATHER)
+@handler(Command.ALL_GATHER, AllGatherMsg)
 def _all_gather_worker(rt, msg):
     _all_gather_local(rt, msg)
 
@@ -407,7 +407,7 @@ def _reduce_local(rt, msg):
         sv.store(rt, var, value, out)
 
 
-@handler(Command.REDUCE)
+@handler(Command.REDUCE, ReduceMsg)
 def _reduce_worker(rt, msg):
     _reduce_local(rt, msg)
 
@@ -473,6 +473,6 @@ def all_reduce_local(rt, msg):
         sv.adopt(rt, var, value)
 
 
-@handler(Command.ALL_REDUCE)
+@handler(Command.ALL_REDUCE, AllReduceMsg)
 def _all_reduce_worker(rt, msg):
     all_reduce_local(rt, msg)

@@ -118,6 +118,7 @@ class Data:
         self._rt = rt
         self._seg = None
         self._data = None
+        self._desc = None
         self._alloc_size = 0
         # The finalizer sees the current segment through this box, not through self.
         self._box = [None]
@@ -181,7 +182,12 @@ class Data:
 
     def describe(self):
         """Return what a rank needs to find this Data's memory: a ``DataDesc``."""
-        return DataDesc(self._ID, self._dtype.str, self._data.shape, self._minibatch)
+        desc = self._desc
+        shape = self._data.shape
+        if desc is None or desc.shape != shape:
+            # Made again only when the shape changes: calls repeat the same ones.
+            desc = self._desc = DataDesc(self._ID, self._dtype.str, shape, self._minibatch)
+        return desc
 
     def condition_data(self, input_data, force_cast=False, where="condition_data"):
         """Return ``input_data`` as the array ``set_value`` would store.
@@ -339,7 +345,7 @@ class DataFreeMsg(NamedTuple):
     data_id: int
 
 
-@handler(Command.DATA_ALLOC)
+@handler(Command.DATA_ALLOC, DataAllocMsg)
 def _alloc_worker(rt, msg):
     old = rt.datas.pop(msg.data_id, None)
     if old is not None:
@@ -347,7 +353,7 @@ def _alloc_worker(rt, msg):
     rt.datas[msg.data_id] = SharedArray.attach(msg.name, msg.nbytes)
 
 
-@handler(Command.DATA_FREE)
+@handler(Command.DATA_FREE, DataFreeMsg)
 def _free_worker(rt, msg):
     old = rt.datas.pop(msg.data_id, None)
     if old is not None:

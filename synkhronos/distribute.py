@@ -66,7 +66,7 @@ class DistributeMsg(NamedTuple):
     blob: bytes
 
 
-@handler(Command.DISTRIBUTE)
+@handler(Command.DISTRIBUTE, DistributeMsg)
 def _distribute_worker(rt, msg):
     functions, shareds = pickle.loads(msg.blob)
     for f in functions:

@@ -101,7 +101,8 @@ def run_share(spec, rt, msg):
     elif rows == 0 and not whole_empty:
         results = None
     elif shared_sel is None and (num_slices == 1 or not msg.n_scattered):
-        results = compat.call_subset(spec.fn, arrays, subset)
+        results = spec.fn(*arrays) if subset is None else compat.call_subset(spec.fn, arrays,
+                                                                            subset)
     else:
         out_idx = list(range(len(spec.outputs))) if subset is None else subset
         # More slices than rows would only add empty calls: cost stays that of the unsliced call.

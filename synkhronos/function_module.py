@@ -105,6 +105,21 @@ class CallMsg(NamedTuple):
     subset: object
     then: object = None         # a ThenMsg: a fused step's all-reduce and follow-up call
 
+    def to_wire(self):
+        """This message as plain tuples, the cheapest to pickle (every call sends one)."""
+        return (self.function_id, [tuple(d) for d in self.descs], self.n_scattered, self.sel,
+                self.n_rows, self.sel_s, self.num_slices, self.subset,
+                None if self.then is None else tuple(self.then))
+
+    @classmethod
+    def from_wire(cls, raw):
+        """Rebuild a message sent by ``to_wire``."""
+        # tuple.__new__ directly: the named tuples' own constructors run Python code.
+        new = tuple.__new__
+        then = raw[8]
+        descs = [new(data_module.DataDesc, d) for d in raw[1]]
+        return new(cls, (raw[0], descs) + raw[2:8] + (None if then is None else new(ThenMsg, then),))
+
 
 class ThenMsg(NamedTuple):
     """What every rank does after its share of a fused call: all-reduce, then a call."""
@@ -128,6 +143,7 @@ class Function:
         self._scratch = {}  # per input: the Data a NumPy value is copied into
         self._rt = None
         self._all_inputs = spec.inputs + spec.bcast_inputs
+        self._what = f"call of {spec.fn.name or 'function'}"  # in profiles and stall errors
         self._dtypes = [np.dtype(v.dtype) for v in self._all_inputs]
         self._ndims = [v.ndim for v in self._all_inputs]
 
@@ -288,24 +304,22 @@ class Function:
         if not rt.distributed:
             raise SynkStateError("call distribute() before calling synkhronos functions")
         prof = rt.profiler
-        if prof is None:
-            return self._run(rt, args, kwargs, output_subset, batch, batch_s, num_slices, then)
-        # Checking the arguments is the master's control overhead too.
-        prof.begin(f"call of {self.name or 'function'}")
+        if prof is not None:
+            # Checking the arguments is the master's control overhead too.
+            prof.begin(self._what)
         try:
-            return self._run(rt, args, kwargs, output_subset, batch, batch_s, num_slices, then)
+            msg = self._prepare(rt, args, kwargs, output_subset, batch, batch_s, num_slices)
+            if then is not None:
+                msg = msg._replace(then=then(rt))
+            spec = self.spec
+            return run_command(rt, Command.CALL, msg,
+                               lambda seq: execution.execute(spec, rt, msg),
+                               lambda mine: execution.collect(spec, rt, mine, msg.subset,
+                                                              self._what[len("call of "):]),
+                               what=self._what)
         finally:
-            prof.end("control")
-
-    def _run(self, rt, args, kwargs, output_subset, batch, batch_s, num_slices, then):
-        msg = self._prepare(rt, args, kwargs, output_subset, batch, batch_s, num_slices)
-        if then is not None:
-            msg = msg._replace(then=then(rt))
-        spec = self.spec
-        name = self.name or "function"
-        return run_command(rt, Command.CALL, msg, lambda seq: execution.execute(spec, rt, msg),
-                           lambda mine: execution.collect(spec, rt, mine, msg.subset, name),
-                           what=f"call of {name}")
+            if prof is not None:
+                prof.end("control")
 
     def _prepare(self, rt, args, kwargs, output_subset, batch, batch_s, num_slices):
         """Check everything in the master and build the call message."""
@@ -408,6 +422,6 @@ class _FusedCall:
         return self.f._call(args, kwargs, output_subset, batch, batch_s, num_slices, self._then)
 
 
-@handler(Command.CALL)
+@handler(Command.CALL, CallMsg)
 def _call_worker(rt, msg):
     execution.execute(rt.functions[msg.function_id].spec, rt, msg)

@@ -95,7 +95,7 @@ def _local(rt, msg):
     return results, weight
 
 
-@handler(Command.OVERLAP_STEP)
+@handler(Command.OVERLAP_STEP, OverlapMsg)
 def _overlap_worker(rt, msg):
     results, weight = _local(rt, msg)
     if msg.call is not None:

@@ -78,7 +78,7 @@ class ProfileMsg(NamedTuple):
     on: bool
 
 
-@handler(Command.PROFILE)
+@handler(Command.PROFILE, ProfileMsg)
 def _profile_worker(rt, msg):
     if msg.on:
         rt.profiler = Profiler(rt.rank)

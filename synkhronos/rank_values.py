@@ -98,7 +98,7 @@ def _set_value_local(rt, msg, per_rank=None):
             sv.store(rt, var, view)
 
 
-@handler(Command.SET_VALUE)
+@handler(Command.SET_VALUE, SetValueMsg)
 def _set_value_worker(rt, msg):
     _set_value_local(rt, msg)
 
@@ -140,7 +140,7 @@ class GetValueMsg(NamedTuple):
     idx: list
 
 
-@handler(Command.GET_VALUE)
+@handler(Command.GET_VALUE, GetValueMsg)
 def _get_value_worker(rt, msg):
     mine = [sv.get_array(rt.shareds[i]) for i in msg.idx] if rt.rank == msg.rank else None
     rt.backend.contribute(mine)
@@ -209,7 +209,7 @@ class GetShapesMsg(NamedTuple):
     idx: list
 
 
-@handler(Command.GET_SHAPES)
+@handler(Command.GET_SHAPES, GetShapesMsg)
 def _get_shapes_worker(rt, msg):
     rt.backend.contribute([np.array(sv.raw(rt.shareds[i]).shape, dtype=np.int64)
                            for i in msg.idx])
