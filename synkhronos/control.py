@@ -64,25 +64,29 @@ def handler(cmd, message=None):
     def deco(fn):
         HANDLERS[cmd] = fn
         if message is not None:
-            MESSAGES[cmd] = message
+            # Looked up once here, not at every call.
+            MESSAGES[cmd] = (message, getattr(message, "to_wire", None),
+                             getattr(message, "from_wire", None))
         return fn
     return deco
 
 
 def _to_wire(cmd, payload):
-    cls = MESSAGES.get(cmd)
-    if cls is None or type(payload) is not cls:
+    entry = MESSAGES.get(cmd)
+    if entry is None or type(payload) is not entry[0]:
         return payload
-    to_wire = getattr(payload, "to_wire", None)
-    return tuple(payload) if to_wire is None else to_wire()
+    return tuple(payload) if entry[1] is None else entry[1](payload)
 
 
 def _from_wire(cmd, raw):
-    cls = MESSAGES.get(cmd)
-    if cls is None or type(raw) is not tuple:
+    entry = MESSAGES.get(cmd)
+    if entry is None or type(raw) is not tuple:
         return raw
-    from_wire = getattr(cls, "from_wire", None)
-    return tuple.__new__(cls, raw) if from_wire is None else from_wire(raw)
+    return tuple.__new__(entry[0], raw) if entry[2] is None else entry[2](raw)
+
+
+# Command(n) runs Python code in the enum machinery; a dict lookup does not.
+_COMMANDS = {int(c): c for c in Command}
 
 
 OK, FAILED, ABORTED = 0, 1, 2
@@ -229,7 +233,7 @@ class Control:
         """Return (command, payload, ids of dropped Data objects or None)."""
         n = self.mv[MSG_LEN]
         cmd, raw, frees = pickle.loads(self.msg.buffer[:n])
-        cmd = Command(cmd)
+        cmd = _COMMANDS[cmd]
         return cmd, _from_wire(cmd, raw), frees
 
     def pending(self):
@@ -301,12 +305,11 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None):
     """
     control = rt.control
     t0 = time.perf_counter()
-    what = what or cmd.name.lower()
     prof = rt.profiler
     if prof is not None:
-        prof.begin(what)
+        prof.begin(what or cmd.name.lower())
     seq = control.post(rt, cmd, payload)
-    rt.monitor.begin(what)
+    rt.monitor.begin(what or cmd)  # a Command is named only if a rank stalls
     if prof is not None:
         prof.lap("control")
     rt.backend.begin(seq)

@@ -107,9 +107,9 @@ class CallMsg(NamedTuple):
 
     def to_wire(self):
         """This message as plain tuples, the cheapest to pickle (every call sends one)."""
-        return (self.function_id, [tuple(d) for d in self.descs], self.n_scattered, self.sel,
-                self.n_rows, self.sel_s, self.num_slices, self.subset,
-                None if self.then is None else tuple(self.then))
+        then = self[8]
+        return (self[0], [tuple(d) for d in self[1]]) + self[2:8] + (
+            None if then is None else tuple(then),)
 
     @classmethod
     def from_wire(cls, raw):
@@ -360,8 +360,9 @@ class Function:
         subset = None
         if output_subset is not None:
             subset = self._check_subset(output_subset)
-        return CallMsg(self._ID, [d.describe() for d in datas], n_scattered, sel, n_rows, sel_s,
-                       int(num_slices), subset)
+        # tuple.__new__: a named tuple's own constructor runs Python code at every call.
+        return tuple.__new__(CallMsg, (self._ID, [d.describe() for d in datas], n_scattered, sel,
+                                       n_rows, sel_s, int(num_slices), subset, None))
 
     def _check_subset(self, output_subset):
         try:

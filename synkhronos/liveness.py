@@ -79,9 +79,13 @@ class Monitor:
         self.next_slow = 0.0
 
     def begin(self, what):
-        """Note that the master just posted the command described by ``what``."""
+        """Note that the master just posted the command ``what`` (a description or a Command)."""
         self.what = what
         self.started = time.monotonic()
+
+    def _doing(self):
+        what = self.what
+        return what if isinstance(what, str) else what.name.lower()
 
     def __call__(self):
         for rank, p in self.procs.items():
@@ -100,13 +104,13 @@ class Monitor:
             if proc_state(p.pid) in ("T", "t"):
                 raise WorkerStalledError(
                     f"rank {rank} (pid {p.pid}) is stopped (SIGSTOP or a debugger) and made no "
-                    f"progress on {self.what} for {ran:.1f} s; synkhronos stopped every "
+                    f"progress on {self._doing()} for {ran:.1f} s; synkhronos stopped every "
                     "worker and is closed, call fork() to start again", rank, None)
         if ran > self.timeout_s:
             late = self.pending() or sorted(self.procs)
             ranks = ", ".join(str(r) for r in late)
             raise WorkerStalledError(
-                f"rank{'s' if len(late) > 1 else ''} {ranks} ran {self.what} for {ran:.1f} s, "
+                f"rank{'s' if len(late) > 1 else ''} {ranks} ran {self._doing()} for {ran:.1f} s, "
                 f"past the timeout of {self.timeout_s:g} s (fork(timeout=...) or SYNK_TIMEOUT_S);"
                 " synkhronos stopped every worker and is closed, call fork() to start again",
                 late[0], None)
