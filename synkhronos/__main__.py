@@ -8,6 +8,12 @@ import argparse
 import sys
 
 
+def _say(line):
+    # A command-line program: its report is its output (the library itself only logs).
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main(argv=None):
     """Print the report, or run the self-check; return the exit status."""
     parser = argparse.ArgumentParser(
@@ -27,20 +33,20 @@ def main(argv=None):
     from . import doctor
 
     if not args.check:
-        print(doctor.format_report(doctor.report()))
+        _say(doctor.format_report(doctor.report()))
         return 0
     steps = doctor.check(args.n_parallel, use_gpu=True if args.gpu else False,
                          timeout=args.timeout)
     for s in steps:
-        print(f"{'ok  ' if s.ok else 'FAIL'}  {s.name}")
+        _say(f"{'ok  ' if s.ok else 'FAIL'}  {s.name}")
         if s.detail:
-            print(f"      {s.detail}")
+            _say(f"      {s.detail}")
     failed = [s for s in steps if not s.ok]
     if failed:
-        print(f"FAIL: {len(failed)} of {len(steps)} steps failed: "
+        _say(f"FAIL: {len(failed)} of {len(steps)} steps failed: "
               + ", ".join(s.name for s in failed))
         return 1
-    print(f"PASS: {len(steps)} steps")
+    _say(f"PASS: {len(steps)} steps")
     return 0
 
 

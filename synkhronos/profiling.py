@@ -193,7 +193,7 @@ def profile():
         with synk.profile() as prof:
             for _ in range(10):
                 train_step(x_data, y_data, batch=idx)
-        print(prof.table())               # mean ms per call, by rank and category
+        text = prof.table()               # mean ms per call, by rank and category
         prof.write_trace("steps.json")    # one track per rank, for ui.perfetto.dev
 
     Returns:

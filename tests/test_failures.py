@@ -15,11 +15,11 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 
 import synkhronos as synk
+from procs import DEADLINE_S, gone, my_segments, wait_for
 from synkhronos.runtime import get_runtime
 
 pytestmark = pytest.mark.timeout(90)
 
-DEADLINE_S = 10.0    # "within a few seconds", with room for a loaded 2-core machine
 
 
 class Boom(Exception):
@@ -73,28 +73,10 @@ class SleepIn(Op):
         outputs[0][0] = x.copy()
 
 
-def _my_segments(pid=None):
-    pid = os.getpid() if pid is None else pid
-    return [n for n in os.listdir("/dev/shm") if n.startswith(f"synk_{pid}_")]
 
 
-def _gone(pid):
-    """True once ``pid`` has exited (a zombie waiting for its reaper counts)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return state in ("Z", "X")
 
 
-def _wait_for(pred, timeout=DEADLINE_S):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
 
 
 def _build(op):
@@ -200,7 +182,7 @@ def test_exception_with_master_rank_one(forked, rng):
 def _assert_closed_and_clean(procs):
     assert get_runtime() is None
     assert all(not p.is_alive() for p in procs)
-    assert _my_segments() == []
+    assert my_segments() == []
 
 
 def test_worker_killed_mid_call(forked, rng):
@@ -325,11 +307,11 @@ def test_master_killed_workers_exit_and_segments_go():
     proc = _start_master("sleep")
     try:
         pids, segments = _read_pids_and_segments(proc)
-        assert all(not _gone(p) for p in pids)
+        assert all(not gone(p) for p in pids)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(DEADLINE_S)
-        assert _wait_for(lambda: all(_gone(p) for p in pids)), "workers outlived their master"
-        assert _wait_for(lambda: not _my_segments(proc.pid)), _my_segments(proc.pid)
+        assert wait_for(lambda: all(gone(p) for p in pids)), "workers outlived their master"
+        assert wait_for(lambda: not my_segments(proc.pid)), my_segments(proc.pid)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -347,8 +329,8 @@ def test_exit_without_close_cleans_up(how):
         err = proc.stderr.read()
         assert proc.returncode == (0 if how == "return" else 1), err
         assert "Traceback" not in err
-        assert _wait_for(lambda: all(_gone(p) for p in pids))
-        assert _my_segments(proc.pid) == []
+        assert wait_for(lambda: all(gone(p) for p in pids))
+        assert my_segments(proc.pid) == []
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -365,15 +347,15 @@ def test_stale_segments_of_a_killed_run_are_swept_by_the_next_fork(forked):
         pids, segments = _read_pids_and_segments(proc)
         janitor = pids[0]
         os.kill(janitor, signal.SIGKILL)
-        assert _wait_for(lambda: _gone(janitor))
+        assert wait_for(lambda: gone(janitor))
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(DEADLINE_S)
         # workers die with their master (parent-death signal) even without the janitor
-        assert _wait_for(lambda: all(_gone(p) for p in pids[1:])), "workers outlived master"
+        assert wait_for(lambda: all(gone(p) for p in pids[1:])), "workers outlived master"
         # Nobody unlinked them, though another run's fork() on this machine may
         # sweep them first: asserting they still exist here would race with it.
         forked(1)
-        assert _my_segments(proc.pid) == []
+        assert my_segments(proc.pid) == []
     finally:
         if proc.poll() is None:
             proc.kill()

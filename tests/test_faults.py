@@ -21,34 +21,17 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 
 import synkhronos as synk
+from procs import DEADLINE_S, my_segments, wait_for
 from synkhronos import shmem
 from synkhronos.runtime import get_runtime
 
 pytestmark = pytest.mark.timeout(120)
-DEADLINE_S = 10.0
 
 
-def _my_segments(pid=None):
-    pid = os.getpid() if pid is None else pid
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"synk_{pid}_"))
 
 
-def _gone(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return state in ("Z", "X")
 
 
-def _wait_for(pred, timeout=DEADLINE_S):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
 
 
 def _sum_function():
@@ -139,8 +122,8 @@ class SleepIn(Op):
 
 def _assert_closed_and_clean(procs):
     assert get_runtime() is None
-    assert _wait_for(lambda: all(not p.is_alive() for p in procs))
-    assert _my_segments() == []
+    assert wait_for(lambda: all(not p.is_alive() for p in procs))
+    assert my_segments() == []
 
 
 @pytest.mark.parametrize("what", ["call", "all_reduce"])
@@ -208,13 +191,13 @@ def test_dropped_data_is_freed_on_every_rank(forked):
     f(synk.data(np.ones((5, 2))))
     gc.collect()
     f(synk.data(np.ones((5, 2))))      # the next command frees the dropped one in the workers
-    before = ([_fd_count(p) for p in pids], len(_my_segments()))
+    before = ([_fd_count(p) for p in pids], len(my_segments()))
     for step in range(300):
         out = f(synk.data(np.full((7, 2), float(step))))
         np.testing.assert_array_equal(out, [7.0 * step] * 2)
     gc.collect()
     f(synk.data(np.ones((5, 2))))
-    after = ([_fd_count(p) for p in pids], len(_my_segments()))
+    after = ([_fd_count(p) for p in pids], len(my_segments()))
     # No growth (counts may drop: garbage of earlier tests, inherited by fork, goes too).
     assert all(a <= b for a, b in zip(after[0], before[0])), (before, after)
     assert after[1] == before[1], (before, after)
@@ -357,8 +340,8 @@ def test_zmq_socket_dirs_go_when_the_master_is_killed():
         assert os.path.isdir(path)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(DEADLINE_S)
-        assert _wait_for(lambda: not os.path.exists(path)), path
-        assert _wait_for(lambda: _my_segments(proc.pid) == [])
+        assert wait_for(lambda: not os.path.exists(path)), path
+        assert wait_for(lambda: my_segments(proc.pid) == [])
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,0 +1,32 @@
+"""Helpers for tests that kill, stop or outlive processes: their segments, exits and deadlines."""
+
+import os
+import time
+
+DEADLINE_S = 10.0    # "within a few seconds", with room for a loaded 2-core machine
+
+
+def my_segments(pid=None):
+    """The shared-memory segments of runs whose master is ``pid`` (default: this process)."""
+    pid = os.getpid() if pid is None else pid
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"synk_{pid}_"))
+
+
+def gone(pid):
+    """True once ``pid`` has exited (a zombie waiting for its reaper counts)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")
+
+
+def wait_for(pred, timeout=DEADLINE_S):
+    """Poll ``pred`` until it holds or ``timeout`` passes; return its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return pred()
