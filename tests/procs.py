@@ -3,6 +3,12 @@
 import os
 import time
 
+import pytensor.tensor as pt
+from pytensor.graph.basic import Apply
+from pytensor.graph.op import Op
+
+from synkhronos.runtime import get_runtime
+
 DEADLINE_S = 10.0    # "within a few seconds", with room for a loaded 2-core machine
 
 
@@ -30,3 +36,22 @@ def wait_for(pred, timeout=DEADLINE_S):
             return True
         time.sleep(0.05)
     return pred()
+
+
+class SleepIn(Op):
+    """Return x; first sleep ``seconds`` in every rank listed in the second input."""
+
+    __props__ = ("seconds",)
+
+    def __init__(self, seconds=30):
+        self.seconds = seconds
+
+    def make_node(self, x, ranks):
+        x, ranks = pt.as_tensor_variable(x), pt.as_tensor_variable(ranks)
+        return Apply(self, [x, ranks], [x.type()])
+
+    def perform(self, node, inputs, outputs):
+        x, ranks = inputs
+        if get_runtime().rank in ranks:
+            time.sleep(self.seconds)
+        outputs[0][0] = x.copy()

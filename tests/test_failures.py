@@ -15,11 +15,10 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 
 import synkhronos as synk
-from procs import DEADLINE_S, gone, my_segments, wait_for
+from procs import DEADLINE_S, SleepIn, gone, my_segments, wait_for
 from synkhronos.runtime import get_runtime
 
 pytestmark = pytest.mark.timeout(90)
-
 
 
 class Boom(Exception):
@@ -55,28 +54,6 @@ class FailIn(Op):
                 raise ValueError(f"bad value in rank {rank}")
             raise Boom(f"boom in rank {rank}")
         outputs[0][0] = x.copy()
-
-
-class SleepIn(Op):
-    """Return x; sleep 30 s first in every rank listed in the second input."""
-
-    __props__ = ()
-
-    def make_node(self, x, ranks):
-        x, ranks = pt.as_tensor_variable(x), pt.as_tensor_variable(ranks)
-        return Apply(self, [x, ranks], [x.type()])
-
-    def perform(self, node, inputs, outputs):
-        x, ranks = inputs
-        if get_runtime().rank in ranks:
-            time.sleep(30)
-        outputs[0][0] = x.copy()
-
-
-
-
-
-
 
 
 def _build(op):

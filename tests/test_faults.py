@@ -17,21 +17,13 @@ import posix_ipc
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from pytensor.graph.basic import Apply
-from pytensor.graph.op import Op
 
 import synkhronos as synk
-from procs import DEADLINE_S, my_segments, wait_for
+from procs import DEADLINE_S, SleepIn, my_segments, wait_for
 from synkhronos import shmem
 from synkhronos.runtime import get_runtime
 
 pytestmark = pytest.mark.timeout(120)
-
-
-
-
-
-
 
 
 def _sum_function():
@@ -104,22 +96,6 @@ def test_more_than_dev_shm_holds_fails_at_once(forked):
     assert f(synk.data(np.ones((3, 2))))[0] == 3.0
 
 
-class SleepIn(Op):
-    """Return x; sleep 60 s first in every rank listed in the second input."""
-
-    __props__ = ()
-
-    def make_node(self, x, ranks):
-        x, ranks = pt.as_tensor_variable(x), pt.as_tensor_variable(ranks)
-        return Apply(self, [x, ranks], [x.type()])
-
-    def perform(self, node, inputs, outputs):
-        x, ranks = inputs
-        if get_runtime().rank in ranks:
-            time.sleep(60)
-        outputs[0][0] = x.copy()
-
-
 def _assert_closed_and_clean(procs):
     assert get_runtime() is None
     assert wait_for(lambda: all(not p.is_alive() for p in procs))
@@ -152,7 +128,7 @@ def test_a_rank_past_the_timeout_is_named_with_what_it_did(forked):
     forked(2, timeout=1.0)
     x = pt.dmatrix("x")
     ranks = pt.lvector("ranks")
-    f = synk.function([x], bcast_inputs=[ranks], outputs=(SleepIn()(x, ranks).sum(), "sum"),
+    f = synk.function([x], bcast_inputs=[ranks], outputs=(SleepIn(60)(x, ranks).sum(), "sum"),
                       mode="FAST_COMPILE", name="slow_step")
     synk.distribute()
     d = synk.data(np.ones((4, 2)))

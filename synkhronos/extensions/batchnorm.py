@@ -16,11 +16,11 @@ The running statistics computed in training are the same on every rank, so
 the replicas stay equal without an all-reduce of them.
 """
 
-import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
 from .. import ingraph
+from .layers import BatchNorm
 
 __all__ = ["SyncBatchNorm", "global_moments"]
 
@@ -50,11 +50,7 @@ def global_moments(x, axes):
     return pt.cast(mean, dtype), pt.cast(var, dtype)
 
 
-def _shared(value, name):
-    return pytensor.shared(np.asarray(value, dtype=pytensor.config.floatX), name=name)
-
-
-class SyncBatchNorm:
+class SyncBatchNorm(BatchNorm):
     """Batch normalization over every axis but the last, with statistics over all ranks.
 
     Args:
@@ -71,14 +67,9 @@ class SyncBatchNorm:
     """
 
     def __init__(self, n_features, alpha=0.1, epsilon=1e-4, name="bn"):
-        self.alpha = alpha
-        self.epsilon = epsilon
-        self.gamma = _shared(np.ones(n_features), f"{name}.gamma")
-        self.beta = _shared(np.zeros(n_features), f"{name}.beta")
-        self.mean = _shared(np.zeros(n_features), f"{name}.mean")
-        self.var = _shared(np.ones(n_features), f"{name}.var")
-        self.params = [self.gamma, self.beta]
-        self.updates = []
+        # The parameters and running statistics of the per-rank layer; only the
+        # statistics of a training-mode call differ (global over all ranks).
+        super().__init__(n_features, alpha=alpha, epsilon=epsilon, name=name)
 
     def __call__(self, x, deterministic=False):
         """Normalize ``x`` (any ndim >= 2, features last); symbolic."""
