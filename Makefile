@@ -19,7 +19,7 @@ PYTEST_DEPS := "pytest>=8" "pytest-timeout>=2.2"
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test,demo,docs]"
+	$(BIN)/python -m pip install -q -e ".[test,demo,docs,mpi]"
 	touch $(STAMP)
 
 $(OLD_STAMP): pyproject.toml

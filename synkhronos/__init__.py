@@ -25,6 +25,7 @@ def _default_float32():
 
 _default_float32()
 
+from .cluster import Layout, layout  # noqa: E402
 from .data_module import Data, data  # noqa: E402
 from .distribute import distribute  # noqa: E402
 from .errors import (BackendUnavailableError, SharedMemoryError, SynkError,  # noqa: E402
@@ -43,5 +44,5 @@ __all__ = [
     "SynkError", "SynkStateError", "WorkerError", "WorkerDiedError", "WorkerStalledError",
     "SharedMemoryError", "BackendUnavailableError",
     "broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
-    "set_value", "get_value", "get_lengths", "get_shapes", "profile",
+    "set_value", "get_value", "get_lengths", "get_shapes", "profile", "layout", "Layout",
 ]

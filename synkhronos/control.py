@@ -46,6 +46,8 @@ class Command(enum.IntEnum):
     SAVE_STATE = 30
     LOAD_STATE = 31
     OVERLAP_STEP = 32
+    LAYOUT = 40         # cluster: every rank learns its global rank
+    DATA_SYNC = 41      # cluster: node masters copy written Data contents
 
 
 HANDLERS = {}
@@ -89,6 +91,13 @@ def _from_wire(cmd, raw):
 _COMMANDS = {int(c): c for c in Command}
 
 
+def decode(data):
+    """Return (command, payload, ids of dropped Data objects or None) from a posted message."""
+    cmd, raw, frees = pickle.loads(data)
+    cmd = _COMMANDS[cmd]
+    return cmd, _from_wire(cmd, raw), frees
+
+
 OK, FAILED, ABORTED = 0, 1, 2
 
 # Control block layout (int64 slots).
@@ -118,14 +127,16 @@ class Control:
     """
 
     def __init__(self, rt, ctx, spin_s):
-        self.n_parallel = rt.n_parallel
+        # Slots are indexed by local index: the ranks of this machine.
+        self.rt = rt
         self.spin_s = spin_s
-        n_slots = RANK_BASE + RANK_STRIDE * rt.n_parallel
+        n_local = rt.n_local
+        n_slots = RANK_BASE + RANK_STRIDE * n_local
         self.block = SharedArray(rt.segment_name("ctrl"), 8 * n_slots)
         self.mv = memoryview(self.block.buffer).cast("q")
-        self.errors = SharedArray(rt.segment_name("err"), ERR_BYTES * rt.n_parallel)
+        self.errors = SharedArray(rt.segment_name("err"), ERR_BYTES * n_local)
         self.msg = SharedArray(rt.segment_name("msg"), MSG_BYTES)
-        self.sems = [ctx.Semaphore(0) for _ in range(rt.n_parallel)]
+        self.sems = [ctx.Semaphore(0) for _ in range(n_local)]
         self.seq = 0
         self.current = 0  # the command this process runs (master: the last posted)
         self.workers = rt.worker_ranks
@@ -146,6 +157,7 @@ class Control:
                             protocol=pickle.HIGHEST_PROTOCOL)
         if len(data) > self.msg.nbytes:
             self._grow_message(rt, len(data))
+        self.last = data  # what a cluster's controller forwards to the other machines
         self.msg.buffer[: len(data)] = data
         mv = self.mv
         mv[MSG_LEN] = len(data)
@@ -191,11 +203,11 @@ class Control:
         return False
 
     def failures(self):
-        """Return {rank: (text, exception or None)} for the workers that failed."""
+        """Return {global rank: (text, exception or None)} for the workers that failed."""
         out = {}
         for r in self.workers:
             if self.mv[self.slot(r, STATUS)] == FAILED:
-                out[r] = self._read_error(r)
+                out[self.rt.rank_offset + r] = self._read_error(r)
         return out
 
     def _read_error(self, rank):
@@ -232,9 +244,7 @@ class Control:
     def read_message(self):
         """Return (command, payload, ids of dropped Data objects or None)."""
         n = self.mv[MSG_LEN]
-        cmd, raw, frees = pickle.loads(self.msg.buffer[:n])
-        cmd = _COMMANDS[cmd]
-        return cmd, _from_wire(cmd, raw), frees
+        return decode(self.msg.buffer[:n])
 
     def pending(self):
         """Return the workers that have not finished the current command."""
@@ -309,6 +319,9 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None):
     if prof is not None:
         prof.begin(what or cmd.name.lower())
     seq = control.post(rt, cmd, payload)
+    cluster = rt.cluster
+    if cluster is not None:
+        cluster.forward(cmd, control.last)  # controller: the other machines; node master: nothing
     rt.monitor.begin(what or cmd)  # a Command is named only if a rank stalls
     if prof is not None:
         prof.lap("control")
@@ -332,6 +345,7 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None):
             local_exc = exc
             control.abort(seq)
         control.wait_done(rt, seq, rt.check)
+        remote = None if cluster is None else cluster.wait_reports(rt.check)
         if prof is not None:
             prof.lap("wait")
     except WorkerDiedError:
@@ -342,11 +356,13 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None):
         raise
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("master ran %s in %.6f s", cmd.name, time.perf_counter() - t0)
-    if local_exc is not None or control.any_failed():
+    if local_exc is not None or control.any_failed() or remote:
         failures = control.failures()
         if local_exc is not None:
             text, _ = describe_error(rank_header(rt.rank, rt.n_parallel), local_exc)
             failures[rt.rank] = (text, local_exc)
+        if remote:
+            failures.update(remote)
         raise _worker_error(cmd, failures)
     if after is not None:
         result = after(result)
@@ -366,4 +382,5 @@ def _worker_error(cmd, failures):
     msg += ":\n" + text
     err = worker_error_type(exc)(msg, first, {r: t for r, (t, _) in failures.items()})
     err.__cause__ = exc
+    err.raw_failures = failures  # a node master sends them on to the controller
     return err

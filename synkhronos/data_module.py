@@ -11,8 +11,12 @@ from pytensor.graph.basic import Variable
 
 from . import conditioning
 from .control import Command, handler, run_command
+from .errors import WorkerDiedError
 from .runtime import require_forked, serialized
+from .cluster import DATA as DATA_TAG
 from .shmem import SharedArray
+
+
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +131,16 @@ class Data:
 
     @property
     def data(self):
-        """The underlying NumPy array (a view of the shared memory), or None."""
+        """The underlying NumPy array (a view of the shared memory), or None.
+
+        In a cluster the array is read-only: the other machines hold copies,
+        which only writes through the Data API (``set_value``, ``data[k] = v``,
+        ``set_shape``...) keep up to date.
+        """
+        if self._rt.cluster is not None and self._data is not None:
+            ro = self._data.view()
+            ro.flags.writeable = False
+            return ro
         return self._data
 
     @property
@@ -168,8 +181,12 @@ class Data:
     def __getitem__(self, k):
         return self._require_data()[k]
 
+    @serialized
     def __setitem__(self, k, v):
-        self._require_data()[k] = v
+        arr = self._require_data()
+        arr[k] = v
+        if self._rt.cluster is not None:
+            self._mirror(*_rows_written(arr, k))
 
     def __repr__(self):
         return (f"Data(name={self._name!r}, dtype={self._dtype}, shape={self.shape}, "
@@ -219,6 +236,20 @@ class Data:
     def _store(self, arr, oversize):
         self._reshape(arr.shape, oversize, keep=False)
         np.copyto(self._data, arr)
+        self._mirror(0, self._data.size)
+
+    def _mirror(self, lo, hi):
+        """Cluster: copy items ``lo:hi`` to the other machines (nothing on one machine)."""
+        rt = self._rt
+        if rt.cluster is None or hi <= lo:
+            return
+        size = self._dtype.itemsize
+        raw = memoryview(self._seg.buffer)[lo * size:hi * size]
+        try:
+            rt.cluster.sync_data(self._ID, lo * size, raw, rt.check)
+        except WorkerDiedError:
+            rt.abandon(rt, "a machine died while Data was mirrored")
+            raise
 
     @serialized
     def set_length(self, length, oversize=1):
@@ -281,6 +312,8 @@ class Data:
             if keep and old is not None:
                 m = min(old.size, n)
                 self._seg.view(self._dtype, (m,))[:] = old.reshape(-1)[:m]
+                self._data = self._seg.view(self._dtype, shape)
+                self._mirror(0, m)
         self._data = self._seg.view(self._dtype, shape)
 
     def _allocate(self, n_items):
@@ -385,3 +418,49 @@ def check_data(value, rt, dtype, ndim, where, what):
         raise TypeError(f"{where}: {what} needs ndim {ndim}; got Data of ndim {value.ndim}")
     if value.data is None:
         raise ValueError(f"{where}: {what} is a Data object holding no memory")
+
+
+def _rows_written(arr, k):
+    """The item range ``arr[k] = v`` can have written: its rows for an int or slice, else all."""
+    if arr.ndim == 0:
+        return 0, arr.size
+    row = arr.size // len(arr) if len(arr) else 0
+    if isinstance(k, tuple) and k:
+        k = k[0] if len(k) == 1 or isinstance(k[0], (numbers.Integral, slice)) else None
+    if isinstance(k, numbers.Integral) and not isinstance(k, bool):
+        i = int(k) + (len(arr) if k < 0 else 0)
+        return i * row, (i + 1) * row
+    if isinstance(k, slice):
+        lo, hi, step = k.indices(len(arr))
+        if step > 0:
+            return lo * row, max(lo, hi) * row
+    return 0, arr.size
+
+
+# -- a cluster's node masters hold their own copy of every Data (cluster.py) ----------------
+
+_NODE_SEGS = {}  # data id -> the segment this node master made
+
+
+def node_alloc(rt, msg):
+    """Node master: make this machine's segment for a DATA_ALLOC; return the message to post."""
+    node_free(rt, [msg.data_id])
+    seg = SharedArray(rt.segment_name(f"d{msg.data_id}"), msg.nbytes)
+    _NODE_SEGS[msg.data_id] = seg
+    return DataAllocMsg(msg.data_id, seg.name, msg.nbytes)
+
+
+def node_free(rt, ids):
+    """Node master: free this machine's segments of Data objects ``ids``."""
+    for data_id in ids:
+        seg = _NODE_SEGS.pop(data_id, None)
+        if seg is not None:
+            seg.unlink()
+            seg.close()
+
+
+def node_sync(rt, cluster, payload, check):
+    """Node master: receive written Data contents from the controller (DATA_SYNC)."""
+    data_id, offset, n = payload
+    seg = _NODE_SEGS[data_id]
+    cluster.recv_into(0, DATA_TAG, memoryview(seg.buffer)[offset:offset + n], check)

@@ -71,6 +71,7 @@ class Monitor:
     """
 
     def __init__(self, procs, timeout_s, pending):
+        self.offset = 0  # procs and pending() hold local indices; messages name global ranks
         self.procs = procs
         self.timeout_s = timeout_s
         self.pending = pending
@@ -92,9 +93,9 @@ class Monitor:
             # A worker that finished the command and then exited (QUIT) did its part.
             if not p.is_alive() and rank in self.pending():
                 raise WorkerDiedError(
-                    f"rank {rank} (pid {p.pid}) died with exit code {p.exitcode}; "
+                    f"rank {rank + self.offset} (pid {p.pid}) died with exit code {p.exitcode}; "
                     "synkhronos is closed, call fork() to start again",
-                    rank, p.exitcode)
+                    rank + self.offset, p.exitcode)
         now = time.monotonic()
         if now < self.next_slow:
             return
@@ -103,11 +104,12 @@ class Monitor:
         for rank, p in self.procs.items():
             if proc_state(p.pid) in ("T", "t"):
                 raise WorkerStalledError(
-                    f"rank {rank} (pid {p.pid}) is stopped (SIGSTOP or a debugger) and made no "
-                    f"progress on {self._doing()} for {ran:.1f} s; synkhronos stopped every "
-                    "worker and is closed, call fork() to start again", rank, None)
+                    f"rank {rank + self.offset} (pid {p.pid}) is stopped (SIGSTOP or a debugger) "
+                    f"and made no progress on {self._doing()} for {ran:.1f} s; synkhronos stopped "
+                    "every worker and is closed, call fork() to start again",
+                    rank + self.offset, None)
         if ran > self.timeout_s:
-            late = self.pending() or sorted(self.procs)
+            late = [r + self.offset for r in (self.pending() or sorted(self.procs))]
             ranks = ", ".join(str(r) for r in late)
             raise WorkerStalledError(
                 f"rank{'s' if len(late) > 1 else ''} {ranks} ran {self._doing()} for {ran:.1f} s, "

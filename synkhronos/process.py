@@ -13,7 +13,8 @@ import time
 import warnings
 import weakref
 
-from . import gpu, shmem, worker
+from . import cluster as clusters
+from . import gpu, node, shmem, worker
 from .comm import choose_backend, get_backend
 from .control import Command, Control, default_spin_s, run_command
 from .errors import SynkStateError
@@ -89,6 +90,19 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
                 "cupy, torch.cuda); importing those packages alone is fine. "
                 "Or pass use_gpu=False for CPU mode.")
     cores = sorted(os.sched_getaffinity(0))
+    host_cores = len(cores)
+    mpi_info = clusters.launched()
+    if mpi_info is not None and clusters.finished():
+        raise SynkStateError("fork: this cluster job was closed; under mpiexec a program "
+                             "forks once (MPI cannot start again)")
+    if mpi_info is not None:
+        # Several MPI processes on one host divide its cores (and GPUs) among them.
+        if master_rank != 0:
+            raise ValueError(f"fork: in a cluster the controller holds rank 0; master_rank "
+                             f"must be 0, got {master_rank}")
+        cores = clusters.share_cores(cores, mpi_info[2], mpi_info[3])
+        if gpu_mode:
+            n_gpus = len(clusters.share_cores(list(range(n_gpus)), mpi_info[2], mpi_info[3]))
     if n_parallel is None:
         n_parallel = n_gpus if gpu_mode else len(cores)
     _check_int("n_parallel", n_parallel, 1)
@@ -121,10 +135,12 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
         rt.jax_before_fork = True
         logger.warning("JAX already ran in this process before fork(); workers cannot run "
                        "JAX-mode functions (call fork() before any JAX computation)")
-    spin_s = default_spin_s(n_parallel, len(cores))
+    on_host = n_parallel * (1 if mpi_info is None else mpi_info[3])
+    spin_s = default_spin_s(on_host, host_cores)
     try:
         rt.control = Control(rt, ctx, spin_s)
-        rt.backend = get_backend(choose_backend(rt.device, n_parallel, n_gpus))(rt, spin_s)
+        rt.backend = get_backend(choose_backend(rt.device, n_parallel, n_gpus,
+                                                mpi_info is not None))(rt, spin_s)
     except BaseException:
         if rt.control is not None:
             rt.control.close()
@@ -164,6 +180,8 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
     rt.janitor = janitor
     os.close(read_fd)
     rt.janitor_fd = write_fd
+    if mpi_info is not None:
+        return _join_cluster(rt, mpi_info, spin_s)
     # Registered after multiprocessing's own exit hook, so it runs first,
     # while the workers are still there to be told to quit.
     atexit.unregister(_close_at_exit)
@@ -174,6 +192,46 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
                 n_parallel - 1, rt.device, master_rank, n_parallel,
                 n_gpus if gpu_mode else len(cores), "GPUs" if gpu_mode else "cores")
     return n_parallel
+
+
+def _join_cluster(rt, mpi_info, spin_s):
+    """Start MPI after the local fork; the controller returns the run's size, node masters serve."""
+    sentinel_fd = None
+    if mpi_info[0] != 0:
+        _, sentinel_fd = clusters.start_sentinel()
+    atexit.unregister(_close_at_exit)
+    atexit.register(_close_at_exit)
+    try:
+        mpi = clusters.init_mpi()
+        cl = clusters.connect(rt, mpi, sentinel_fd, spin_s)
+    except BaseException:
+        abandon(rt, "the cluster could not be set up")
+        raise
+    layout = cl.layout
+    offset = layout.offsets[cl.node]
+    run_command(rt, Command.LAYOUT, clusters.LayoutMsg(offset, layout.n_parallel),
+                local=lambda seq: clusters.set_layout(rt, offset, layout.n_parallel))
+    cl.control = rt.control
+    rt.cluster = cl
+    if not cl.is_controller:
+        rt.datas = {}  # segments mapped here, as in a worker (Data objects live in the controller)
+    rt.backend.attach(cl)
+    rt.monitor.offset = offset
+    monitor = rt.monitor
+    poll = cl.poll if cl.is_controller else cl.node_check
+
+    def check():
+        monitor()
+        poll()
+    rt.check = check
+    rt.backend.bind_check(command_check(check, rt.control.aborted_now))
+    if rt.device != "gpu":
+        _pin(rt, rt.local_index, restore=True)
+    if not cl.is_controller:
+        node.serve(rt, join_workers)  # never returns
+    logger.info("cluster of %d machines, %d ranks (%s per machine)", layout.n_machines,
+                layout.n_parallel, ", ".join(str(n) for n in layout.n_local))
+    return layout.n_parallel
 
 
 def _select_gpu(rt, rank):
@@ -248,7 +306,8 @@ def _worker_main(rt, rank, read_fd, write_fd):
     _set_pdeathsig()
     if os.getppid() != rt.master_pid:
         os._exit(1)
-    rt.rank = rank
+    rt.local_index = rank
+    rt.rank = rt.rank_offset + rank
     rt.procs = {}
     rt.restore = []
     rt.datas = {}  # this rank's mappings, by Data id
@@ -302,6 +361,11 @@ def _close(rt):
         run_command(rt, Command.QUIT, None)
     except Exception as exc:  # noqa: BLE001 - the workers are stopped below whatever happened
         logger.warning("workers did not quit cleanly: %s", exc)
+    join_workers(rt)
+
+
+def join_workers(rt):
+    """After QUIT: join the workers (killing those that linger) and free everything."""
     for p in rt.procs.values():
         p.join(JOIN_TIMEOUT_S)
         if p.is_alive():
@@ -314,6 +378,8 @@ def _close(rt):
 def abandon(rt, reason):
     """Kill every worker and free everything after a failure the runtime can't survive."""
     logger.error("stopping all workers: %s", reason)
+    if rt.cluster is not None and rt.cluster.is_controller:
+        rt.cluster.end()  # every node master stops too (or its sentinel kills it)
     for p in rt.procs.values():
         if p.is_alive():
             p.kill()
@@ -326,7 +392,9 @@ def _teardown(rt):
     if rt.closed:
         return  # abandoned already, while close() asked the workers to quit
     for data in list(rt.datas.values()):
-        data._release()
+        # The master's are Data objects; a node master's, segments it mapped.
+        release = getattr(data, "_release", None)
+        (data.close if release is None else release)()
     rt.datas.clear()
     rt.backend.close()
     rt.control.close()
@@ -345,6 +413,9 @@ def _teardown(rt):
     for f in rt.functions:
         f._detach()
     set_runtime(None)
+    if rt.cluster is not None and rt.cluster.is_controller:
+        # After this mpiexec lets the node masters end; MPI cannot start again here.
+        clusters.finalize(rt.cluster.MPI)
 
 
 def _reap(pid, timeout):

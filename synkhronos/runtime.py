@@ -51,6 +51,23 @@ class Runtime:
     device_shareds: set = field(default_factory=set)  # ids of shared vars whose values live on the device
     jax_before_fork: bool = False   # JAX ran in the master before fork(): workers cannot
     in_call: bool = False           # running a call's graph: in-graph collectives combine ranks
+    # This machine's part of the run.  On one machine: every rank, and the
+    # leader (the process that posts commands here) is the master.  In a
+    # cluster (cluster.py): machine ``node`` holds global ranks
+    # ``rank_offset .. rank_offset + n_local - 1``; its leader is local index 0.
+    local_index: int = -1           # this process's index among the machine's ranks
+    n_local: int = 0
+    leader: int = -1                # local index of the machine's leader
+    rank_offset: int = 0
+    cluster: object = None          # cluster.Cluster: the MPI side (controller and node masters)
+
+    def __post_init__(self):
+        if self.n_local == 0:
+            self.n_local = self.n_parallel
+        if self.local_index < 0:
+            self.local_index = self.rank
+        if self.leader < 0:
+            self.leader = self.master_rank
 
     @property
     def is_master(self):
@@ -58,7 +75,8 @@ class Runtime:
 
     @property
     def worker_ranks(self):
-        return [r for r in range(self.n_parallel) if r != self.master_rank]
+        """Local indices of this machine's workers (every rank but the leader's)."""
+        return [r for r in range(self.n_local) if r != self.leader]
 
     def segment_name(self, tag):
         """Return a fresh segment name: the run's prefix, rank, counter, tag."""

@@ -5,7 +5,7 @@ import os
 import time
 
 # Importing the command modules registers their handlers in HANDLERS.
-from . import (checkpoint, collectives, data_module, distribute,  # noqa: F401
+from . import (checkpoint, cluster, collectives, data_module, distribute,  # noqa: F401
                function_module, overlap, profiling)
 from .control import ABORTED, FAILED, HANDLERS, OK, Command, rank_header
 from .errors import CommAborted
@@ -16,10 +16,8 @@ logger = logging.getLogger(__name__)
 def loop(rt):
     """Serve commands until QUIT; never returns to the caller's code."""
     control = rt.control
-    rank = rt.rank
-    log = logging.LoggerAdapter(logger, {"rank": rank})
+    me = rt.local_index  # in a cluster, the global rank is known only after LAYOUT
     check = rt.check
-    header = rank_header(rank, rt.n_parallel)
     profiler = None
     if rt.profile_workers:
         import cProfile
@@ -28,7 +26,7 @@ def loop(rt):
     debug = logger.isEnabledFor(logging.DEBUG)
     last = 0
     while True:
-        seq = control.wait_command(rank, last, check)
+        seq = control.wait_command(me, last, check)
         last = seq
         prof = rt.profiler
         if prof is not None:
@@ -38,7 +36,7 @@ def loop(rt):
             prof.begin(_what(rt, cmd, payload), t_seen)
             prof.lap("control")
         if frees:
-            _unmap(rt, frees)
+            unmap(rt, frees)
         rt.backend.begin(seq)
         t0 = time.perf_counter()
         status = OK
@@ -47,21 +45,21 @@ def loop(rt):
         except CommAborted:
             status = ABORTED
         except BaseException as exc:  # noqa: BLE001 - everything goes back to the master
-            control.write_error(rank, header, exc)
+            control.write_error(me, rank_header(rt.rank, rt.n_parallel), exc)
             control.abort(seq)
             status = FAILED
         if prof is not None:
             prof.lap("collective")  # what the handler did not book itself
             prof.end("control")
         if debug:
-            log.debug("rank %d ran %s in %.6f s", rank, cmd.name, time.perf_counter() - t0)
+            logger.debug("rank %d ran %s in %.6f s", rt.rank, cmd.name, time.perf_counter() - t0)
         if cmd == Command.QUIT:
             if profiler is not None:
                 profiler.disable()
-                profiler.dump_stats(f"synk_worker_{rank}.prof")
-            control.finish(rank, seq, status)
+                profiler.dump_stats(f"synk_worker_{rt.rank}.prof")
+            control.finish(me, seq, status)
             os._exit(0)
-        control.finish(rank, seq, status)
+        control.finish(me, seq, status)
 
 
 def _what(rt, cmd, payload):
@@ -71,7 +69,7 @@ def _what(rt, cmd, payload):
     return cmd.name.lower()
 
 
-def _unmap(rt, ids):
+def unmap(rt, ids):
     """Close this rank's mappings of Data objects the master dropped."""
     for data_id in ids:
         seg = rt.datas.pop(data_id, None)

@@ -13,6 +13,7 @@ _BACKENDS = {
     "shm": ("synkhronos.comm.shm_backend", "ShmBackend", None),
     "zmq": ("synkhronos.comm.zmq_backend", "ZmqBackend", "pyzmq"),
     "nccl": ("synkhronos.comm.nccl_backend", "NcclBackend", "cupy-cuda12x"),
+    "mpi": ("synkhronos.comm.mpi_backend", "MpiBackend", "mpi4py"),
 }
 
 
@@ -39,13 +40,19 @@ def get_backend(name):
     return getattr(mod, cls)
 
 
-def choose_backend(device, n_parallel, n_gpus):
+def choose_backend(device, n_parallel, n_gpus, cluster=False):
     """Return the name of the backend a run uses: ``SYNK_BACKEND``, else the device's default.
+
+    A cluster (several MPI processes) always takes the MPI backend, which
+    moves bytes inside each machine through shared memory (GPU mode too, for
+    now: NCCL does not yet span machines here).
 
     GPU mode takes NCCL when every rank has a GPU of its own and CuPy with
     NCCL is installed; otherwise (a WARNING says why) shared memory, as CPU
     mode does.
     """
+    if cluster:
+        return "mpi"
     name = os.environ.get("SYNK_BACKEND")
     if name:
         return name

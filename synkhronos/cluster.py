@@ -1,0 +1,600 @@
+"""Clusters: one controller and one node master per MPI process (DESIGN.md, decision 9).
+
+``mpiexec -n N python train.py`` starts the script N times.  In ``fork()``
+each copy first forks its own local ranks, exactly as on one machine, and only
+then initialises MPI (forking after ``MPI_Init`` is unsafe; the local ranks
+never touch MPI).  MPI rank 0 becomes the controller: ``fork()`` returns
+there and the program goes on.  Every other MPI process becomes a node
+master: it serves the controller's commands (``serve``) and exits when the
+controller closes, so the user's code after ``fork()`` never runs there.
+
+Commands: the controller posts a command to its own ranks as on one machine
+and sends the same bytes to every node master (``forward``), which posts it
+to its ranks and runs its own share; every node master then sends one report
+(its ranks' failures, and what they contributed to the call's outputs), and
+the controller's command ends when its own ranks and every report are in.
+
+Collectives between machines run among the node leaders only
+(``comm.mpi_backend``); inside a machine the shared-memory backend moves the
+bytes.  Every MPI wait here is a loop over ``improbe`` or ``Test`` that keeps
+calling the liveness check, so none waits without a bound.
+
+Liveness: MPI cannot tell that a peer died.  Each node master forks a
+sentinel before MPI starts; it holds a TCP connection to the controller and
+sends a heartbeat every ``BEAT_S`` while its node master runs (not while it is
+stopped).  The controller reads them while it waits: a closed connection
+means the node master died, silence for ``SYNK_HEARTBEAT_S`` (default 5 s)
+that it stopped answering; either ends the job with an error naming the
+machine.  The sentinel kills its node master when the controller's end of
+the connection closes, so killing the controller ends every machine.
+"""
+
+import logging
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+from .control import Command, handler
+from .errors import SynkError, WorkerDiedError, WorkerStalledError
+from .liveness import pid_alive, proc_state, wait_until
+
+logger = logging.getLogger(__name__)
+
+# Tags of the messages between the controller and node masters.
+CMD, REPORT, ABORT, DATA = 1, 2, 3, 4
+TAG_BASE = 64            # collectives: TAG_BASE + (seq * PER_CMD + k) % TAG_SPAN
+PER_CMD = 256
+EXIT = -1                # an ABORT message with this seq: stop serving and exit
+INBAND_BYTES = 1 << 16   # smaller buffers travel inside the pickle
+BEAT_S = 0.2
+CONNECT_TIMEOUT_S = 60.0
+# Commands that stay on the machine that posts them.
+LOCAL_ONLY = frozenset({Command.GROW_MESSAGE, Command.LAYOUT})
+
+
+def launched():
+    """Return ``(mpi rank, mpi size, index on this host, MPI processes on this host)``, or None.
+
+    Read from the environment mpiexec sets (MPICH's Hydra, Open MPI, PMIx),
+    without initialising MPI.  None when not started by mpiexec, when the job
+    has one process, or when ``SYNK_CLUSTER=0``.
+    """
+    if os.environ.get("SYNK_CLUSTER", "1") == "0":
+        return None
+    env = os.environ
+    for rank_k, size_k, lrank_k, lsize_k in (
+            ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+            ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+             "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+            ("PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+             "OMPI_COMM_WORLD_LOCAL_SIZE")):
+        if rank_k in env and size_k in env:
+            size = int(env[size_k])
+            if size < 2:
+                return None
+            return (int(env[rank_k]), size, int(env.get(lrank_k, 0)), int(env.get(lsize_k, 1)))
+    return None
+
+
+def share_cores(cores, index, count):
+    """The cores one of ``count`` MPI processes on a host uses: its own contiguous share."""
+    n = len(cores)
+    if count <= 1:
+        return list(cores)
+    if count >= n:
+        return [cores[index % n]]
+    return list(cores[index * n // count:(index + 1) * n // count])
+
+
+def heartbeat_limit_s():
+    """Seconds of silence after which a node master counts as stopped (``SYNK_HEARTBEAT_S``)."""
+    return float(os.environ.get("SYNK_HEARTBEAT_S", "5"))
+
+
+class Layout:
+    """Where the ranks are: machine by machine, ``n_local[m]`` ranks on machine ``m``.
+
+    Attributes:
+        n_local: ranks on each machine (machine 0 holds the controller).
+        offsets: the first global rank of each machine.
+        hosts: each machine's host name.
+    """
+
+    def __init__(self, n_local, hosts):
+        self.n_local = list(n_local)
+        self.hosts = list(hosts)
+        self.offsets = [sum(self.n_local[:m]) for m in range(len(self.n_local))]
+
+    @property
+    def n_machines(self):
+        return len(self.n_local)
+
+    @property
+    def n_parallel(self):
+        return sum(self.n_local)
+
+    def ranks(self, machine):
+        """The global ranks on ``machine``."""
+        lo = self.offsets[machine]
+        return range(lo, lo + self.n_local[machine])
+
+    def machine_of(self, rank):
+        """The machine that holds global ``rank``."""
+        for m in range(self.n_machines):
+            if rank < self.offsets[m] + self.n_local[m]:
+                return m
+        raise ValueError(f"rank {rank} is not in the run's {self.n_parallel} ranks")
+
+    def describe(self, machine):
+        r = self.ranks(machine)
+        return f"machine {machine} ({self.hosts[machine]}, ranks {r.start}..{r.stop - 1})"
+
+    def __repr__(self):
+        return f"Layout(n_local={self.n_local}, hosts={self.hosts})"
+
+
+def _inband(buf, out):
+    if buf.raw().nbytes < INBAND_BYTES:
+        return True
+    out.append(buf)
+    return False
+
+
+class Cluster:
+    """The MPI side of one process: the controller's or a node master's.
+
+    Args:
+        comm: this job's communicator (a duplicate of COMM_WORLD).
+        layout: the ``Layout``.
+        spin_s: how long waits spin before sleeping.
+    """
+
+    def __init__(self, mpi, comm, layout, spin_s):
+        self.MPI = mpi
+        self.comm = comm
+        self.node = comm.Get_rank()
+        self.is_controller = self.node == 0
+        self.layout = layout
+        self.spin_s = spin_s
+        self.seq = 0           # the controller's command count: tags of a command's messages
+        self.k = 0             # the collective within the command
+        self.sends = []        # (request, buffer) not yet known complete
+        self.reports = {}      # controller: machine -> report of the current command
+        self.pending = False   # controller: reports of the current command still to take
+        self.failed = False    # controller: a machine reported a failure in this command
+        self.socks = {}        # controller: machine -> heartbeat socket
+        self.last_beat = {}
+        self.beat_limit = heartbeat_limit_s()
+        self.control = None    # set by attach: the local control block (abort flag)
+        self.closed = False
+        span = int(mpi.COMM_WORLD.Get_attr(mpi.TAG_UB)) - TAG_BASE
+        self.tag_span = max(PER_CMD, span - span % PER_CMD)
+        self.others = [m for m in range(layout.n_machines) if m != self.node]
+
+    # -- messages ---------------------------------------------------------------------
+    def next_tag(self):
+        """A fresh tag for one collective of the current command (the same on every machine)."""
+        self.k += 1
+        return TAG_BASE + (self.seq * PER_CMD + self.k) % self.tag_span
+
+    def send(self, dest, tag, obj):
+        """Send ``obj`` (pickled; large buffers out of band, not copied) to machine ``dest``."""
+        bufs = []
+        head = pickle.dumps(obj, protocol=5, buffer_callback=lambda b: _inband(b, bufs))
+        head = struct.pack("q", len(bufs)) + head
+        comm = self.comm
+        self.sends.append((comm.Isend(head, dest, tag), head))
+        for b in bufs:
+            raw = b.raw()
+            self.sends.append((comm.Isend(raw, dest, tag), raw))
+
+    def _probe(self, src, tag, check):
+        """Wait for a message; return (message, its size in bytes)."""
+        comm = self.comm
+        st = self.MPI.Status()
+        box = []
+
+        def arrived():
+            m = comm.Improbe(src, tag, st)
+            if m is None:
+                return False
+            box.append(m)
+            return True
+        wait_until(arrived, check, self.spin_s)
+        return box[0], st.Get_count(self.MPI.BYTE)
+
+    def _recv_bytes(self, src, tag, check):
+        m, n = self._probe(src, tag, check)
+        buf = bytearray(n)
+        m.Recv(buf)
+        return buf
+
+    def recv_into(self, src, tag, buf, check):
+        """Receive raw bytes from machine ``src`` into ``buf`` (a writable buffer of their size)."""
+        m, n = self._probe(src, tag, check)
+        if n != len(buf):
+            raise SynkError(f"expected {len(buf)} bytes from machine {src}, got {n}")
+        m.Recv(buf)
+
+    def recv(self, src, tag, check):
+        """Receive what ``send`` sent from machine ``src`` with ``tag``."""
+        head = self._recv_bytes(src, tag, check)
+        n_bufs = struct.unpack_from("q", head)[0]
+        bufs = [self._recv_bytes(src, tag, check) for _ in range(n_bufs)]
+        return pickle.loads(memoryview(head)[8:], buffers=bufs)
+
+    def complete_sends(self, check):
+        """Wait until every send so far has completed (its buffer may be reused)."""
+        if not self.sends:
+            return
+        reqs = [r for r, _ in self.sends]
+        wait_until(lambda: self.MPI.Request.Testall(reqs), check, self.spin_s)
+        self.sends.clear()
+
+    # -- controller -------------------------------------------------------------------
+    def forward(self, cmd, data):
+        """Controller: send a posted command's bytes to every node master."""
+        if not self.is_controller or cmd in LOCAL_ONLY:
+            return
+        self.seq += 1
+        self.k = 0
+        self.reports = {}
+        self.failed = False
+        msg = struct.pack("q", self.seq) + bytes(data)
+        for m in self.others:
+            self.sends.append((self.comm.Isend(msg, m, CMD), msg))
+        self.pending = True
+
+    def wait_reports(self, check):
+        """Controller: wait for every node master's report; return {rank: (text, exc)} failures.
+
+        Node masters' contributions to the call's outputs are kept for
+        ``contributions()``.  Raises WorkerDiedError if a machine died.
+        """
+        if not self.is_controller or not self.pending:
+            return None
+        wait_until(self._all_reported, check, self.spin_s)
+        self.pending = False
+        self.complete_sends(check)
+        failures = {}
+        died = None
+        for m in self.others:
+            rep = self.reports[m]
+            if rep["died"] is not None and died is None:
+                died = (m, rep["died"])
+            for rank, text, exc_bytes in rep["failures"]:
+                failures[rank] = (text, _unpickle(exc_bytes))
+        if died is not None:
+            m, text = died
+            raise WorkerDiedError(f"{self.layout.describe(m)}: {text}",
+                                  self.layout.offsets[m], None)
+        return failures
+
+    def _all_reported(self):
+        """Take the reports that have arrived; return whether every machine's is in."""
+        comm = self.comm
+        st = self.MPI.Status()
+        for m in self.others:
+            if m not in self.reports:
+                probed = comm.Improbe(m, REPORT, st)
+                if probed is None:
+                    return False
+                self._take_report(m, probed, st.Get_count(self.MPI.BYTE))
+        return True
+
+    def _take_report(self, m, probed, n):
+        head = bytearray(n)
+        probed.Recv(head)
+        n_bufs = struct.unpack_from("q", head)[0]
+        bufs = [self._recv_bytes(m, REPORT, self._bare_check) for _ in range(n_bufs)]
+        rep = pickle.loads(memoryview(head)[8:], buffers=bufs)
+        if rep["seq"] != self.seq:
+            raise SynkError(f"{self.layout.describe(m)} reported command {rep['seq']} "
+                            f"while the controller ran {self.seq}")
+        self.reports[m] = rep
+        if (rep["failures"] or rep["died"]) and not self.failed:
+            # The other machines may wait for this one inside a collective.
+            self.failed = True
+            msg = struct.pack("q", self.seq)
+            for q in self.others:
+                if q not in self.reports:
+                    self.sends.append((self.comm.Isend(msg, q, ABORT), msg))
+            if self.control is not None:
+                self.control.abort(self.control.current)
+
+    def _bare_check(self):
+        self.beats()
+
+    def contributions(self):
+        """Controller: {global rank: (arrays, weight)} the other machines' ranks contributed."""
+        out = {}
+        for rep in self.reports.values():
+            for rank, arrays, weight in rep["contributions"]:
+                out[rank] = (arrays, weight)
+        return out
+
+    def poll(self):
+        """Controller's check while it waits: heartbeats, and reports that carry failures."""
+        self.beats()
+        if self.pending:
+            self._all_reported()
+
+    def beats(self):
+        """Read the sentinels' heartbeats; raise if a machine died or went silent."""
+        now = time.monotonic()
+        for m, sock in self.socks.items():
+            try:
+                got = sock.recv(4096)
+            except BlockingIOError:
+                got = None
+            except OSError:
+                got = b""
+            if got == b"":
+                raise WorkerDiedError(
+                    f"{self.layout.describe(m)}: its node master died (the connection to its "
+                    "sentinel closed); the job is ended", self.layout.offsets[m], None)
+            if got:
+                self.last_beat[m] = now
+            elif now - self.last_beat[m] > self.beat_limit:
+                raise WorkerStalledError(
+                    f"{self.layout.describe(m)}: its node master stopped answering (no heartbeat "
+                    f"for {now - self.last_beat[m]:.1f} s, SYNK_HEARTBEAT_S="
+                    f"{self.beat_limit:g}); the job is ended", self.layout.offsets[m], None)
+
+    def sync_data(self, data_id, offset, raw, check):
+        """Controller: copy ``raw`` into Data ``data_id``'s memory at byte ``offset`` on every machine."""
+        payload = pickle.dumps((int(Command.DATA_SYNC), (data_id, offset, len(raw)), None))
+        self.forward(Command.DATA_SYNC, payload)
+        for m in self.others:
+            self.sends.append((self.comm.Isend(raw, m, DATA), raw))
+        failures = self.wait_reports(check)
+        if failures:
+            raise SynkError("mirroring Data failed: " + "; ".join(t for t, _ in failures.values()))
+
+    def end(self):
+        """Controller, after a failure: tell every node master to stop; best effort, no waiting."""
+        for m in self.others:
+            try:
+                self.comm.Isend(struct.pack("q", EXIT), m, ABORT)
+            except Exception:  # noqa: BLE001 - the sockets below end them anyway
+                pass
+        for sock in self.socks.values():
+            sock.close()
+        self.socks = {}
+
+    # -- node master -------------------------------------------------------------------
+    def receive_command(self, check):
+        """Node master: wait for the controller's next command; return (seq, bytes)."""
+        buf = self._recv_bytes(0, CMD, check)
+        self.seq = struct.unpack_from("q", buf)[0]
+        self.k = 0
+        return memoryview(buf)[8:]
+
+    def node_check(self):
+        """Node master's check while it waits: an abort or exit order from the controller."""
+        probed = self.comm.Improbe(0, ABORT)
+        if probed is None:
+            return
+        buf = bytearray(8)
+        probed.Recv(buf)
+        seq = struct.unpack("q", buf)[0]
+        if seq == EXIT:
+            raise Exit()
+        if seq == self.seq and self.control is not None:
+            self.control.abort(self.control.current)
+
+    def report(self, failures, contributions, died=None):
+        """Node master: send the command's outcome to the controller."""
+        self.send(0, REPORT, {"seq": self.seq, "failures": failures,
+                              "contributions": contributions, "died": died})
+
+
+class Exit(BaseException):
+    """The controller ordered this node master to stop."""
+
+
+def _unpickle(raw):
+    if raw is None:
+        return None
+    try:
+        return pickle.loads(raw)
+    except Exception:  # noqa: BLE001 - the text still tells what happened
+        return None
+
+
+# -- setting up ------------------------------------------------------------------------
+
+def start_sentinel():
+    """Fork the node master's sentinel (before MPI starts); return the pipe to send it the address."""
+    read_fd, write_fd = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(write_fd)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            _sentinel_main(parent, read_fd)
+        finally:
+            os._exit(0)
+    os.close(read_fd)
+    return pid, write_fd
+
+
+def _sentinel_main(parent, read_fd):
+    ready, _, _ = select.select([read_fd], [], [], CONNECT_TIMEOUT_S)
+    raw = os.read(read_fd, 4096) if ready else b""
+    os.close(read_fd)
+    if not raw:
+        return  # the node master never reached MPI: it exits by itself
+    host, port, node = pickle.loads(raw)
+    try:
+        sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
+        sock.sendall(struct.pack("q", node))
+    except OSError:
+        _kill(parent)
+        return
+    sock.setblocking(False)
+    while True:
+        if not pid_alive(parent) or proc_state(parent) in ("Z", "X", None):
+            return
+        readable, _, _ = select.select([sock], [], [], BEAT_S)
+        if readable:
+            try:
+                got = sock.recv(64)
+            except OSError:
+                got = b""
+            if got == b"":
+                _kill(parent)  # the controller is gone: end this machine
+                return
+        if proc_state(parent) not in ("T", "t"):
+            try:
+                sock.send(b".")
+            except BlockingIOError:
+                pass
+            except OSError:
+                _kill(parent)
+                return
+
+
+def _kill(pid):
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def init_mpi():
+    """Initialise MPI (after the local fork) and return the module; finalised by ``finalize``."""
+    import mpi4py
+    mpi4py.rc.finalize = False  # synkhronos finalises at close; never a blocking atexit
+    mpi4py.rc.thread_level = "single"
+    from mpi4py import MPI
+    return MPI
+
+
+def connect(rt, mpi, sentinel_fd, spin_s):
+    """Exchange the layout, link the sentinels to the controller; return the ``Cluster``."""
+    comm = mpi.COMM_WORLD.Dup()
+    me, size = comm.Get_rank(), comm.Get_size()
+    mine = np.array([rt.n_local, os.getpid()], dtype=np.int64)
+    everyone = np.empty((size, 2), dtype=np.int64)
+    req = comm.Iallgather(mine, everyone)
+    wait_until(lambda: req.Test(), _no_check, 0.01, poll_max_s=5e-3)
+    host = mpi.Get_processor_name()
+    hosts_buf = bytearray(256 * size)
+    name = host.encode()[:255].ljust(256, b"\0")
+    req = comm.Iallgather(name, hosts_buf)
+    wait_until(lambda: req.Test(), _no_check, 0.01, poll_max_s=5e-3)
+    hosts = [bytes(hosts_buf[256 * i:256 * (i + 1)]).rstrip(b"\0").decode() for i in range(size)]
+    layout = Layout([int(n) for n in everyone[:, 0]], hosts)
+    cluster = Cluster(mpi, comm, layout, spin_s)
+    addr = bytearray(512)
+    listener = None
+    if me == 0:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("", 0))
+        listener.listen(size)
+        where = os.environ.get("SYNK_CONTROLLER_HOST") or socket.gethostname()
+        raw = pickle.dumps((where, listener.getsockname()[1]))
+        addr[:len(raw)] = raw
+    req = comm.Ibcast(addr, 0)
+    wait_until(lambda: req.Test(), _no_check, 0.01, poll_max_s=5e-3)
+    if me == 0:
+        listener.settimeout(CONNECT_TIMEOUT_S)
+        try:
+            for _ in range(size - 1):
+                sock, _ = listener.accept()
+                sock.settimeout(CONNECT_TIMEOUT_S)
+                node = struct.unpack("q", _recv_exact(sock, 8))[0]
+                sock.setblocking(False)
+                cluster.socks[node] = sock
+                cluster.last_beat[node] = time.monotonic()
+        except OSError as exc:
+            raise SynkError(f"fork: not every node master's sentinel reached the controller "
+                            f"({len(cluster.socks)} of {size - 1}): {exc}") from exc
+        finally:
+            listener.close()
+    else:
+        where, port = pickle.loads(bytes(addr))
+        os.write(sentinel_fd, pickle.dumps((where, port, me)))
+        os.close(sentinel_fd)
+    logger.info("cluster: %s, this process is %s", layout,
+                "the controller" if me == 0 else layout.describe(me))
+    return cluster
+
+
+def _recv_exact(sock, n):
+    out = b""
+    while len(out) < n:
+        got = sock.recv(n - len(out))
+        if not got:
+            raise OSError("connection closed")
+        out += got
+    return out
+
+
+def _no_check():
+    pass
+
+
+_FINISHED = []
+
+
+def finished():
+    """Whether this process's cluster job has ended (MPI cannot start again)."""
+    return bool(_FINISHED)
+
+
+def finalize(mpi):
+    """Finalise MPI in this process (after which mpiexec lets the others run on)."""
+    _FINISHED.append(True)
+    try:
+        if mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
+    except Exception as exc:  # noqa: BLE001 - exiting anyway
+        logger.warning("MPI_Finalize failed: %s", exc)
+
+
+class LayoutMsg(NamedTuple):
+    """LAYOUT: this machine's first global rank and the run's number of ranks."""
+
+    offset: int
+    n_parallel: int
+
+
+def set_layout(rt, offset, n_parallel):
+    """Give this process its global rank, once the layout is known."""
+    rt.rank_offset = offset
+    rt.rank = offset + rt.local_index
+    rt.n_parallel = n_parallel
+
+
+@handler(Command.LAYOUT, LayoutMsg)
+def _layout_worker(rt, msg):
+    set_layout(rt, msg.offset, msg.n_parallel)
+
+
+def layout():
+    """Return where the run's ranks are: a ``Layout`` (machines, ranks on each, host names).
+
+    On one machine: one machine holding every rank.  Master (controller) only,
+    after ``fork()``.
+
+    Example::
+
+        synk.fork()
+        lay = synk.layout()
+        lay.n_machines, lay.n_local, lay.ranks(1)   # 2, [2, 2], range(2, 4)
+    """
+    from .runtime import require_forked
+    rt = require_forked("layout()")
+    if rt.cluster is not None:
+        return rt.cluster.layout
+    return Layout([rt.n_parallel], [socket.gethostname()])

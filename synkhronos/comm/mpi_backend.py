@@ -1,0 +1,318 @@
+"""MPI backend: collectives over the ranks of several machines, in two levels.
+
+Inside a machine the shared-memory backend moves the bytes among that
+machine's ranks; between machines only the leaders (the controller and the
+node masters) talk, through MPI point-to-point messages tagged by command and
+collective, so each reduced byte crosses the network once per collective and
+a collective abandoned by a failure leaves nothing that a later one could
+match.  A reduction is: the machine's contributions to its leader, reduced
+there (a partial and its weight), partials exchanged among leaders and
+combined in machine order (the same bytes everywhere), the result broadcast
+inside each machine.  Workers never touch MPI: they only take part in the
+shared-memory stages.
+"""
+
+import numpy as np
+
+from .. import reducers
+from . import parts
+from .base import Backend, as_arrays
+from .shm_backend import ShmBackend
+
+
+class LocalView:
+    """A Runtime as the machine-local backend sees it: local indices, the leader as root."""
+
+    def __init__(self, rt):
+        self._rt = rt
+
+    @property
+    def rank(self):
+        return self._rt.local_index
+
+    @property
+    def n_parallel(self):
+        return self._rt.n_local
+
+    @property
+    def master_rank(self):
+        return self._rt.leader
+
+    def __getattr__(self, name):
+        return getattr(self._rt, name)
+
+
+class MpiBackend(Backend):
+    """Collectives across machines: shared memory inside, MPI among the leaders."""
+
+    def __init__(self, rt, spin_s):
+        super().__init__(rt, spin_s)
+        self.local = ShmBackend(LocalView(rt), spin_s)
+        self.cluster = None  # the leader's cluster.Cluster, after MPI starts
+        self.mine = None     # a node master's own contribution to a call's outputs
+
+    # The run's size is known only once MPI has started (cluster.connect).
+    @property
+    def n_parallel(self):
+        return self.rt.n_parallel
+
+    @n_parallel.setter
+    def n_parallel(self, value):
+        pass
+
+    @property
+    def master_rank(self):
+        return self.rt.master_rank
+
+    @master_rank.setter
+    def master_rank(self, value):
+        pass
+
+    @property
+    def is_leader(self):
+        return self.rt.local_index == self.rt.leader
+
+    def attach(self, cluster):
+        """In the leader: collectives between machines go through ``cluster``."""
+        self.cluster = cluster
+
+    def bind_check(self, check):
+        self.check = check
+        self.local.bind_check(check)
+
+    def begin(self, seq):
+        self.seq = seq
+        self.local.begin(seq)
+        self.mine = None
+
+    def is_kept(self, key, array):
+        return self.local.is_kept(key, array)
+
+    @property
+    def _multi(self):
+        return self.rt.n_local > 1
+
+    # -- the machine-level steps ------------------------------------------------------
+    def _to_leader(self, arrays):
+        """Every local rank's arrays (or None), at the leader; None elsewhere."""
+        if not self._multi:
+            return [None if arrays is None else list(arrays)]
+        return self.local.gather(arrays, self.rt.leader)
+
+    def _from_leader(self, arrays, out=None, keys=None):
+        """The leader's arrays on every local rank (in ``out`` entries that fit)."""
+        if self._multi:
+            got = self.local.broadcast(arrays if self.is_leader else None, self.rt.leader,
+                                       out=out, keys=keys)
+            if not self.is_leader:
+                return got
+        if out is None:
+            return arrays
+        return [_place(a, parts.out_entry(out, i)) for i, a in enumerate(arrays)]
+
+    def _exchange(self, obj):
+        """Leaders: every machine's ``obj``, in machine order."""
+        cl = self.cluster
+        tag = cl.next_tag()
+        for m in cl.others:
+            cl.send(m, tag, obj)
+        got = [None] * cl.layout.n_machines
+        got[cl.node] = obj
+        for m in cl.others:
+            got[m] = cl.recv(m, tag, self.check)
+        cl.complete_sends(self.check)
+        return got
+
+    # -- collectives ------------------------------------------------------------------
+    def barrier(self):
+        self.local.barrier()
+        if self.is_leader:
+            self._exchange(None)
+        self.local.barrier()
+
+    def reduce(self, arrays, op, root, weight=None, out=None):
+        result = self._reduce(arrays, op, weight, out)
+        if self.rt.rank != root:
+            return None
+        return result
+
+    def all_reduce(self, arrays, op, weight=None, out=None, keys=None):
+        result = self._reduce(arrays, op, weight, out)
+        # Machines reduced the same partials in the same order: every leader holds
+        # the same result, which its local ranks now read.
+        return self._from_leader(result, out=out, keys=keys)
+
+    def _reduce(self, arrays, op, weight, out):
+        """The reduced arrays at every leader (None elsewhere)."""
+        arrays = as_arrays(arrays)
+        mine = arrays if arrays is None or weight is None \
+            else list(arrays) + [np.array(weight, dtype=np.float64)]
+        got = self._to_leader(mine)
+        if not self.is_leader:
+            return None
+        weighted = weight is not None
+        have = [g for g in got if g is not None]
+        if have:
+            n = len(have[0]) - (1 if weighted else 0)
+            ops = parts.op_list(op, n)
+            ws = [float(g[-1]) for g in have] if weighted else None
+            vals = [g[:n] for g in have]
+            partial = [reducers.combine(ops[i], [v[i] for v in vals], ws)
+                       for i in range(n)]
+            mass = sum(ws) if weighted else float(len(have))
+            entry = (partial, mass)
+        else:
+            entry = None
+        everyone = [e for e in self._exchange(entry) if e is not None]
+        if not everyone:
+            return []
+        n = len(everyone[0][0])
+        ops = parts.op_list(op, n)
+        masses = [e[1] for e in everyone]
+        return [reducers.combine(ops[i], [e[0][i] for e in everyone],
+                                 masses if ops[i] == "avg" else None,
+                                 parts.out_entry(out, i))
+                for i in range(n)]
+
+    def broadcast(self, arrays, root, out=None, keys=None):
+        rt = self.rt
+        here = rt.rank_offset <= root < rt.rank_offset + rt.n_local
+        root_local = root - rt.rank_offset
+        if here and root_local != rt.leader:
+            # The root is a worker: every rank here, the leader too, reads it first.
+            got = self.local.broadcast(arrays if rt.rank == root else None, root_local,
+                                       out=out, keys=keys)
+            if self.is_leader:
+                self._send_all([np.asarray(a, order="C") for a in got])
+            return got
+        if self.is_leader:
+            if here:
+                self._send_all([np.asarray(a, order="C") for a in arrays])
+            else:
+                cl = self.cluster
+                arrays = cl.recv(cl.layout.machine_of(root), cl.next_tag(), self.check)
+        if rt.rank == root:
+            if self._multi:
+                self.local.broadcast(arrays, rt.leader)
+            return list(arrays)
+        return self._from_leader(arrays, out=out, keys=keys)
+
+    def _send_all(self, obj):
+        cl = self.cluster
+        tag = cl.next_tag()
+        for m in cl.others:
+            cl.send(m, tag, obj)
+        cl.complete_sends(self.check)
+
+    def gather(self, arrays, root, keys=None):
+        got = self._to_leader(None if arrays is None else as_arrays(arrays))
+        if self.is_leader:
+            cl = self.cluster
+            tag = cl.next_tag()
+            root_machine = cl.layout.machine_of(root)
+            if cl.node != root_machine:
+                cl.send(root_machine, tag, got)
+                cl.complete_sends(self.check)
+            else:
+                every = [None] * cl.layout.n_machines
+                every[cl.node] = got
+                for m in cl.others:
+                    every[m] = cl.recv(m, tag, self.check)
+                if self.rt.rank == root:
+                    return [e for machine in every for e in machine]
+        if keys is not None and arrays is not None:
+            return list(arrays)
+        return None
+
+    def all_gather(self, arrays):
+        got = self._to_leader(None if arrays is None else as_arrays(arrays))
+        if self.is_leader:
+            every = [e for machine in self._exchange(got) for e in machine]
+            flat, counts = [], []
+            for e in every:
+                counts.append(-1 if e is None else len(e))
+                flat.extend([] if e is None else e)
+            packed = flat + [np.array(counts, dtype=np.int64)]
+        else:
+            packed = None
+        packed = self._from_leader(packed) if self._multi else packed
+        counts = [int(c) for c in packed[-1]]
+        out, i = [], 0
+        for c in counts:
+            if c < 0:
+                out.append(None)
+            else:
+                out.append(list(packed[i:i + c]))
+                i += c
+        return out
+
+    def scatter(self, per_rank, root):
+        rt = self.rt
+        if rt.rank == root:
+            self._check_scatter(per_rank)
+        mine_sub = None
+        if self.is_leader:
+            cl = self.cluster
+            tag = cl.next_tag()
+            root_machine = cl.layout.machine_of(root)
+            if rt.rank == root:
+                for m in cl.others:
+                    r = cl.layout.ranks(m)
+                    cl.send(m, tag, [[np.asarray(a, order="C") for a in per_rank[q]] for q in r])
+                r = cl.layout.ranks(cl.node)
+                mine_sub = [list(per_rank[q]) for q in r]
+                cl.complete_sends(self.check)
+            elif cl.node != root_machine:
+                mine_sub = cl.recv(root_machine, tag, self.check)
+            else:
+                raise ValueError("scatter in a cluster needs the root to be its machine's leader")
+        if not self._multi:
+            return mine_sub[0]
+        return self.local.scatter(mine_sub, rt.leader)
+
+    # -- call outputs -----------------------------------------------------------------
+    def contribute(self, arrays, weight=1.0):
+        if self.is_leader:
+            self.mine = (None if arrays is None else [np.array(a) for a in arrays], weight)
+        else:
+            self.local.contribute(arrays, weight)
+
+    def settle(self):
+        self.local.settle()
+
+    def node_contributions(self):
+        """Node master, after its machine's end barrier: [(global rank, arrays, weight)]."""
+        rt = self.rt
+        out = []
+        local = self.local.collect() if self._multi else [None]
+        for i, entry in enumerate(local):
+            if i == rt.leader:
+                entry = self.mine
+            if entry is not None and entry[0] is not None:
+                out.append((rt.rank_offset + i, [np.asarray(a, order="C") for a in entry[0]],
+                            entry[1]))
+        return out
+
+    def collect(self):
+        rt = self.rt
+        out = [None] * rt.n_parallel
+        if self._multi:
+            for i, entry in enumerate(self.local.collect()):
+                out[i] = entry
+        out[rt.rank] = None
+        for rank, entry in self.cluster.contributions().items():
+            out[rank] = entry
+        return out
+
+    def _contribution(self, q):
+        raise NotImplementedError  # collect() is overridden
+
+    def close(self):
+        self.local.close()
+
+
+def _place(a, out):
+    if out is not None and out.shape == a.shape and out.dtype == a.dtype:
+        np.copyto(out, a)
+        return out
+    return a

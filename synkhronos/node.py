@@ -1,0 +1,96 @@
+"""The node master: a cluster machine's leader, serving the controller's commands (cluster.py)."""
+
+import logging
+import os
+import pickle
+
+from .cluster import Exit, finalize
+from .control import HANDLERS, Command, decode, describe_error, rank_header, run_command
+from .data_module import node_alloc, node_free, node_sync
+from .errors import CommAborted, WorkerDiedError, WorkerError
+from .worker import unmap
+
+logger = logging.getLogger(__name__)
+
+# Commands whose ranks leave results for the controller (Backend.contribute).
+COLLECTED = frozenset({Command.CALL, Command.OVERLAP_STEP, Command.PROFILE,
+                       Command.GET_VALUE, Command.GET_SHAPES})
+
+
+def _no_check():
+    pass
+
+
+def serve(rt, join_workers):
+    """A node master's life after ``fork()``: run the controller's commands until QUIT.
+
+    ``join_workers(rt)`` ends the machine's workers after QUIT (process.py).
+    """
+    cluster = rt.cluster
+    check = rt.check
+    status = 0
+    try:
+        while True:
+            data = cluster.receive_command(check)
+            cmd, payload, frees = decode(data)
+            if frees:
+                node_free(rt, frees)
+                unmap(rt, frees)
+                rt.freed.extend(frees)
+            failures, died = [], None
+            contributions = []
+            try:
+                if cmd == Command.DATA_SYNC:
+                    node_sync(rt, cluster, payload, check)
+                else:
+                    if cmd == Command.DATA_ALLOC:
+                        payload = node_alloc(rt, payload)
+                    run_command(rt, cmd, payload,
+                                local=lambda seq, c=cmd, p=payload: HANDLERS[c](rt, p))
+                    if cmd == Command.DATA_FREE:
+                        node_free(rt, [payload.data_id])
+                    if cmd in COLLECTED:
+                        contributions = rt.backend.node_contributions()
+            except WorkerDiedError as exc:
+                died = str(exc)
+            except WorkerError as exc:
+                failures = [(r, t, _pickled(e)) for r, (t, e) in exc.raw_failures.items()]
+            except CommAborted:
+                pass
+            except Exit:
+                raise
+            except Exception as exc:  # noqa: BLE001 - reported to the controller
+                text, raw = describe_error(rank_header(rt.rank, rt.n_parallel), exc)
+                failures = [(rt.rank, text, raw)]
+            cluster.report(failures, contributions, died)
+            # After a death the machine is torn down; the sentinel still ends this
+            # process if the controller goes.
+            cluster.complete_sends(check if died is None else _no_check)
+            if died is not None:
+                raise Exit()
+            if cmd == Command.QUIT:
+                break
+    except Exit:
+        status = 1
+    except BaseException as exc:  # noqa: BLE001 - the controller sees the heartbeat stop
+        logger.error("node master %d failed: %r", cluster.node, exc)
+        status = 1
+    finally:
+        if not rt.closed:
+            if status == 0:
+                join_workers(rt)
+            else:
+                rt.abandon(rt, "the controller ended the job")
+        # Always finalise: mpiexec ends the whole job, the controller too, when a
+        # process exits without it, and the controller reports what went wrong.
+        finalize(cluster.MPI)
+        os._exit(0)
+
+
+def _pickled(exc):
+    if exc is None:
+        return None
+    try:
+        return pickle.dumps(exc)
+    except Exception:  # noqa: BLE001 - the text remains
+        return None
