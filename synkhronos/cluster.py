@@ -55,6 +55,7 @@ EXIT = -1                # an ABORT message with this seq: stop serving and exit
 INBAND_BYTES = 1 << 16   # smaller buffers travel inside the pickle
 BEAT_S = 0.2
 CONNECT_TIMEOUT_S = 60.0
+END_GRACE_S = 3.0
 # Commands that stay on the machine that posts them.
 LOCAL_ONLY = frozenset({Command.GROW_MESSAGE, Command.LAYOUT})
 
@@ -174,6 +175,7 @@ class Cluster:
         self.beat_limit = heartbeat_limit_s()
         self.control = None    # set by attach: the local control block (abort flag)
         self.closed = False
+        self.broken = False    # a machine failed: MPI is not used again (nor finalised)
         span = int(mpi.COMM_WORLD.Get_attr(mpi.TAG_UB)) - TAG_BASE
         self.tag_span = max(PER_CMD, span - span % PER_CMD)
         self.others = [m for m in range(layout.n_machines) if m != self.node]
@@ -359,15 +361,16 @@ class Cluster:
             raise SynkError("mirroring Data failed: " + "; ".join(t for t, _ in failures.values()))
 
     def end(self):
-        """Controller, after a failure: tell every node master to stop; best effort, no waiting."""
-        for m in self.others:
-            try:
-                self.comm.Isend(struct.pack("q", EXIT), m, ABORT)
-            except Exception:  # noqa: BLE001 - the sockets below end them anyway
-                pass
+        """Controller, after a failure: end every machine, without waiting and without MPI.
+
+        Closing the heartbeat connections makes each sentinel stop its node
+        master (MPI itself may be broken by now: a send to a dead process can
+        abort this one).
+        """
         for sock in self.socks.values():
             sock.close()
         self.socks = {}
+        self.broken = True
 
     # -- node master -------------------------------------------------------------------
     def receive_command(self, check):
@@ -438,7 +441,7 @@ def _sentinel_main(parent, read_fd):
         sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
         sock.sendall(struct.pack("q", node))
     except OSError:
-        _kill(parent)
+        _end(parent)
         return
     sock.setblocking(False)
     while True:
@@ -451,7 +454,7 @@ def _sentinel_main(parent, read_fd):
             except OSError:
                 got = b""
             if got == b"":
-                _kill(parent)  # the controller is gone: end this machine
+                _end(parent)  # the controller is gone, or ended the job: end this machine
                 return
         if proc_state(parent) not in ("T", "t"):
             try:
@@ -459,11 +462,23 @@ def _sentinel_main(parent, read_fd):
             except BlockingIOError:
                 pass
             except OSError:
-                _kill(parent)
+                _end(parent)
                 return
 
 
-def _kill(pid):
+def _end(pid):
+    """Make the node master exit: SIGTERM (it finalises MPI, so mpiexec lets the job end
+    normally), SIGKILL if it has not gone within ``END_GRACE_S``."""
+    for sig in (signal.SIGCONT, signal.SIGTERM):
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            return
+    deadline = time.monotonic() + END_GRACE_S
+    while time.monotonic() < deadline:
+        if not pid_alive(pid) or proc_state(pid) in ("Z", "X", None):
+            return
+        time.sleep(0.02)
     try:
         os.kill(pid, signal.SIGKILL)
     except OSError:
@@ -477,6 +492,25 @@ def init_mpi():
     mpi4py.rc.thread_level = "single"
     from mpi4py import MPI
     return MPI
+
+
+def mpi_segments():
+    """The /dev/shm files this process has mapped since MPI started (MPICH's ``mpich_shm_*``).
+
+    MPI unlinks them when it finalises; a killed process leaves them, so the
+    janitor removes them after its master has gone.
+    """
+    out = set()
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rstrip("\n").split(None, 5)[-1] if line.count(" ") >= 5 else ""
+                name = os.path.basename(path)
+                if path.startswith("/dev/shm/") and not name.startswith("synk_"):
+                    out.add(path.replace(" (deleted)", ""))
+    except OSError:
+        pass
+    return sorted(out)
 
 
 def connect(rt, mpi, sentinel_fd, spin_s):
@@ -495,6 +529,7 @@ def connect(rt, mpi, sentinel_fd, spin_s):
     hosts = [bytes(hosts_buf[256 * i:256 * (i + 1)]).rstrip(b"\0").decode() for i in range(size)]
     layout = Layout([int(n) for n in everyone[:, 0]], hosts)
     cluster = Cluster(mpi, comm, layout, spin_s)
+    cluster.pids = [int(p) for p in everyone[:, 1]]
     addr = bytearray(512)
     listener = None
     if me == 0:

@@ -3,6 +3,7 @@
 import logging
 import os
 import pickle
+import signal
 
 from .cluster import Exit, finalize
 from .control import HANDLERS, Command, decode, describe_error, rank_header, run_command
@@ -29,6 +30,11 @@ def serve(rt, join_workers):
     cluster = rt.cluster
     check = rt.check
     status = 0
+
+    def ended(signum, frame):
+        raise Exit()
+    # The sentinel's way to end this machine when the controller has gone.
+    signal.signal(signal.SIGTERM, ended)
     try:
         while True:
             data = cluster.receive_command(check)
@@ -76,6 +82,7 @@ def serve(rt, join_workers):
         logger.error("node master %d failed: %r", cluster.node, exc)
         status = 1
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if not rt.closed:
             if status == 0:
                 join_workers(rt)

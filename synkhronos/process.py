@@ -203,6 +203,9 @@ def _join_cluster(rt, mpi_info, spin_s):
     atexit.register(_close_at_exit)
     try:
         mpi = clusters.init_mpi()
+        made = clusters.mpi_segments()
+        if made:
+            os.write(rt.janitor_fd, ("\n".join(made) + "\n").encode())
         cl = clusters.connect(rt, mpi, sentinel_fd, spin_s)
     except BaseException:
         abandon(rt, "the cluster could not be set up")
@@ -324,9 +327,18 @@ def _janitor_main(prefix, dirs, pids, read_fd, write_fd):
     """Wait for the master to go; then kill its workers, unlink its segments, remove its dirs."""
     os.close(write_fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Its own session: mpiexec (and shells) kill a failed job's process groups,
+    # and the janitor must outlive them to clean up.
+    os.setsid()
+    # The master may name more files to remove, one path per line (the
+    # segments MPI made, which a killed MPI process leaves behind).
+    told = b""
     try:
-        while os.read(read_fd, 1):
-            pass
+        while True:
+            got = os.read(read_fd, 4096)
+            if not got:
+                break
+            told += got
     except OSError:
         pass
     for pid, started in pids:
@@ -339,6 +351,12 @@ def _janitor_main(prefix, dirs, pids, read_fd, write_fd):
     shmem.sweep(prefix)
     for d in dirs:
         shutil.rmtree(d, ignore_errors=True)
+    for path in told.decode(errors="replace").splitlines():
+        if path.startswith(shmem.SHM_DIR + "/"):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
     os._exit(0)
 
 
@@ -413,7 +431,7 @@ def _teardown(rt):
     for f in rt.functions:
         f._detach()
     set_runtime(None)
-    if rt.cluster is not None and rt.cluster.is_controller:
+    if rt.cluster is not None and rt.cluster.is_controller and not rt.cluster.broken:
         # After this mpiexec lets the node masters end; MPI cannot start again here.
         clusters.finalize(rt.cluster.MPI)
 

@@ -1,0 +1,74 @@
+"""Run under mpiexec: one failure of a cluster job, named by argv[1]; the controller prints what it saw.
+
+remote-error: a rank on another machine raises inside a call; the run goes on.
+kill-node: the controller SIGKILLs machine 1's node master, then calls a function.
+stop-node: the controller SIGSTOPs machine 1's node master, then calls a function.
+kill-controller: the controller SIGKILLs itself after printing the job's pids.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import pytensor
+import pytensor.tensor as T
+from pytensor.graph.basic import Apply
+from pytensor.graph.op import Op
+
+import synkhronos as synk
+from synkhronos.runtime import get_runtime
+
+
+class RaiseOnRank(Op):
+    """Return x; raise ValueError in the rank given."""
+
+    __props__ = ("rank",)
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def make_node(self, x):
+        x = T.as_tensor_variable(x)
+        return Apply(self, [x], [x.type()])
+
+    def perform(self, node, inputs, outputs):
+        if get_runtime().rank == self.rank:
+            raise ValueError(f"planted failure in rank {self.rank}")
+        outputs[0][0] = inputs[0]
+
+
+mode, L = sys.argv[1], int(sys.argv[2])
+n = synk.fork(L)
+rt = get_runtime()
+print("PIDS", " ".join(str(p) for p in rt.cluster.pids), rt.prefix, flush=True)
+x = T.matrix("x")
+f = synk.function([x], T.sum(x))
+bad = synk.function([x], T.sum(RaiseOnRank(n - 1)(x)))
+synk.distribute()
+X = np.ones((10, 3), dtype=pytensor.config.floatX)
+d = synk.data(X)
+f(d)
+
+if mode == "remote-error":
+    try:
+        bad(d)
+    except ValueError as exc:
+        print("CAUGHT", type(exc).__name__, "rank", exc.rank, flush=True)
+        assert "planted failure" in str(exc)
+    print("AFTER", float(f(d)), flush=True)
+    synk.close()
+    print("CLOSED", flush=True)
+elif mode in ("kill-node", "stop-node"):
+    os.kill(rt.cluster.pids[1], signal.SIGKILL if mode == "kill-node" else signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        for _ in range(100000):
+            f(d)
+    except synk.WorkerDiedError as exc:
+        print("CAUGHT", type(exc).__name__, f"{time.monotonic() - t0:.2f}", str(exc).splitlines()[0],
+              flush=True)
+    print("CLOSED", flush=True)
+elif mode == "kill-controller":
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,144 @@
+"""Clusters over MPI: real ``mpiexec`` jobs on this machine, several MPI processes standing in for machines.
+
+Each job runs a script (cluster_checks.py, cluster_faults.py, the MNIST demo)
+whose controller checks results against NumPy and prints what it saw; these
+tests read that output, and check that a failed job leaves no process and no
+shared-memory segment behind.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from procs import DEADLINE_S, gone, wait_for
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+
+
+def _why_no_mpi():
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "mpi4py is not installed (pip install 'synkhronos[mpi]')"
+    if not os.path.exists(MPIEXEC):
+        return f"no mpiexec next to {sys.executable} (pip install 'synkhronos[mpi]')"
+    return None
+
+
+WHY = _why_no_mpi()
+if WHY:
+    print(f"test_cluster.py skipped: {WHY}", file=sys.stderr)
+pytestmark = [pytest.mark.skipif(WHY is not None, reason=WHY or ""), pytest.mark.timeout(240)]
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("SYNK_CLUSTER", None)
+    env.update(extra)
+    return env
+
+
+def mpirun(n, args, timeout=200, flags=(), **env):
+    """Run ``python args`` under ``mpiexec -n n``; return (exit status, output, seconds)."""
+    t0 = time.monotonic()
+    p = subprocess.run([MPIEXEC, *flags, "-n", str(n), sys.executable, *args], cwd=HERE,
+                       env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, timeout=timeout)
+    return p.returncode, p.stdout, time.monotonic() - t0
+
+
+def _mpi_segments():
+    return {n for n in os.listdir("/dev/shm") if n.startswith("mpich_shm")}
+
+
+def _left_behind(out, before_mpi, script="cluster_faults.py"):
+    """Processes and segments of the job that outlived it (its pids and run prefix from PIDS)."""
+    m = re.search(r"^PIDS ([\d ]+) (/synk_\S+)$", out, re.M)
+    assert m, out
+    pids = [int(p) for p in m.group(1).split()]
+    prefix = m.group(2).lstrip("/")
+
+    def clean():
+        alive = [p for p in pids if not gone(p)]
+        segs = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+        workers = subprocess.run(["pgrep", "-f", script], capture_output=True,
+                                 text=True).stdout.split()
+        return not alive and not segs and not workers and _mpi_segments() <= before_mpi
+    wait_for(clean, DEADLINE_S)
+    left = subprocess.run(["pgrep", "-fa", script], capture_output=True,
+                          text=True).stdout
+    return [p for p in pids if not gone(p)], left, sorted(_mpi_segments() - before_mpi)
+
+
+@pytest.mark.parametrize("machines,local", [(2, 1), (3, 2)])
+def test_cluster_contract(machines, local):
+    """Functions (batch, batch_s, num_slices, every op), every collective, Data mirroring."""
+    before = _mpi_segments()
+    rc, out, _ = mpirun(machines, ["cluster_checks.py", str(local)])
+    assert rc == 0 and "ALL OK" in out, out
+    assert out.count("OK all_reduce and reduce") == 5, out
+    alive, procs, segs = _left_behind(out, before, "cluster_checks.py")
+    assert not alive and not procs and not segs, (alive, procs, segs, out)
+
+
+def test_remote_rank_error_then_the_run_goes_on():
+    rc, out, _ = mpirun(3, ["cluster_faults.py", "remote-error", "2"])
+    assert rc == 0, out
+    # The last rank (5) of the last machine raised ValueError; the controller got it as such.
+    assert "CAUGHT WorkerValueError rank 5" in out, out
+    assert "AFTER" in out and "CLOSED" in out, out
+
+
+def test_stopped_node_master_is_named_and_the_job_ends():
+    before = _mpi_segments()
+    rc, out, _ = mpirun(3, ["cluster_faults.py", "stop-node", "2"], SYNK_HEARTBEAT_S="3")
+    m = re.search(r"CAUGHT WorkerStalledError ([\d.]+) machine 1 \(\S+, ranks 2\.\.3\)", out)
+    assert m, out
+    assert float(m.group(1)) < DEADLINE_S, out
+    alive, procs, segs = _left_behind(out, before)
+    assert not alive and not procs and not segs, (alive, procs, segs, out)
+
+
+def test_killed_node_master_ends_the_job_and_leaves_nothing():
+    # mpiexec (MPICH's Hydra) ends the whole job when one of its processes is
+    # killed; what synkhronos owes is that nothing of it survives.
+    before = _mpi_segments()
+    rc, out, took = mpirun(3, ["cluster_faults.py", "kill-node", "2"])
+    assert rc != 0, out
+    assert took < 60, out
+    alive, procs, segs = _left_behind(out, before)
+    assert not alive and not procs and not segs, (alive, procs, segs, out)
+
+
+def test_killed_controller_ends_every_machine():
+    before = _mpi_segments()
+    rc, out, _ = mpirun(3, ["cluster_faults.py", "kill-controller", "2"])
+    assert rc != 0, out
+    alive, procs, segs = _left_behind(out, before)
+    assert not alive and not procs and not segs, (alive, procs, segs, out)
+
+
+@pytest.mark.slow
+def test_mnist_demo_unchanged_under_mpiexec():
+    """The demo under mpiexec -n 2 (1 rank each) learns exactly as on one machine with 2 ranks."""
+    args = [os.path.join(ROOT, "demos", "mnist", "train_mnist_cpu_data.py"), "--epochs", "2",
+            "--serial-epochs", "1", "--no-progress", "--hidden", "128"]
+    rc, out, _ = mpirun(2, args + ["--n-parallel", "1"])
+    assert rc == 0, out
+    p = subprocess.run([sys.executable, *args, "--n-parallel", "2"], cwd=HERE, env=_env(),
+                       capture_output=True, text=True, timeout=200)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+    def final(text):
+        m = re.search(r"final test accuracy ([\d.]+)%", text)
+        assert m, text
+        return float(m.group(1))
+    assert "2 ranks" in out
+    assert abs(final(out) - final(p.stdout)) <= 0.5, (out, p.stdout)
