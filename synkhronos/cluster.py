@@ -283,13 +283,15 @@ class Cluster:
         """Take the reports that have arrived; return whether every machine's is in."""
         comm = self.comm
         st = self.MPI.Status()
+        done = True
         for m in self.others:
             if m not in self.reports:
                 probed = comm.Improbe(m, REPORT, st)
                 if probed is None:
-                    return False
-                self._take_report(m, probed, st.Get_count(self.MPI.BYTE))
-        return True
+                    done = False
+                else:
+                    self._take_report(m, probed, st.Get_count(self.MPI.BYTE))
+        return done
 
     def _take_report(self, m, probed, n):
         head = bytearray(n)
@@ -310,6 +312,12 @@ class Cluster:
                     self.sends.append((self.comm.Isend(msg, q, ABORT), msg))
             if self.control is not None:
                 self.control.abort(self.control.current)
+
+    def late_ranks(self):
+        """Controller: the ranks of the machines whose report of this command is not in."""
+        if not self.pending:
+            return []
+        return [r for m in self.others if m not in self.reports for r in self.layout.ranks(m)]
 
     def _bare_check(self):
         self.beats()

@@ -72,6 +72,7 @@ class Monitor:
 
     def __init__(self, procs, timeout_s, pending):
         self.offset = 0  # procs and pending() hold local indices; messages name global ranks
+        self.remote = None  # cluster: returns the ranks of machines still busy
         self.procs = procs
         self.timeout_s = timeout_s
         self.pending = pending
@@ -109,7 +110,10 @@ class Monitor:
                     "every worker and is closed, call fork() to start again",
                     rank + self.offset, None)
         if ran > self.timeout_s:
-            late = [r + self.offset for r in (self.pending() or sorted(self.procs))]
+            late = [r + self.offset for r in self.pending()]
+            if self.remote is not None:
+                late += self.remote()
+            late = late or [r + self.offset for r in sorted(self.procs)] or [self.offset]
             ranks = ", ".join(str(r) for r in late)
             raise WorkerStalledError(
                 f"rank{'s' if len(late) > 1 else ''} {ranks} ran {self._doing()} for {ran:.1f} s, "

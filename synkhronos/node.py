@@ -32,8 +32,14 @@ def serve(rt, join_workers):
     status = 0
 
     def ended(signum, frame):
-        raise Exit()
-    # The sentinel's way to end this machine when the controller has gone.
+        # The sentinel's way to end this machine when the controller has gone:
+        # at once, wherever Python is (an exception could land in a callback
+        # that swallows it), and with MPI finalised so mpiexec ends the job quietly.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if not rt.closed:
+            rt.abandon(rt, "the controller ended the job")
+        finalize(cluster.MPI)
+        os._exit(0)
     signal.signal(signal.SIGTERM, ended)
     try:
         while True:

@@ -220,6 +220,8 @@ def _join_cluster(rt, mpi_info, spin_s):
         rt.datas = {}  # segments mapped here, as in a worker (Data objects live in the controller)
     rt.backend.attach(cl)
     rt.monitor.offset = offset
+    if cl.is_controller:
+        rt.monitor.remote = cl.late_ranks
     monitor = rt.monitor
     poll = cl.poll if cl.is_controller else cl.node_check
 
@@ -409,6 +411,7 @@ def abandon(rt, reason):
 def _teardown(rt):
     if rt.closed:
         return  # abandoned already, while close() asked the workers to quit
+    rt.closed = True  # once, even if a step below fails
     for data in list(rt.datas.values()):
         # The master's are Data objects; a node master's, segments it mapped.
         release = getattr(data, "_release", None)
@@ -427,7 +430,6 @@ def _teardown(rt):
             undo()
         except Exception:  # noqa: BLE001 - restoring limits is best effort
             pass
-    rt.closed = True
     for f in rt.functions:
         f._detach()
     set_runtime(None)

@@ -4,6 +4,7 @@ remote-error: a rank on another machine raises inside a call; the run goes on.
 kill-node: the controller SIGKILLs machine 1's node master, then calls a function.
 stop-node: the controller SIGSTOPs machine 1's node master, then calls a function.
 kill-controller: the controller SIGKILLs itself after printing the job's pids.
+timeout: a rank on machine 1 sleeps past fork(timeout=6) inside a call.
 """
 
 import os
@@ -18,6 +19,7 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 
 import synkhronos as synk
+from procs import SleepIn
 from synkhronos.runtime import get_runtime
 
 
@@ -40,12 +42,14 @@ class RaiseOnRank(Op):
 
 
 mode, L = sys.argv[1], int(sys.argv[2])
-n = synk.fork(L)
+n = synk.fork(L, timeout=6 if mode == "timeout" else None)
 rt = get_runtime()
 print("PIDS", " ".join(str(p) for p in rt.cluster.pids), rt.prefix, flush=True)
 x = T.matrix("x")
 f = synk.function([x], T.sum(x))
 bad = synk.function([x], T.sum(RaiseOnRank(n - 1)(x)))
+who = T.lvector("who")
+slow = synk.function([x], T.sum(SleepIn(30)(x, who)), bcast_inputs=[who])
 synk.distribute()
 X = np.ones((10, 3), dtype=pytensor.config.floatX)
 d = synk.data(X)
@@ -67,6 +71,15 @@ elif mode in ("kill-node", "stop-node"):
         for _ in range(100000):
             f(d)
     except synk.WorkerDiedError as exc:
+        print("CAUGHT", type(exc).__name__, f"{time.monotonic() - t0:.2f}", str(exc).splitlines()[0],
+              flush=True)
+    print("CLOSED", flush=True)
+elif mode == "timeout":
+    slow(d, np.array([-1]))  # compiled everywhere first: the timeout then counts the sleep only
+    t0 = time.monotonic()
+    try:
+        slow(d, np.array([L]))
+    except synk.WorkerStalledError as exc:
         print("CAUGHT", type(exc).__name__, f"{time.monotonic() - t0:.2f}", str(exc).splitlines()[0],
               flush=True)
     print("CLOSED", flush=True)

@@ -106,6 +106,16 @@ def test_stopped_node_master_is_named_and_the_job_ends():
     assert not alive and not procs and not segs, (alive, procs, segs, out)
 
 
+def test_timeout_names_the_late_machine():
+    before = _mpi_segments()
+    rc, out, _ = mpirun(3, ["cluster_faults.py", "timeout", "2"])
+    m = re.search(r"CAUGHT WorkerStalledError ([\d.]+) ranks 2, 3 ran call", out)
+    assert m, out
+    assert float(m.group(1)) < 6 + DEADLINE_S, out
+    alive, procs, segs = _left_behind(out, before)
+    assert not alive and not procs and not segs, (alive, procs, segs, out)
+
+
 def test_killed_node_master_ends_the_job_and_leaves_nothing():
     # mpiexec (MPICH's Hydra) ends the whole job when one of its processes is
     # killed; what synkhronos owes is that nothing of it survives.

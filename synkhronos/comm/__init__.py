@@ -54,6 +54,9 @@ def choose_backend(device, n_parallel, n_gpus, cluster=False):
     if cluster:
         return "mpi"
     name = os.environ.get("SYNK_BACKEND")
+    if name == "mpi":
+        raise ValueError("SYNK_BACKEND=mpi: the MPI backend serves clusters, started with "
+                         "mpiexec -n N python script.py (several MPI processes)")
     if name:
         return name
     if device != "gpu":
