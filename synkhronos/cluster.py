@@ -48,7 +48,7 @@ from .liveness import pid_alive, proc_state, wait_until
 logger = logging.getLogger(__name__)
 
 # Tags of the messages between the controller and node masters.
-CMD, REPORT, ABORT, DATA = 1, 2, 3, 4
+CMD, REPORT, ABORT, DATA, DONE = 1, 2, 3, 4, 5   # DONE: a report of nothing but success
 TAG_BASE = 64            # collectives: TAG_BASE + (seq * PER_CMD + k) % TAG_SPAN
 PER_CMD = 256
 EXIT = -1                # an ABORT message with this seq: stop serving and exit
@@ -286,6 +286,13 @@ class Cluster:
         done = True
         for m in self.others:
             if m not in self.reports:
+                probed = comm.Improbe(m, DONE, st)
+                if probed is not None:
+                    buf = bytearray(8)
+                    probed.Recv(buf)
+                    self._check_seq(m, struct.unpack("q", buf)[0])
+                    self.reports[m] = _DONE
+                    continue
                 probed = comm.Improbe(m, REPORT, st)
                 if probed is None:
                     done = False
@@ -293,15 +300,18 @@ class Cluster:
                     self._take_report(m, probed, st.Get_count(self.MPI.BYTE))
         return done
 
+    def _check_seq(self, m, seq):
+        if seq != self.seq:
+            raise SynkError(f"{self.layout.describe(m)} reported command {seq} "
+                            f"while the controller ran {self.seq}")
+
     def _take_report(self, m, probed, n):
         head = bytearray(n)
         probed.Recv(head)
         n_bufs = struct.unpack_from("q", head)[0]
         bufs = [self._recv_bytes(m, REPORT, self._bare_check) for _ in range(n_bufs)]
         rep = pickle.loads(memoryview(head)[8:], buffers=bufs)
-        if rep["seq"] != self.seq:
-            raise SynkError(f"{self.layout.describe(m)} reported command {rep['seq']} "
-                            f"while the controller ran {self.seq}")
+        self._check_seq(m, rep["seq"])
         self.reports[m] = rep
         if (rep["failures"] or rep["died"]) and not self.failed:
             # The other machines may wait for this one inside a collective.
@@ -403,8 +413,15 @@ class Cluster:
 
     def report(self, failures, contributions, died=None):
         """Node master: send the command's outcome to the controller."""
+        if not failures and not contributions and died is None:
+            msg = struct.pack("q", self.seq)  # most commands: 8 bytes, nothing to unpickle
+            self.sends.append((self.comm.Isend(msg, 0, DONE), msg))
+            return
         self.send(0, REPORT, {"seq": self.seq, "failures": failures,
                               "contributions": contributions, "died": died})
+
+
+_DONE = {"seq": None, "failures": [], "contributions": [], "died": None}
 
 
 class Exit(BaseException):
@@ -422,13 +439,19 @@ def _unpickle(raw):
 
 # -- setting up ------------------------------------------------------------------------
 
-def start_sentinel():
-    """Fork the node master's sentinel (before MPI starts); return the pipe to send it the address."""
+def start_sentinel(close_fds=()):
+    """Fork the node master's sentinel (before MPI starts); return the pipe to send it the address.
+
+    ``close_fds`` are closed in the sentinel (the janitor's pipe: the janitor
+    must see it close when the node master goes).
+    """
     read_fd, write_fd = os.pipe()
     parent = os.getpid()
     pid = os.fork()
     if pid == 0:
         try:
+            for fd in close_fds:
+                os.close(fd)
             os.close(write_fd)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             _sentinel_main(parent, read_fd)

@@ -29,6 +29,7 @@ def serve(rt, join_workers):
     """
     cluster = rt.cluster
     check = rt.check
+    alone = not rt.worker_ranks  # no local workers: nothing to post
     status = 0
 
     def ended(signum, frame):
@@ -57,8 +58,11 @@ def serve(rt, join_workers):
                 else:
                     if cmd == Command.DATA_ALLOC:
                         payload = node_alloc(rt, payload)
-                    run_command(rt, cmd, payload,
-                                local=lambda seq, c=cmd, p=payload: HANDLERS[c](rt, p))
+                    if alone and cmd != Command.QUIT:
+                        failures = _run_alone(rt, cmd, payload)
+                    else:
+                        run_command(rt, cmd, payload,
+                                    local=lambda seq, c=cmd, p=payload: HANDLERS[c](rt, p))
                     if cmd == Command.DATA_FREE:
                         node_free(rt, [payload.data_id])
                     if cmd in COLLECTED:
@@ -98,6 +102,23 @@ def serve(rt, join_workers):
         # process exits without it, and the controller reports what went wrong.
         finalize(cluster.MPI)
         os._exit(0)
+
+
+def _run_alone(rt, cmd, payload):
+    """Run a command on a machine whose only rank is its node master; return its failures."""
+    control = rt.control
+    control.seq += 1
+    control.current = control.seq  # what the abort flag is compared with
+    rt.backend.begin(control.seq)
+    rt.monitor.begin(cmd)
+    try:
+        HANDLERS[cmd](rt, payload)
+    except (CommAborted, WorkerDiedError, Exit):
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported to the controller
+        text, raw = describe_error(rank_header(rt.rank, rt.n_parallel), exc)
+        return [(rt.rank, text, raw)]
+    return []
 
 
 def _pickled(exc):

@@ -198,7 +198,7 @@ def _join_cluster(rt, mpi_info, spin_s):
     """Start MPI after the local fork; the controller returns the run's size, node masters serve."""
     sentinel_fd = None
     if mpi_info[0] != 0:
-        _, sentinel_fd = clusters.start_sentinel()
+        _, sentinel_fd = clusters.start_sentinel(close_fds=[rt.janitor_fd])
     atexit.unregister(_close_at_exit)
     atexit.register(_close_at_exit)
     try:
