@@ -175,6 +175,8 @@ class Cluster:
         self.beat_limit = heartbeat_limit_s()
         self.control = None    # set by attach: the local control block (abort flag)
         self.closed = False
+        self.sentinel = None   # node master: the sentinel's pid
+        self.quitting = False  # controller: QUIT was sent
         self.broken = False    # a machine failed: MPI is not used again (nor finalised)
         span = int(mpi.COMM_WORLD.Get_attr(mpi.TAG_UB)) - TAG_BASE
         self.tag_span = max(PER_CMD, span - span % PER_CMD)
@@ -247,6 +249,8 @@ class Cluster:
             return
         self.seq += 1
         self.k = 0
+        # Node masters stop their sentinels on QUIT: a closed connection then means no failure.
+        self.quitting = cmd == Command.QUIT
         self.reports = {}
         self.failed = False
         msg = struct.pack("q", self.seq) + bytes(data)
@@ -356,11 +360,11 @@ class Cluster:
                 got = None
             except OSError:
                 got = b""
-            if got == b"":
+            if got == b"" and not self.quitting:
                 raise WorkerDiedError(
                     f"{self.layout.describe(m)}: its node master died (the connection to its "
                     "sentinel closed); the job is ended", self.layout.offsets[m], None)
-            if got:
+            if got or self.quitting:
                 self.last_beat[m] = now
             elif now - self.last_beat[m] > self.beat_limit:
                 raise WorkerStalledError(

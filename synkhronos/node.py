@@ -46,6 +46,10 @@ def serve(rt, join_workers):
         while True:
             data = cluster.receive_command(check)
             cmd, payload, frees = decode(data)
+            if cmd == Command.QUIT:
+                # A normal end: the sentinel must not take the controller's exit,
+                # which may come before this process's, for a failure.
+                _stop(cluster.sentinel)
             if frees:
                 node_free(rt, frees)
                 unmap(rt, frees)
@@ -102,6 +106,16 @@ def serve(rt, join_workers):
         # process exits without it, and the controller reports what went wrong.
         finalize(cluster.MPI)
         os._exit(0)
+
+
+def _stop(pid):
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except OSError:
+        pass
 
 
 def _run_alone(rt, cmd, payload):

@@ -196,9 +196,9 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
 
 def _join_cluster(rt, mpi_info, spin_s):
     """Start MPI after the local fork; the controller returns the run's size, node masters serve."""
-    sentinel_fd = None
+    sentinel, sentinel_fd = None, None
     if mpi_info[0] != 0:
-        _, sentinel_fd = clusters.start_sentinel(close_fds=[rt.janitor_fd])
+        sentinel, sentinel_fd = clusters.start_sentinel(close_fds=[rt.janitor_fd])
     atexit.unregister(_close_at_exit)
     atexit.register(_close_at_exit)
     try:
@@ -215,6 +215,7 @@ def _join_cluster(rt, mpi_info, spin_s):
     run_command(rt, Command.LAYOUT, clusters.LayoutMsg(offset, layout.n_parallel),
                 local=lambda seq: clusters.set_layout(rt, offset, layout.n_parallel))
     cl.control = rt.control
+    cl.sentinel = sentinel
     rt.cluster = cl
     if not cl.is_controller:
         rt.datas = {}  # segments mapped here, as in a worker (Data objects live in the controller)

@@ -7,6 +7,7 @@ kill-controller: the controller SIGKILLs itself after printing the job's pids.
 timeout: a rank on machine 1 sleeps past fork(timeout=6) inside a call.
 """
 
+import logging
 import os
 import signal
 import sys
@@ -21,6 +22,11 @@ from pytensor.graph.op import Op
 import synkhronos as synk
 from procs import SleepIn
 from synkhronos.runtime import get_runtime
+
+
+# LOG=INFO shows every process's side (pids and times) when a run needs explaining.
+logging.basicConfig(level=os.environ.get("LOG", "WARNING"),
+                    format="%(process)d %(asctime)s %(name)s %(message)s")
 
 
 class RaiseOnRank(Op):
