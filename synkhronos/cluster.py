@@ -53,6 +53,8 @@ TAG_BASE = 64            # collectives: TAG_BASE + (seq * PER_CMD + k) % TAG_SPA
 PER_CMD = 256
 EXIT = -1                # an ABORT message with this seq: stop serving and exit
 INBAND_BYTES = 1 << 16   # smaller buffers travel inside the pickle
+POOL_BYTES = 1 << 16     # received buffers this large are reused (Cluster._buffer)
+POOL_MAX = 64
 BEAT_S = 0.2
 CONNECT_TIMEOUT_S = 60.0
 END_GRACE_S = 3.0
@@ -174,6 +176,7 @@ class Cluster:
         self.last_beat = {}
         self.beat_limit = heartbeat_limit_s()
         self.control = None    # set by attach: the local control block (abort flag)
+        self.pool = {}         # reused receive buffers
         self.closed = False
         self.sentinel = None   # node master: the sentinel's pid
         self.quitting = False  # controller: QUIT was sent
@@ -214,10 +217,27 @@ class Cluster:
         wait_until(arrived, check, self.spin_s)
         return box[0], st.Get_count(self.MPI.BYTE)
 
-    def _recv_bytes(self, src, tag, check):
+    def _recv_bytes(self, src, tag, check, slot=None):
         m, n = self._probe(src, tag, check)
-        buf = bytearray(n)
+        buf = self._buffer(src, slot, n)
         m.Recv(buf)
+        return buf
+
+    def _buffer(self, src, slot, n):
+        """A receive buffer: large ones are kept per (sender, place in message, size).
+
+        Fresh memory costs a page fault per 4 KiB at every call (about as much
+        as the transfer itself); what was received is only valid until the
+        next collective (the backend contract), so the buffer can be reused.
+        """
+        if slot is None or n < POOL_BYTES:
+            return bytearray(n)
+        key = (src, slot, n)
+        buf = self.pool.get(key)
+        if buf is None:
+            if len(self.pool) >= POOL_MAX:
+                self.pool.clear()
+            buf = self.pool[key] = bytearray(n)
         return buf
 
     def recv_into(self, src, tag, buf, check):
@@ -231,7 +251,7 @@ class Cluster:
         """Receive what ``send`` sent from machine ``src`` with ``tag``."""
         head = self._recv_bytes(src, tag, check)
         n_bufs = struct.unpack_from("q", head)[0]
-        bufs = [self._recv_bytes(src, tag, check) for _ in range(n_bufs)]
+        bufs = [self._recv_bytes(src, tag, check, slot=i) for i in range(n_bufs)]
         return pickle.loads(memoryview(head)[8:], buffers=bufs)
 
     def complete_sends(self, check):

@@ -179,6 +179,9 @@ class Data:
         return len(self._data)
 
     def __getitem__(self, k):
+        if self._rt.cluster is not None:
+            self._require_data()
+            return self.data[k]  # read-only: a write through a view would not be mirrored
         return self._require_data()[k]
 
     @serialized

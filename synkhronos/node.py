@@ -13,6 +13,8 @@ from .worker import unmap
 
 logger = logging.getLogger(__name__)
 
+FINALIZE_S = 10
+
 # Commands whose ranks leave results for the controller (Backend.contribute).
 COLLECTED = frozenset({Command.CALL, Command.OVERLAP_STEP, Command.PROFILE,
                        Command.GET_VALUE, Command.GET_SHAPES})
@@ -32,6 +34,11 @@ def serve(rt, join_workers):
     alone = not rt.worker_ranks  # no local workers: nothing to post
     status = 0
 
+    def idle_check():
+        # Between commands nothing runs here, so no command timeout applies: only
+        # the controller's orders (and the sentinel, for its death) end the wait.
+        cluster.node_check()
+
     def ended(signum, frame):
         # The sentinel's way to end this machine when the controller has gone:
         # at once, wherever Python is (an exception could land in a callback
@@ -44,7 +51,7 @@ def serve(rt, join_workers):
     signal.signal(signal.SIGTERM, ended)
     try:
         while True:
-            data = cluster.receive_command(check)
+            data = cluster.receive_command(idle_check)
             cmd, payload, frees = decode(data)
             if cmd == Command.QUIT:
                 # A normal end: the sentinel must not take the controller's exit,
@@ -97,13 +104,19 @@ def serve(rt, join_workers):
         status = 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if status != 0:
+            # The controller must learn at once that this machine is gone, not by
+            # heartbeats that would go on while MPI_Finalize below waits.
+            _stop(cluster.sentinel)
         if not rt.closed:
             if status == 0:
                 join_workers(rt)
             else:
                 rt.abandon(rt, "the controller ended the job")
         # Always finalise: mpiexec ends the whole job, the controller too, when a
-        # process exits without it, and the controller reports what went wrong.
+        # process exits without it.  MPI_Finalize waits for messages still in
+        # flight, so it gets a deadline: SIGALRM ends this process past it.
+        signal.alarm(FINALIZE_S)
         finalize(cluster.MPI)
         os._exit(0)
 
@@ -125,6 +138,9 @@ def _run_alone(rt, cmd, payload):
     control.current = control.seq  # what the abort flag is compared with
     rt.backend.begin(control.seq)
     rt.monitor.begin(cmd)
+    prof = rt.profiler
+    if prof is not None:
+        prof.begin(cmd.name.lower())
     try:
         HANDLERS[cmd](rt, payload)
     except (CommAborted, WorkerDiedError, Exit):
@@ -132,6 +148,9 @@ def _run_alone(rt, cmd, payload):
     except Exception as exc:  # noqa: BLE001 - reported to the controller
         text, raw = describe_error(rank_header(rt.rank, rt.n_parallel), exc)
         return [(rt.rank, text, raw)]
+    finally:
+        if prof is not None and rt.profiler is prof:
+            prof.end("collective")  # what the handler did not book itself
     return []
 
 

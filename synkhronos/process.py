@@ -289,8 +289,8 @@ def _limit_threads(rt):
 
 
 def _pin(rt, rank, restore=False):
-    """Pin this process to its own core when there are enough cores."""
-    if rt.n_parallel <= len(rt.cores):
+    """Pin this process to its own core when this machine has enough cores."""
+    if rt.n_local <= len(rt.cores):
         before = os.sched_getaffinity(0)
         os.sched_setaffinity(0, {rt.cores[rank]})
         if restore:

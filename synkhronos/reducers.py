@@ -62,8 +62,20 @@ def combine(op, parts, weights=None, out=None):
             for p, w in zip(parts[1:], weights[1:]):
                 acc += p * (w / total)
     else:
-        acc = np.array(parts[0])
         ufunc = UFUNCS[op]
+        if out is not None and out.dtype == first.dtype and out.shape == first.shape:
+            # Straight into ``out``: a fresh accumulator of a large array costs its
+            # page faults again at every call.
+            if not any(np.may_share_memory(out, p) for p in parts[1:]):
+                if out is not first:
+                    np.copyto(out, first)
+                for p in parts[1:]:
+                    ufunc(out, p, out=out)
+                return out
+            if len(parts) == 2 and out is parts[1]:
+                ufunc(out, first, out=out)  # these ufuncs commute exactly for two operands
+                return out
+        acc = np.array(parts[0])
         for p in parts[1:]:
             ufunc(acc, p, out=acc)
     if out is not None:

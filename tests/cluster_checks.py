@@ -110,12 +110,17 @@ check_f(f(d), np.arange(40), "mirror set_value grow")
 d.set_length(30)
 X = X[:30]
 check_f(f(d), np.arange(30), "mirror set_length", d)
-try:
-    d.data[0, 0] = 1.0
-except ValueError:
-    ok("raw write refused")
-else:
-    raise AssertionError("a raw write to Data.data went through in a cluster")
+for how in ("data", "view"):
+    try:
+        if how == "data":
+            d.data[0, 0] = 1.0
+        else:
+            row = d[0]
+            row[:] = 1.0
+    except ValueError:
+        ok(f"raw write refused ({how})")
+    else:
+        raise AssertionError(f"a raw write ({how}) to a Data object went through in a cluster")
 d.free_memory()
 d.set_value(X)
 check_f(f(d, batch=sel), sel, "mirror after free_memory")

@@ -5,6 +5,7 @@ kill-node: the controller SIGKILLs machine 1's node master, then calls a functio
 stop-node: the controller SIGSTOPs machine 1's node master, then calls a function.
 kill-controller: the controller SIGKILLs itself after printing the job's pids.
 timeout: a rank on machine 1 sleeps past fork(timeout=6) inside a call.
+idle: the controller sends nothing for longer than fork(timeout=2); the run goes on.
 """
 
 import logging
@@ -48,7 +49,7 @@ class RaiseOnRank(Op):
 
 
 mode, L = sys.argv[1], int(sys.argv[2])
-n = synk.fork(L, timeout=6 if mode == "timeout" else None)
+n = synk.fork(L, timeout={"timeout": 6, "idle": 2}.get(mode))
 rt = get_runtime()
 print("PIDS", " ".join(str(p) for p in rt.cluster.pids), rt.prefix, flush=True)
 x = T.matrix("x")
@@ -88,6 +89,11 @@ elif mode == "timeout":
     except synk.WorkerStalledError as exc:
         print("CAUGHT", type(exc).__name__, f"{time.monotonic() - t0:.2f}", str(exc).splitlines()[0],
               flush=True)
+    print("CLOSED", flush=True)
+elif mode == "idle":
+    time.sleep(3.5)
+    print("AFTER", float(f(d)), flush=True)
+    synk.close()
     print("CLOSED", flush=True)
 elif mode == "kill-controller":
     os.kill(os.getpid(), signal.SIGKILL)

@@ -96,6 +96,12 @@ def test_remote_rank_error_then_the_run_goes_on():
     assert "AFTER" in out and "CLOSED" in out, out
 
 
+def test_idle_node_masters_outlive_the_command_timeout():
+    rc, out, _ = mpirun(2, ["cluster_faults.py", "idle", "2"])
+    assert rc == 0, out
+    assert "AFTER" in out and "CLOSED" in out, out
+
+
 def test_stopped_node_master_is_named_and_the_job_ends():
     before = _mpi_segments()
     rc, out, _ = mpirun(3, ["cluster_faults.py", "stop-node", "2"], SYNK_HEARTBEAT_S="3")

@@ -157,8 +157,11 @@ class MpiBackend(Backend):
             ops = parts.op_list(op, n)
             ws = [float(g[-1]) for g in have] if weighted else None
             vals = [g[:n] for g in have]
-            partial = [reducers.combine(ops[i], [v[i] for v in vals], ws)
-                       for i in range(n)]
+            if len(vals) == 1:
+                partial = vals[0]  # one contribution: it is the partial (nothing to copy)
+            else:
+                partial = [reducers.combine(ops[i], [v[i] for v in vals], ws)
+                           for i in range(n)]
             mass = sum(ws) if weighted else float(len(have))
             entry = (partial, mass)
         else:
