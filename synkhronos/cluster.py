@@ -192,7 +192,15 @@ class Cluster:
         return TAG_BASE + (self.seq * PER_CMD + self.k) % self.tag_span
 
     def send(self, dest, tag, obj):
-        """Send ``obj`` (pickled; large buffers out of band, not copied) to machine ``dest``."""
+        """Send ``obj`` (pickled; large buffers out of band, not copied) to machine ``dest``.
+
+        A reduction's partial, ``(list of small arrays, float)``, travels in a
+        compact form instead: pickling arrays costs several microseconds each way.
+        """
+        packed = _pack_partial(obj)
+        if packed is not None:
+            self.sends.append((self.comm.Isend(packed, dest, tag), packed))
+            return
         bufs = []
         head = pickle.dumps(obj, protocol=5, buffer_callback=lambda b: _inband(b, bufs))
         head = struct.pack("q", len(bufs)) + head
@@ -251,6 +259,8 @@ class Cluster:
         """Receive what ``send`` sent from machine ``src`` with ``tag``."""
         head = self._recv_bytes(src, tag, check)
         n_bufs = struct.unpack_from("q", head)[0]
+        if n_bufs == PACKED:
+            return _unpack_partial(head)
         bufs = [self._recv_bytes(src, tag, check, slot=i) for i in range(n_bufs)]
         return pickle.loads(memoryview(head)[8:], buffers=bufs)
 
@@ -443,6 +453,38 @@ class Cluster:
             return
         self.send(0, REPORT, {"seq": self.seq, "failures": failures,
                               "contributions": contributions, "died": died})
+
+
+PACKED = -1  # first word of a compact partial (a pickled message starts with its buffer count)
+
+
+def _pack_partial(obj):
+    """``(arrays, mass)`` with small plain arrays, as bytes that unpickle fast; else None.
+
+    Arrays as (dtype, shape, bytes) tuples pickle and unpickle in ~3 us, where
+    pickling the arrays themselves costs ~12 us.
+    """
+    if type(obj) is not tuple or len(obj) != 2 or type(obj[0]) is not list \
+            or not isinstance(obj[1], float):
+        return None
+    items = []
+    total = 0
+    for a in obj[0]:
+        if type(a) is not np.ndarray or a.dtype.hasobject:
+            return None
+        total += a.nbytes
+        if total > INBAND_BYTES:
+            return None
+        items.append((a.dtype.str, a.shape, a.tobytes()))
+    return _PACKED_HEAD + pickle.dumps((items, obj[1]), protocol=5)
+
+
+def _unpack_partial(buf):
+    items, mass = pickle.loads(memoryview(buf)[8:])
+    return [np.frombuffer(raw, d).reshape(shape) for d, shape, raw in items], mass
+
+
+_PACKED_HEAD = struct.pack("q", PACKED)
 
 
 _DONE = {"seq": None, "failures": [], "contributions": [], "died": None}
