@@ -505,6 +505,21 @@ def _unpickle(raw):
 
 # -- setting up ------------------------------------------------------------------------
 
+def close_launcher_fds():
+    """In a process forked from an MPI process: close its link to the MPI launcher.
+
+    mpiexec (MPICH's Hydra) passes each process a socket (``PMI_FD``); a forked
+    child that keeps it open can make the launcher see the MPI process's end
+    wrongly, and end the job.
+    """
+    fd = os.environ.get("PMI_FD")
+    if fd and fd.isdigit():
+        try:
+            os.close(int(fd))
+        except OSError:
+            pass
+
+
 def start_sentinel(close_fds=()):
     """Fork the node master's sentinel (before MPI starts); return the pipe to send it the address.
 
@@ -518,6 +533,7 @@ def start_sentinel(close_fds=()):
         try:
             for fd in close_fds:
                 os.close(fd)
+            close_launcher_fds()
             os.close(write_fd)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             _sentinel_main(parent, read_fd)

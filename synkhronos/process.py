@@ -308,6 +308,7 @@ def _set_pdeathsig():
 def _worker_main(rt, rank, read_fd, write_fd):
     os.close(read_fd)
     os.close(write_fd)
+    clusters.close_launcher_fds()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the master's to handle
     _set_pdeathsig()
     if os.getppid() != rt.master_pid:
@@ -329,6 +330,7 @@ def _worker_main(rt, rank, read_fd, write_fd):
 def _janitor_main(prefix, dirs, pids, read_fd, write_fd):
     """Wait for the master to go; then kill its workers, unlink its segments, remove its dirs."""
     os.close(write_fd)
+    clusters.close_launcher_fds()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Its own session: mpiexec (and shells) kill a failed job's process groups,
     # and the janitor must outlive them to clean up.
