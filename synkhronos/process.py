@@ -40,9 +40,18 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
     GPU; each rank sees only its own GPU and functions compile with PyTensor's
     JAX backend.  The master is a rank and computes too.
 
+    Under ``mpiexec -n N`` (several MPI processes, ``pip install
+    "synkhronos[mpi]"``) the run spans N machines: every process forks its own
+    ranks, then MPI starts; MPI rank 0 is the controller, where ``fork()``
+    returns and the program goes on, and every other process serves as its
+    machine's node master until the controller closes, never returning from
+    ``fork()``.  Ranks are numbered machine by machine (``layout()``); see
+    docs/clusters.md.
+
     Args:
         n_parallel: number of ranks (default: every usable core, or every
-            GPU).  Any value >= 1 is accepted: in CPU mode more ranks than
+            GPU); in a cluster, ranks per machine (several MPI processes on
+            one host divide its cores).  Any value >= 1 is accepted: in CPU mode more ranks than
             cores, in GPU mode ranks share GPUs round robin (then NCCL is not
             used, since it needs one GPU per rank).
         use_gpu: None picks GPU mode when NVIDIA GPUs are present, False forces
@@ -59,13 +68,13 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
             is reported within a second whatever the timeout.
 
     Returns:
-        The number of ranks.
+        The number of ranks (in a cluster, of every machine).
 
     Raises:
         SynkStateError: already forked (a ``RuntimeError``).
         TypeError: an argument of the wrong type.
         ValueError: ``n_parallel`` < 1, or ``master_rank`` not in
-            ``range(n_parallel)``.
+            ``range(n_parallel)`` (in a cluster, not 0).
         RuntimeError: ``use_gpu=True`` without a GPU.
         SynkStateError: GPU mode, but CUDA or JAX is already initialised in
             this process (a forked worker could not use its GPU).
