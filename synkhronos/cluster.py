@@ -630,6 +630,13 @@ def connect(rt, mpi, sentinel_fd, spin_s):
     """Exchange the layout, link the sentinels to the controller; return the ``Cluster``."""
     comm = mpi.COMM_WORLD.Dup()
     me, size = comm.Get_rank(), comm.Get_size()
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+
+    def _no_check():
+        if time.monotonic() > deadline:
+            raise SynkError(f"fork: not every one of the {size} MPI processes reached fork() "
+                            f"within {CONNECT_TIMEOUT_S:g} s (does every process run the same "
+                            "script and call synk.fork()?)")
     mine = np.array([rt.n_local, os.getpid()], dtype=np.int64)
     everyone = np.empty((size, 2), dtype=np.int64)
     req = comm.Iallgather(mine, everyone)
@@ -686,10 +693,6 @@ def _recv_exact(sock, n):
             raise OSError("connection closed")
         out += got
     return out
-
-
-def _no_check():
-    pass
 
 
 _FINISHED = []
