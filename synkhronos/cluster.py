@@ -678,6 +678,8 @@ def connect(rt, mpi, sentinel_fd, spin_s):
             listener.close()
     else:
         where, port = pickle.loads(bytes(addr))
+        if hosts[me] == hosts[0] and not os.environ.get("SYNK_CONTROLLER_HOST"):
+            where = "127.0.0.1"  # same host: no name to resolve
         os.write(sentinel_fd, pickle.dumps((where, port, me)))
         os.close(sentinel_fd)
     logger.info("cluster: %s, this process is %s", layout,
