@@ -11,6 +11,7 @@ import pytensor
 import pytensor.tensor as T
 
 import synkhronos as synk
+from synkhronos import ingraph
 from synkhronos.runtime import get_runtime
 
 L = int(sys.argv[1])
@@ -60,6 +61,8 @@ v = pytensor.shared(np.zeros(3, dtype=F), name="v")
 step = synk.function([x], T.sum(x), updates=[(v, v + lr * T.sum(x, axis=0))])
 W = pytensor.shared(np.zeros((2, 3), dtype=F), name="W")
 fw = synk.function([x], T.sum(T.dot(x[:, :2], W)))
+fin = synk.function([x], [(ingraph.psum(T.sum(x, axis=0)), "avg"),
+                          (T.sum(ingraph.all_gather(T.sum(x, axis=1))), "avg")])
 synk.distribute()
 
 X = (1 + 0.01 * rng.normal(size=(23, 3))).astype(F)
@@ -197,6 +200,12 @@ exp = sum(0.1 * X[lo:hi].sum(axis=0) for lo, hi in ranges)
 for r in range(n):
     close(synk.get_value(r, v), exp, rtol=1e-4)
 ok("updates and all_reduce")
+
+# -- in-graph collectives span the machines ------------------------------------------------------
+got = fin(d)
+close(got[0], X.sum(axis=0), rtol=1e-4)
+close(got[1], X.sum(), rtol=1e-4)
+ok("in-graph psum and all_gather")
 
 # -- bad input: a clear error in the controller, and the run goes on ------------------------------
 try:
