@@ -177,6 +177,7 @@ class Cluster:
         self.beat_limit = heartbeat_limit_s()
         self.control = None    # set by attach: the local control block (abort flag)
         self.pool = {}         # reused receive buffers
+        self.orphans = []      # (request, buffer) of sends an aborted command left behind
         self.closed = False
         self.sentinel = None   # node master: the sentinel's pid
         self.quitting = False  # controller: QUIT was sent
@@ -272,6 +273,19 @@ class Cluster:
         wait_until(lambda: self.MPI.Request.Testall(reqs), check, self.spin_s)
         self.sends.clear()
 
+    def retire_sends(self):
+        """Stop waiting for sends a command left pending; return nothing.
+
+        Called when a command is over on this side: every message a peer still
+        wanted has been received by then (its report says so), so a send still
+        pending belongs to a collective that a failure abandoned, and the peer
+        will never receive it (a large message waits for its receiver).  Its
+        request and buffer are kept, tested again later, never waited for.
+        """
+        if self.sends or self.orphans:
+            self.orphans = [(r, b) for r, b in self.orphans + self.sends if not r.Test()]
+            self.sends = []
+
     # -- controller -------------------------------------------------------------------
     def forward(self, cmd, data):
         """Controller: send a posted command's bytes to every node master."""
@@ -298,7 +312,7 @@ class Cluster:
             return None
         wait_until(self._all_reported, check, self.spin_s)
         self.pending = False
-        self.complete_sends(check)
+        self.retire_sends()
         failures = {}
         died = None
         for m in self.others:

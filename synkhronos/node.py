@@ -89,6 +89,7 @@ def serve(rt, join_workers):
             except Exception as exc:  # noqa: BLE001 - reported to the controller
                 text, raw = describe_error(rank_header(rt.rank, rt.n_parallel), exc)
                 failures = [(rt.rank, text, raw)]
+            cluster.retire_sends()  # an aborted collective's sends nobody will receive
             cluster.report(failures, contributions, died)
             # After a death the machine is torn down; the sentinel still ends this
             # process if the controller goes.

@@ -22,6 +22,7 @@ from pytensor.graph.op import Op
 
 import synkhronos as synk
 from procs import SleepIn
+from synkhronos import ingraph
 from synkhronos.runtime import get_runtime
 
 
@@ -55,6 +56,10 @@ print("PIDS", " ".join(str(p) for p in rt.cluster.pids), rt.prefix, flush=True)
 x = T.matrix("x")
 f = synk.function([x], T.sum(x))
 bad = synk.function([x], T.sum(RaiseOnRank(n - 1)(x)))
+# A rank fails before an in-graph collective of 2.4 MB: the other machines leave it
+# mid-exchange, with large sends nobody will receive.
+big = T.alloc(T.sum(x), 600000)
+bad_collective = synk.function([x], T.sum(ingraph.psum(RaiseOnRank(n - 1)(big))))
 who = T.lvector("who")
 slow = synk.function([x], T.sum(SleepIn(30)(x, who)), bcast_inputs=[who])
 synk.distribute()
@@ -69,6 +74,12 @@ if mode == "remote-error":
         print("CAUGHT", type(exc).__name__, "rank", exc.rank, flush=True)
         assert "planted failure" in str(exc)
     print("AFTER", float(f(d)), flush=True)
+    for _ in range(2):
+        try:
+            bad_collective(d)
+        except ValueError as exc:
+            print("CAUGHT IN COLLECTIVE", type(exc).__name__, "rank", exc.rank, flush=True)
+        print("AFTER COLLECTIVE", float(f(d)), flush=True)
     synk.close()
     print("CLOSED", flush=True)
 elif mode in ("kill-node", "stop-node"):
