@@ -43,7 +43,7 @@ import numpy as np
 
 from .control import Command, handler
 from .errors import SynkError, WorkerDiedError, WorkerStalledError
-from .liveness import pid_alive, proc_state, wait_until
+from .liveness import pid_alive, proc_start_time, proc_state, wait_until
 
 logger = logging.getLogger(__name__)
 
@@ -571,8 +571,10 @@ def _sentinel_main(parent, read_fd):
         _end(parent)
         return
     sock.setblocking(False)
+    started = proc_start_time(parent)
     while True:
-        if not pid_alive(parent) or proc_state(parent) in ("Z", "X", None):
+        # Reparented: the node master is gone (its pid may already name another process).
+        if os.getppid() != parent or proc_start_time(parent) != started:
             return
         readable, _, _ = select.select([sock], [], [], BEAT_S)
         if readable:
