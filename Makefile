@@ -67,6 +67,8 @@ bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[bench]"
 	$(BIN)/python bench/call_overhead.py
 	$(BIN)/python bench/scaling.py --plot docs/img/scaling_mlp.png
+	$(BIN)/python bench/resnet.py --no-torch --width 4 --image-size 16 --batch-size 256 --steps 20 --repeats 3 \
+		--plot docs/img/scaling_resnet.png
 	$(BIN)/python bench/collectives.py --markdown --plot docs/img/all_reduce.png
 	$(BIN)/python bench/soak.py
 

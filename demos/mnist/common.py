@@ -20,16 +20,23 @@ import numpy as np
 IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
 
-def parse_args(description, argv=None, parallel=True):
+def parse_args(description, argv=None, parallel=True, model="mlp"):
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--data", default=None,
                    help="MNIST IDX directory or .npz file (default: scikit-learn's digits)")
-    # Batch 512 through a 1024-1024 MLP: each rank's share (256 rows) keeps its core's
-    # BLAS busy for tens of milliseconds per step, so one all-reduce of the 1.1M-value
-    # gradient costs little beside it; at 64 rows a step is mostly overhead.
+    # Batch 512: each rank's share (256 rows) keeps its core busy for tens of milliseconds
+    # per step (the CNN: about 100), so one all-reduce of the gradient (CNN 0.3 M values,
+    # MLP 1.1 M) costs little beside it; at 64 rows a step is mostly overhead.
     p.add_argument("--batch-size", type=int, default=512, help="global minibatch size")
     p.add_argument("--epochs", type=int, default=30)
-    p.add_argument("--hidden", type=int, default=1024, help="units per hidden layer")
+    p.add_argument("--model", choices=("mlp", "cnn"), default=model,
+                   help=f"mlp: two hidden layers; cnn: two 3x3 convolutions (32, 64 filters), "
+                        f"a 2x2 max-pool and one hidden layer (default: {model})")
+    p.add_argument("--hidden", type=int, default=None,
+                   help="units per hidden layer (default: 1024 in the mlp, 256 in the cnn)")
+    p.add_argument("--mode", default=None,
+                   help="PyTensor mode of every function, e.g. NUMBA (default: FAST_COMPILE "
+                        "for the cnn, PyTensor's own for the mlp)")
     p.add_argument("--learning-rate", type=float, default=0.002, help="Adam's step size")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -39,7 +46,15 @@ def parse_args(description, argv=None, parallel=True):
         p.add_argument("--serial-epochs", type=int, default=3,
                        help="epochs of the serial twin (on 1 and on all BLAS threads) timed "
                             "for the speedup (0: skip)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.hidden is None:
+        args.hidden = 256 if args.model == "cnn" else 1024
+    if args.mode is None and args.model == "cnn":
+        # The conv and pool Ops run their Numba kernels (compiled once, cached on disk)
+        # in every mode; PyTensor's default mode also compiles the whole graph with Numba:
+        # minutes on a cold cache, to save 5-25% per step here.
+        args.mode = "FAST_COMPILE"
+    return args
 
 
 def read_idx(path):
@@ -106,6 +121,39 @@ def build_mlp(n_in, n_hidden, n_classes, seed):
     return forward, [p for layer in layers for p in layer.params]
 
 
+def build_cnn(n_in, n_hidden, n_classes, seed, channels=(32, 64)):
+    """Return ``(forward, params)``: two 3x3 ReLU convolutions, a 2x2 max-pool, a hidden layer.
+
+    ``forward`` takes the flat rows (square images, one channel) and reshapes them.
+    """
+    from synkhronos.extensions import layers as L
+    side = int(round(n_in ** 0.5))
+    if side * side != n_in:
+        raise ValueError(f"--model cnn needs square images; got {n_in} pixels")
+    rng = np.random.default_rng(seed)
+    c1, c2 = channels
+    pooled = (side // 2) ** 2 * c2
+    layers = [L.Conv2D(1, c1, 3, pad=1, rng=rng, name="c1"),
+              L.Conv2D(c1, c2, 3, pad=1, rng=rng, name="c2"),
+              L.Dense(pooled, n_hidden, rng, name="h1"),
+              L.Dense(n_hidden, n_classes, rng, init="glorot", name="out")]
+
+    def forward(x):
+        h = x.reshape((x.shape[0], side, side, 1))
+        h = L.relu(layers[0](h))
+        h = L.max_pool2d(L.relu(layers[1](h)), 2)
+        h = L.relu(layers[2](L.flatten2d(h)))
+        return layers[3](h)
+
+    return forward, [p for layer in layers for p in layer.params]
+
+
+def build_model(args, n_in, n_classes=10):
+    """Return ``(forward, params)`` of the model ``--model`` names."""
+    build = build_cnn if args.model == "cnn" else build_mlp
+    return build(n_in, args.hidden, n_classes, args.seed)
+
+
 def loss_and_accuracy(forward, x, y):
     """Return the mean cross-entropy loss and the accuracy of ``forward(x)`` on labels ``y``."""
     from synkhronos.extensions import layers as L
@@ -163,11 +211,12 @@ def serial_epochs(args, data, n_epochs, label="serial", threads=None):
     x_train, y_train, x_test, y_test, _ = data
     x = pt.matrix("x")
     y = pt.lvector("y")
-    forward, params = build_mlp(x_train.shape[1], args.hidden, 10, args.seed)
+    forward, params = build_model(args, x_train.shape[1])
     loss, acc = loss_and_accuracy(forward, x, y)
     step = make_serial_train_function(loss, params, x, y, update_rule="adam",
-                                      update_kwargs={"learning_rate": args.learning_rate})
-    f_test = pytensor.function([x, y], [loss, acc])
+                                      update_kwargs={"learning_rate": args.learning_rate},
+                                      mode=args.mode)
+    f_test = pytensor.function([x, y], [loss, acc], mode=args.mode)
     rng = np.random.default_rng(args.seed)
     step(x_train, y_train, batch=np.arange(min(args.batch_size, len(x_train))))  # compile: warm-up
     log = EpochLog(label)

@@ -1,6 +1,24 @@
 """MNIST (or scikit-learn's digits), data-parallel, with the data on the host.
 
     python demos/mnist/train_mnist_cpu_data.py --epochs 10 --batch-size 64
+    python demos/mnist/train_mnist_cpu_data.py --model mlp     # the MLP of the other demos
+
+The model is a small CNN (``--model cnn``, the default here): two 3x3 ReLU
+convolutions with 32 and 64 filters, a 2x2 max-pool, a 256-unit hidden layer;
+Adam, minibatches of 512, 30 epochs.  Why this workload: data parallelism
+pays where the serial program cannot use the second core.  An MLP is almost
+all matrix products, which the serial twin's BLAS already splits over every
+core, so on 2 cores the ranks at best tied it (0.70-1.06x in issue 14's
+runs).  Here most of a step is the convolution Ops' Numba kernels (im2col,
+pooling) and elementwise work, which run on one thread however many BLAS
+threads there are, and the gradient to all-reduce is small (0.3 M values).
+Why 512 rows: a serial step on one thread took about 2.3-2.8x as long at 512
+rows as at 256 (probably the im2col matrices outgrowing the caches), and each
+rank computes 256; at batch 256 the ranks did not beat one thread in two
+runs on a loaded machine.  The functions compile with ``FAST_COMPILE`` (both
+twins): the Ops run the same Numba kernels, compiled once and cached, while
+PyTensor's default mode also compiles the whole graph with Numba, minutes on
+a cold cache.  bench/RESULTS.md (issue 14) has the figures.
 
 The training set lives in ``synk.Data`` objects (POSIX shared memory).  Each
 step passes the whole set with ``batch=`` a shuffled list of row indices:
@@ -31,7 +49,7 @@ from synkhronos.extensions import make_train_function  # noqa: E402
 
 
 def main(argv=None):
-    args = common.parse_args(__doc__.splitlines()[0], argv)
+    args = common.parse_args(__doc__.splitlines()[0], argv, model="cnn")
     data = common.load_data(args.data, args.seed)
     x_train, y_train, x_test, y_test, name = data
     n_parallel = synk.fork(args.n_parallel)   # before building any function
@@ -40,11 +58,12 @@ def main(argv=None):
 
     x = pt.matrix("x")
     y = pt.lvector("y")
-    forward, params = common.build_mlp(x_train.shape[1], args.hidden, 10, args.seed)
+    forward, params = common.build_model(args, x_train.shape[1])
     loss, acc = common.loss_and_accuracy(forward, x, y)
     train_step = make_train_function(loss, params, x, y, update_rule="adam",
-                                     update_kwargs={"learning_rate": args.learning_rate})
-    f_test = synk.function([x, y], [loss, acc])   # both "avg": weighted by rows, exact
+                                     update_kwargs={"learning_rate": args.learning_rate},
+                                     mode=args.mode)
+    f_test = synk.function([x, y], [loss, acc], mode=args.mode)   # both "avg": weighted by rows, exact
     synk.distribute()
 
     x_train_d, y_train_d = synk.data(x_train), synk.data(y_train)

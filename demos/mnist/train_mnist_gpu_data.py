@@ -46,13 +46,15 @@ def main(argv=None):
 
     x_train_s, y_train_s = shared_like(x_train, "x_train"), shared_like(y_train, "y_train")
     x_test_s, y_test_s = shared_like(x_test, "x_test"), shared_like(y_test, "y_test")
-    forward, params = common.build_mlp(x_train.shape[1], args.hidden, 10, args.seed)
+    forward, params = common.build_model(args, x_train.shape[1])
     loss, _ = common.loss_and_accuracy(forward, x_train_s, y_train_s)
     # x and y are shared variables here: they become sliceable_shareds.
     train_step = make_train_function(loss, params, x_train_s, y_train_s, update_rule="adam",
-                                     update_kwargs={"learning_rate": args.learning_rate})
+                                     update_kwargs={"learning_rate": args.learning_rate},
+                                     mode=args.mode)
     test_loss, test_acc = common.loss_and_accuracy(forward, x_test_s, y_test_s)
-    f_test = synk.function([], [test_loss, test_acc], sliceable_shareds=[x_test_s, y_test_s])
+    f_test = synk.function([], [test_loss, test_acc], sliceable_shareds=[x_test_s, y_test_s],
+                           mode=args.mode)
     synk.distribute()
 
     synk.scatter([x_train_s, y_train_s], [x_train, y_train])

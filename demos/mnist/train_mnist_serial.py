@@ -3,9 +3,11 @@
     python demos/mnist/train_mnist_serial.py --epochs 10 --batch-size 64
 
 The same model, initial values, update rule (Adam) and minibatches as the two
-data-parallel demos, built with ``make_serial_train_function``: one PyTensor
-function per step, using the machine as plain PyTensor does (its BLAS may use
-every core).  Prints train loss and test accuracy per epoch.
+data-parallel demos (the MLP by default, as ``train_mnist_gpu_data.py``;
+``--model cnn`` for the CNN of ``train_mnist_cpu_data.py``), built with
+``make_serial_train_function``: one PyTensor function per step, using the
+machine as plain PyTensor does (its BLAS may use every core).  Prints train
+loss and test accuracy per epoch.
 """
 
 import os
