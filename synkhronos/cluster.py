@@ -178,7 +178,6 @@ class Cluster:
         self.control = None    # set by attach: the local control block (abort flag)
         self.pool = {}         # reused receive buffers
         self.orphans = []      # (request, buffer) of sends an aborted command left behind
-        self.closed = False
         self.sentinel = None   # node master: the sentinel's pid
         self.quitting = False  # controller: QUIT was sent
         self.broken = False    # a machine failed: MPI is not used again (nor finalised)
@@ -258,11 +257,19 @@ class Cluster:
 
     def recv(self, src, tag, check):
         """Receive what ``send`` sent from machine ``src`` with ``tag``."""
-        head = self._recv_bytes(src, tag, check)
+        return self._rest(src, tag, self._recv_bytes(src, tag, check), check, pooled=True)
+
+    def _rest(self, src, tag, head, check, pooled):
+        """Unpickle a message from its head, receiving its out-of-band buffers.
+
+        ``pooled``: receive them into kept buffers (results valid until the
+        next collective), not for what must outlive the command.
+        """
         n_bufs = struct.unpack_from("q", head)[0]
         if n_bufs == PACKED:
             return _unpack_partial(head)
-        bufs = [self._recv_bytes(src, tag, check, slot=i) for i in range(n_bufs)]
+        bufs = [self._recv_bytes(src, tag, check, slot=i if pooled else None)
+                for i in range(n_bufs)]
         return pickle.loads(memoryview(head)[8:], buffers=bufs)
 
     def complete_sends(self, check):
@@ -356,9 +363,8 @@ class Cluster:
     def _take_report(self, m, probed, n):
         head = bytearray(n)
         probed.Recv(head)
-        n_bufs = struct.unpack_from("q", head)[0]
-        bufs = [self._recv_bytes(m, REPORT, self._bare_check) for _ in range(n_bufs)]
-        rep = pickle.loads(memoryview(head)[8:], buffers=bufs)
+        # Contributions are kept until the call's results are combined: not pooled.
+        rep = self._rest(m, REPORT, head, self._bare_check, pooled=False)
         self._check_seq(m, rep["seq"])
         self.reports[m] = rep
         if (rep["failures"] or rep["died"]) and not self.failed:

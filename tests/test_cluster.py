@@ -58,8 +58,8 @@ def _mpi_segments():
     return {n for n in os.listdir("/dev/shm") if n.startswith("mpich_shm")}
 
 
-def _left_behind(out, before_mpi, script="cluster_faults.py"):
-    """Processes and segments of the job that outlived it (its pids and run prefix from PIDS)."""
+def assert_nothing_left(out, before_mpi, script="cluster_faults.py"):
+    """Assert that no process or segment of the job outlived it (its pids and prefix from PIDS)."""
     m = re.search(r"^PIDS ([\d ]+) (/synk_\S+)$", out, re.M)
     assert m, out
     pids = [int(p) for p in m.group(1).split()]
@@ -74,7 +74,9 @@ def _left_behind(out, before_mpi, script="cluster_faults.py"):
     wait_for(clean, DEADLINE_S)
     left = subprocess.run(["pgrep", "-fa", script], capture_output=True,
                           text=True).stdout
-    return [p for p in pids if not gone(p)], left, sorted(_mpi_segments() - before_mpi)
+    alive = [p for p in pids if not gone(p)]
+    segs = sorted(_mpi_segments() - before_mpi)
+    assert not alive and not left and not segs, (alive, left, segs, out)
 
 
 @pytest.mark.parametrize("machines,local", [(2, 1), (3, 2)])
@@ -84,8 +86,7 @@ def test_cluster_contract(machines, local):
     rc, out, _ = mpirun(machines, ["cluster_checks.py", str(local)])
     assert rc == 0 and "ALL OK" in out, out
     assert out.count("OK all_reduce and reduce") == 5, out
-    alive, procs, segs = _left_behind(out, before, "cluster_checks.py")
-    assert not alive and not procs and not segs, (alive, procs, segs, out)
+    assert_nothing_left(out, before, "cluster_checks.py")
 
 
 def test_remote_rank_error_then_the_run_goes_on():
@@ -111,8 +112,7 @@ def test_stopped_node_master_is_named_and_the_job_ends():
     m = re.search(r"CAUGHT WorkerStalledError ([\d.]+) machine 1 \(\S+, ranks 2\.\.3\)", out)
     assert m, out
     assert float(m.group(1)) < DEADLINE_S, out
-    alive, procs, segs = _left_behind(out, before)
-    assert not alive and not procs and not segs, (alive, procs, segs, out)
+    assert_nothing_left(out, before)
 
 
 def test_timeout_names_the_late_machine():
@@ -121,8 +121,7 @@ def test_timeout_names_the_late_machine():
     m = re.search(r"CAUGHT WorkerStalledError ([\d.]+) ranks 2, 3 ran call", out)
     assert m, out
     assert float(m.group(1)) < 6 + DEADLINE_S, out
-    alive, procs, segs = _left_behind(out, before)
-    assert not alive and not procs and not segs, (alive, procs, segs, out)
+    assert_nothing_left(out, before)
 
 
 def test_killed_node_master_ends_the_job_and_leaves_nothing():
@@ -132,16 +131,14 @@ def test_killed_node_master_ends_the_job_and_leaves_nothing():
     rc, out, took = mpirun(3, ["cluster_faults.py", "kill-node", "2"])
     assert rc != 0, out
     assert took < 60, out
-    alive, procs, segs = _left_behind(out, before)
-    assert not alive and not procs and not segs, (alive, procs, segs, out)
+    assert_nothing_left(out, before)
 
 
 def test_killed_controller_ends_every_machine():
     before = _mpi_segments()
     rc, out, _ = mpirun(3, ["cluster_faults.py", "kill-controller", "2"])
     assert rc != 0, out
-    alive, procs, segs = _left_behind(out, before)
-    assert not alive and not procs and not segs, (alive, procs, segs, out)
+    assert_nothing_left(out, before)
 
 
 @pytest.mark.slow
