@@ -18,6 +18,7 @@ import logging
 from typing import NamedTuple
 
 import numpy as np
+from pytensor.tensor.sharedvar import TensorSharedVariable
 
 from . import reducers
 from .comm import compressed
@@ -433,12 +434,26 @@ def all_reduce(shared_vars, op="avg", nccl=True, dtype=None):
         WorkerError: a rank failed while reducing.
     """
     rt = require_distributed("all_reduce()")
+    # A loop all-reducing one variable sends the same message each time: it
+    # is checked and pickled once (the arguments are the key).
+    key = None
+    if (type(shared_vars) is TensorSharedVariable and type(op) is str and type(nccl) is bool
+            and (dtype is None or type(dtype) is str)):
+        key = (Command.ALL_REDUCE, shared_vars, op, nccl, dtype)
+        hit = rt.wire.get(key)
+        if hit is not None:
+            msg = hit[0]
+            run_command(rt, Command.ALL_REDUCE, msg, lambda seq: all_reduce_local(rt, msg),
+                        wire=hit[1])
+            return
     idx, _ = _check_reduce(rt, shared_vars, op, True, "all_reduce")
     if dtype is not None:
         compressed.check(dtype, op, [(rt.shareds[i], rt.shareds[i].dtype) for i in idx],
                          "all_reduce")
     msg = AllReduceMsg(idx, op, bool(nccl), dtype)
     run_command(rt, Command.ALL_REDUCE, msg, lambda seq: all_reduce_local(rt, msg))
+    if key is not None and rt.control.last_plain is not None:
+        rt.wire[key] = (msg, rt.control.last_plain)
 
 
 class AllReduceMsg(NamedTuple):
@@ -456,6 +471,9 @@ def all_reduce_local(rt, msg):
     Also the second part of a fused training step (``Function`` calls with
     ``then``), inside the CALL command.
     """
+    small = rt.backend.small_all_reduce
+    if small is not None and msg.dtype is None and small(msg.idx, msg.op):
+        return
     shareds = [rt.shareds[i] for i in msg.idx]
     if msg.dtype is not None:
         host = rt.backend.host

@@ -238,6 +238,17 @@ def collect(spec, rt, mine, subset, name):
     """In the master, after the end barrier: combine every rank's results by op."""
     if not spec.outputs:
         return []
+    scalar_parts = rt.backend.scalar_parts
+    if scalar_parts is not None and spec.simple and subset is None and mine is not None:
+        # One float scalar from every rank (a loss): straight from the control slots.
+        a = mine[0][0]
+        if a.ndim == 0 and a.dtype.char in "efd":
+            got = scalar_parts(ord(a.dtype.char))
+            if got is not None:
+                got[rt.rank] = (float(a), mine[1])
+                out = reducers.combine_floats(spec.output_ops[0], [g[0] for g in got],
+                                              [g[1] for g in got], a.dtype)
+                return [out] if spec.return_list else out
     parts = rt.backend.collect()
     parts[rt.rank] = mine
     if spec.simple and subset is None and None not in parts:

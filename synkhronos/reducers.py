@@ -100,7 +100,11 @@ def _place(value, out, dtype):
 def _combine_scalars(op, parts, weights, dtype):
     # 0-d float outputs (losses, accuracies) are the common case; Python floats
     # reduce them several times faster than NumPy scalar arithmetic.
-    values = [float(p) for p in parts]
+    return combine_floats(op, [float(p) for p in parts], weights, dtype)
+
+
+def combine_floats(op, values, weights, dtype):
+    """``combine`` of 0-d float parts given as Python floats; returns a 0-d array of ``dtype``."""
     if op == "avg":
         if weights is not None and values.count(values[0]) == len(values):
             result = values[0]  # equal values (an in-graph psum) stay exact

@@ -47,6 +47,7 @@ class Runtime:
     profiler: object = None         # profiling.Profiler while synk.profile() records
     lock_fd: int = -1               # the run's lock (shmem.hold_run_lock), held by every process
     freed: collections.deque = field(default_factory=collections.deque)  # dropped Data ids
+    wire: dict = field(default_factory=dict)  # master: repeated calls' messages, pickled (post)
     cleanup_dirs: list = field(default_factory=list)  # removed by the janitor after a crash
     device_shareds: set = field(default_factory=set)  # ids of shared vars whose values live on the device
     jax_before_fork: bool = False   # JAX ran in the master before fork(): workers cannot

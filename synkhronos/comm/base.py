@@ -46,6 +46,8 @@ class Backend(ABC):
     """Collectives among the ranks of one run.  Created in the master before fork."""
 
     device_arrays = False
+    small_all_reduce = None  # a backend with a latency path for small all_reduce sets a method
+    scalar_parts = None      # and one that passes float scalars outside its buffers (contribute)
 
     def __init__(self, rt, spin_s):
         self.rt = rt

@@ -19,13 +19,18 @@ import logging
 
 import numpy as np
 
+from .. import reducers
 from ..errors import CommAborted
 from ..liveness import wait_until
 from ..shmem import SharedArray
 from . import parts
 from .base import SPLIT_BYTES, Backend, as_arrays
 from .homes import Homes
-from .slabs import EPOCH, HOMES, MADV_POPULATE_WRITE, STRIDE, Slabs, populate
+from .slabs import (_HEAD, EPOCH, HOMES, MADV_POPULATE_WRITE, SCALAR_CODE, SCALAR_SEQ,
+                    SCALAR_VALUE, SCALAR_WEIGHT, STRIDE, Slabs, _dtype, populate)
+
+# A contribution of one float scalar (a loss) travels in the control block.
+SCALAR_CHARS = "efd"
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +42,13 @@ class ShmBackend(Backend):
         super().__init__(rt, spin_s)
         self.block = SharedArray(rt.segment_name("comm"), 8 * STRIDE * rt.n_parallel)
         self.mv = memoryview(self.block.buffer).cast("q")
+        self.fv = memoryview(self.block.buffer).cast("d")  # the same slots, as float64
         homes = Homes(rt.prefix, lambda seg: populate(seg, MADV_POPULATE_WRITE))
         self.slabs = Slabs(rt, self.mv, rt.prefix + "slab", self.max_dim, homes)
         self.homes = homes
         self.k = 0
         self.fence = False
+        self.small_plans = {}
 
     def begin(self, seq):
         self.seq = seq
@@ -162,6 +169,68 @@ class ShmBackend(Backend):
                 parts.finish(ops[i], got[q][i].reshape(-1)[lo:hi], flats[i][lo:hi], n)
         return result
 
+    def small_all_reduce(self, keys, op):
+        """All-reduce small host shared variables in place on a cached plan; False if it cannot.
+
+        The latency path of ``all_reduce`` (every rank calls it with the same
+        ``keys``, indices into ``rt.shareds``, and ``op``).  It writes exactly
+        what ``_reduce`` would for these arrays (the same header and data in
+        this rank's slab), so ranks where it declines, before touching
+        anything, meet the others in the general path; every rank reduces
+        the slabs in rank order, so all get the same bits.  Declines for
+        arrays that are not plain writeable host arrays, results of another
+        dtype, or sizes worth splitting.
+        """
+        key = (tuple(keys), op)
+        plan = self.small_plans.get(key)
+        if plan is None:
+            plan = _SmallPlan(self, keys, op)
+            if len(self.small_plans) > 64:
+                self.small_plans.clear()
+            self.small_plans[key] = plan
+        arrays = [c.storage[0] for c in plan.containers]
+        checked = plan.checked
+        for a, b in zip(arrays, checked):
+            if a is not b:
+                # Not the arrays the plan was checked on (an update replaced them).
+                if not plan.takes(arrays):
+                    return False
+                checked[:] = arrays  # held, so their ids stay theirs
+                break
+        lay = plan.lay
+        if lay is None:
+            return False
+        self._start()
+        slabs = self.slabs
+        buf = slabs.own(lay.total).buffer
+        header = plan.header
+        hlen = len(header)
+        buf[:hlen] = header
+        for a, (lo, hi) in zip(arrays, plan.spans):
+            buf[lo:hi] = a.tobytes()
+        self.barrier()
+        self.fence = True
+        for q in plan.others:
+            if slabs.slab(q).buffer[:hlen] != header:
+                n = self.n_parallel
+                got = [slabs.unpack(r) for r in range(n)]
+                parts.check_alike(got, range(n), [slabs.flag(r) for r in range(n)])
+                raise ValueError("all_reduce: the ranks' values differ in shape or dtype")
+        gens = [entry[0] for entry in slabs.slabs.values()]
+        if gens != plan.gens:
+            # A slab grew since: views of the new ones, per array over the ranks.
+            by_rank = [slabs.views_of(q, lay) for q in range(self.n_parallel)]
+            plan.per_array = [[v[i] for v in by_rank] for i in range(len(arrays))]
+            plan.gens = gens
+        ufunc, scale = plan.ufunc, plan.scale
+        for a, views in zip(arrays, plan.per_array):
+            ufunc(views[0], views[1], out=a)
+            for v in views[2:]:
+                ufunc(a, v, out=a)
+            if scale is not None:
+                a *= scale
+        return True
+
     def _all_reduce_homes(self, arrays, ops, keys, plan):
         """Split all_reduce whose results land in (and stay in) this rank's homes.
 
@@ -206,14 +275,48 @@ class ShmBackend(Backend):
         return dsts
 
     def contribute(self, arrays, weight=1.0):
-        """Leave ``arrays`` for the root; after other collectives, only once ``settle()`` ran."""
+        """Leave ``arrays`` for the root; after other collectives, only once ``settle()`` ran.
+
+        One float scalar (a function's loss, say) goes into this rank's slots
+        of the control block as a float64, which holds float16, float32 and
+        float64 values exactly: writing and reading a slab header costs
+        several times more.
+        """
+        if arrays is not None and len(arrays) == 1:
+            a = arrays[0]
+            if type(a) is np.ndarray and a.ndim == 0 and a.dtype.char in SCALAR_CHARS:
+                base = self.rank * STRIDE
+                self.fv[base + SCALAR_VALUE] = float(a)
+                self.fv[base + SCALAR_WEIGHT] = weight
+                self.mv[base + SCALAR_CODE] = ord(a.dtype.char)
+                self.mv[base + SCALAR_SEQ] = self.seq  # last: the root checks it first
+                return
         self.slabs.pack(arrays, weight)
 
     def settle(self):
         if self.fence:
             self.barrier()  # nobody may still read the slabs the last collective used
 
+    def scalar_parts(self, code):
+        """Root, after the end barrier: ``[(value, weight)]`` over the ranks (None for this one)
+        if every other rank contributed one float scalar of dtype code ``code``, else None."""
+        mv, fv, seq, me = self.mv, self.fv, self.seq, self.rank
+        out = []
+        for q in range(self.n_parallel):
+            if q == me:
+                out.append(None)
+                continue
+            base = q * STRIDE
+            if mv[base + SCALAR_SEQ] != seq or mv[base + SCALAR_CODE] != code:
+                return None
+            out.append((fv[base + SCALAR_VALUE], fv[base + SCALAR_WEIGHT]))
+        return out
+
     def _contribution(self, q):
+        base = q * STRIDE
+        if self.mv[base + SCALAR_SEQ] == self.seq:
+            value = np.array(self.fv[base + SCALAR_VALUE], _dtype(self.mv[base + SCALAR_CODE]))
+            return [value], self.fv[base + SCALAR_WEIGHT]
         arrays = self.slabs.unpack(q)
         return arrays, (None if arrays is None else self.slabs.weight(q))
 
@@ -305,3 +408,45 @@ class ShmBackend(Backend):
         self.slabs.close()
         self.mv.release()
         self.block.close()
+
+
+class _SmallPlan:
+    """What ``small_all_reduce`` needs for one (variables, op), checked once.
+
+    ``lay`` is None where the fast path never applies (device variables,
+    more bytes than ``SPLIT_BYTES``, or arrays it does not take).
+    """
+
+    __slots__ = ("containers", "checked", "sig", "op", "lay", "header", "spans", "others",
+                 "ufunc", "scale", "gens", "per_array")
+
+    def __init__(self, be, keys, op):
+        rt = be.rt
+        shareds = [rt.shareds[k] for k in keys]
+        self.containers = [v.container for v in shareds]
+        arrays = [c.storage[0] for c in self.containers]
+        self.checked = list(arrays)
+        self.sig = [(a.shape, a.dtype) if type(a) is np.ndarray else (None, None) for a in arrays]
+        self.op = op
+        self.lay = self.header = self.spans = None
+        if (be.n_parallel > 1 and not any(id(v) in rt.device_shareds for v in shareds)
+                and self.takes(arrays)):
+            self.lay = be.slabs.layout(arrays)
+            self.header = _HEAD.pack(len(arrays), 1.0, 0) + self.lay.ints
+            self.spans = [(off, off + a.nbytes) for a, (_, off, _) in zip(arrays, self.lay.entries)]
+        self.others = [q for q in range(be.n_parallel) if q != be.rank]
+        self.ufunc = reducers.UFUNCS[op]
+        self.scale = 1.0 / be.n_parallel if op == "avg" else None
+        self.gens = None
+        self.per_array = None
+
+    def takes(self, arrays):
+        """Whether these arrays have the plan's shapes and dtypes, are plain and writeable."""
+        total = 0
+        for a, (shape, dtype) in zip(arrays, self.sig):
+            if (type(a) is not np.ndarray or a.shape != shape or a.dtype != dtype
+                    or not a.flags.c_contiguous or not a.flags.writeable
+                    or (self.op == "avg" and a.dtype.kind not in "fc")):
+                return False
+            total += a.nbytes
+        return total < SPLIT_BYTES

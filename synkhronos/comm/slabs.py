@@ -19,6 +19,8 @@ PAGE_ALIGN_BYTES = 1 << 20  # arrays this big start on a page
 INITIAL_SLAB = 1 << 20
 SMALL_COPY = 4096  # below this, bytes() copies beat making a NumPy view
 EPOCH, GEN, SIZE = 0, 1, 2  # per-rank slots in the control block
+# A scalar contribution (ShmBackend.contribute): its command, value, weight, dtype code.
+SCALAR_SEQ, SCALAR_VALUE, SCALAR_WEIGHT, SCALAR_CODE = 3, 4, 5, 6
 STRIDE = 8
 HEAD = 32  # count, weight, flag (SPLIT or HOMES), spare
 SPLIT, HOMES = 1, 2  # header flags: own part not packed; arrays live in homes
@@ -27,7 +29,7 @@ FIXED = 4  # header ints per array before its shape: dtype code, ndim, offset, n
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
-_HEAD = struct.Struct("<qdq")
+_HEAD = struct.Struct("<qdq8x")  # HEAD bytes: the spare is zeroed, so equal headers compare equal
 _FIXED = struct.Struct("<4q")
 _STRUCTS = {}
 _DTYPES = {}
