@@ -89,6 +89,27 @@ def reduce_into(op, srcs, out, scale=None):
             np.multiply(o, scale, out=o, casting="unsafe")
 
 
+def reduce_to_all(op, srcs, outs, scale=None):
+    """Reduce ``srcs`` into ``outs[0]`` and copy the result into every other of ``outs``.
+
+    Equal-length flat arrays; ``outs[k]`` may be ``srcs[k]`` (a rank's buffer
+    read, then overwritten with the result).  In blocks, so the copies read
+    the result from cache and write lines the reduction just read.
+    """
+    ufunc = reducers.UFUNCS[op]
+    first = outs[0]
+    for lo in range(0, len(first), BLOCK):
+        hi = lo + BLOCK
+        o = first[lo:hi]
+        ufunc(srcs[0][lo:hi], srcs[1][lo:hi], out=o)
+        for s in srcs[2:]:
+            ufunc(o, s[lo:hi], out=o)
+        if scale is not None:
+            np.multiply(o, scale, out=o, casting="unsafe")
+        for other in outs[1:]:
+            np.copyto(other[lo:hi], o)
+
+
 def combine(op, parts, weights, out):
     """Reduce whole arrays (the small-message path), into ``out`` when it fits.
 

@@ -232,13 +232,13 @@ class ShmBackend(Backend):
         return True
 
     def _all_reduce_homes(self, arrays, ops, keys, plan):
-        """Split all_reduce whose results land in (and stay in) this rank's homes.
+        """Split all_reduce whose results land in (and stay in) every rank's homes.
 
         Arrays already in their homes are read in place by the other ranks:
         nothing is packed.  Others are copied in, all but the part this rank
-        reduces itself.  Each rank reduces its part into its home (scaling
-        averages there), then copies the other ranks' reduced parts from
-        their homes.
+        reduces itself.  Each rank reduces its part (scaling averages) and
+        writes it into every rank's home, over the inputs it has read; after
+        the second barrier every home holds the whole result.
         """
         n, me = self.n_parallel, self.rank
         homes = self.homes
@@ -261,17 +261,16 @@ class ShmBackend(Backend):
             raise ValueError("all_reduce with keys needs arrays from every rank")
         parts.check_alike(got, range(n), [HOMES if q == me else self.slabs.flag(q)
                                           for q in range(n)])
+        # Each rank reduces its part and writes the result into every rank's
+        # home at once: no rank copies the others' parts afterwards, so every
+        # byte is read once and written once per rank.
         for i, lo, hi in plan[me]:
-            srcs = [arrays[i].reshape(-1)[lo:hi]]
-            srcs += [got[q][i].reshape(-1)[lo:hi] for q in range(n) if q != me]
-            parts.reduce_into(ops[i], srcs, dsts[i].reshape(-1)[lo:hi],
-                              1.0 / n if ops[i] == "avg" else None)
+            peers = [got[q][i].reshape(-1)[lo:hi] for q in range(n) if q != me]
+            parts.reduce_to_all(ops[i], [arrays[i].reshape(-1)[lo:hi]] + peers,
+                                [dsts[i].reshape(-1)[lo:hi]] + peers,
+                                1.0 / n if ops[i] == "avg" else None)
         self.barrier()
         self._done()
-        for q in range(n):
-            if q != me:
-                for i, lo, hi in plan[q]:
-                    np.copyto(dsts[i].reshape(-1)[lo:hi], got[q][i].reshape(-1)[lo:hi])
         return dsts
 
     def contribute(self, arrays, weight=1.0):
