@@ -38,7 +38,8 @@ def loop(rt):
         if frees:
             unmap(rt, frees)
         rt.backend.begin(seq)
-        t0 = time.perf_counter()
+        if debug:
+            t0 = time.perf_counter()
         status = OK
         try:
             HANDLERS[cmd](rt, payload)
@@ -53,7 +54,7 @@ def loop(rt):
             prof.end("control")
         if debug:
             logger.debug("rank %d ran %s in %.6f s", rt.rank, cmd.name, time.perf_counter() - t0)
-        if cmd == Command.QUIT:
+        if cmd is Command.QUIT:
             if profiler is not None:
                 profiler.disable()
                 profiler.dump_stats(f"synk_worker_{rt.rank}.prof")

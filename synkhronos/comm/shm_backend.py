@@ -208,7 +208,16 @@ class ShmBackend(Backend):
         buf[:hlen] = header
         for a, (lo, hi) in zip(arrays, plan.spans):
             buf[lo:hi] = a.tobytes()
-        self.barrier()
+        # The barrier, inline: one call less on the path every rank waits for.
+        self.k += 1
+        target = (self.seq << 20) | self.k
+        mv = self.mv
+        mv[plan.me * STRIDE + EPOCH] = target
+        for q in plan.others:
+            slot = q * STRIDE + EPOCH
+            if mv[slot] < target:
+                wait_until(lambda: mv[slot] >= target, self._arrival_check(slot, target),
+                           self.spin_s)
         self.fence = True
         for q in plan.others:
             if slabs.slab(q).buffer[:hlen] != header:
@@ -416,7 +425,7 @@ class _SmallPlan:
     more bytes than ``SPLIT_BYTES``, or arrays it does not take).
     """
 
-    __slots__ = ("containers", "checked", "sig", "op", "lay", "header", "spans", "others",
+    __slots__ = ("containers", "checked", "sig", "op", "lay", "header", "spans", "me", "others",
                  "ufunc", "scale", "gens", "per_array")
 
     def __init__(self, be, keys, op):
@@ -433,6 +442,7 @@ class _SmallPlan:
             self.lay = be.slabs.layout(arrays)
             self.header = _HEAD.pack(len(arrays), 1.0, 0) + self.lay.ints
             self.spans = [(off, off + a.nbytes) for a, (_, off, _) in zip(arrays, self.lay.entries)]
+        self.me = be.rank
         self.others = [q for q in range(be.n_parallel) if q != be.rank]
         self.ufunc = reducers.UFUNCS[op]
         self.scale = 1.0 / be.n_parallel if op == "avg" else None
