@@ -38,6 +38,22 @@ def timed_calls(fn, n, repeats=7):
     return statistics.median(out)
 
 
+def paired_calls(fns, n, rounds=9):
+    """Per function, the mean seconds per call in each of ``rounds`` rounds of ``n`` calls.
+
+    The functions take turns round by round, so a machine that slows down
+    mid-run slows them alike.
+    """
+    out = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, times in zip(fns, out):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            times.append((time.perf_counter() - t0) / n)
+    return out
+
+
 def build_mlp(rng):
     params = []
     for i, (n_in, n_out) in enumerate(zip(LAYERS[:-1], LAYERS[1:])):
@@ -72,7 +88,7 @@ def serial_throughput(rng, data_x, data_y, steps, threads):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=15, help="training steps per repeat")
-    parser.add_argument("--calls", type=int, default=2000, help="tiny calls per repeat")
+    parser.add_argument("--calls", type=int, default=4000, help="tiny calls per round")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     data_x = rng.normal(size=(N_DATA, LAYERS[0])).astype("float32")
@@ -102,8 +118,7 @@ def main():
     synk.distribute()
 
     tiny_d = synk.data(tiny)
-    bare_s = timed_calls(lambda: bare(tiny), args.calls)
-    synk_s = timed_calls(lambda: f_tiny(tiny_d), args.calls)
+    bare_t, synk_t = paired_calls([lambda: bare(tiny), lambda: f_tiny(tiny_d)], args.calls)
 
     xd = synk.data(data_x)
     yd = synk.data(data_y)
@@ -126,9 +141,12 @@ def main():
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}, "
           f"pytensor {pytensor.__version__}")
     print("\n== call latency, tiny input (8x4 float32, sum), 2 ranks ==")
-    print(f"bare pytensor call      {bare_s * 1e6:8.1f} us")
-    print(f"synk call (2 ranks)     {synk_s * 1e6:8.1f} us")
-    print(f"overhead                {(synk_s - bare_s) * 1e6:8.1f} us   (target <= 8 us)")
+    print("                         best    median  (of 9 alternating rounds)")
+    for label, t in (("bare pytensor call", bare_t), ("synk call (2 ranks)", synk_t)):
+        print(f"{label:22s} {min(t) * 1e6:6.1f} us {statistics.median(t) * 1e6:6.1f} us")
+    best = (min(synk_t) - min(bare_t)) * 1e6
+    med = (statistics.median(synk_t) - statistics.median(bare_t)) * 1e6
+    print(f"{'overhead':22s} {best:6.1f} us {med:6.1f} us   (target <= 8 us)")
     print(f"\n== MLP {'-'.join(map(str, LAYERS))}, batch {BATCH}, SGD: samples/s ==")
     print(f"serial, 1 BLAS thread   {serial1:8.0f}")
     print(f"serial, 2 BLAS threads  {serial2:8.0f}")
