@@ -242,8 +242,8 @@ def collect(spec, rt, mine, subset, name):
     if scalar_parts is not None and spec.simple and subset is None and mine is not None:
         # One float scalar from every rank (a loss): straight from the control slots.
         a = mine[0][0]
-        if a.ndim == 0 and a.dtype.char in "efd":
-            got = scalar_parts(ord(a.dtype.char))
+        if a.ndim == 0:
+            got = scalar_parts(a.dtype)
             if got is not None:
                 got[rt.rank] = (float(a), mine[1])
                 out = reducers.combine_floats(spec.output_ops[0], [g[0] for g in got],

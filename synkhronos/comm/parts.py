@@ -79,14 +79,7 @@ def reduce_into(op, srcs, out, scale=None):
         if scale is not None:
             np.multiply(out, scale, out=out, casting="unsafe")
         return
-    for lo in range(0, len(out), BLOCK):
-        hi = lo + BLOCK
-        o = out[lo:hi]
-        ufunc(srcs[0][lo:hi], srcs[1][lo:hi], out=o)
-        for s in srcs[2:]:
-            ufunc(o, s[lo:hi], out=o)
-        if scale is not None:
-            np.multiply(o, scale, out=o, casting="unsafe")
+    reduce_to_all(op, srcs, [out], scale)
 
 
 def reduce_to_all(op, srcs, outs, scale=None):

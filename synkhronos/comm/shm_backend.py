@@ -208,17 +208,8 @@ class ShmBackend(Backend):
         buf[:hlen] = header
         for a, (lo, hi) in zip(arrays, plan.spans):
             buf[lo:hi] = a.tobytes()
-        # The barrier, inline: one call less on the path every rank waits for.
-        self.k += 1
-        target = (self.seq << 20) | self.k
-        mv = self.mv
-        mv[plan.me * STRIDE + EPOCH] = target
-        for q in plan.others:
-            slot = q * STRIDE + EPOCH
-            if mv[slot] < target:
-                wait_until(lambda: mv[slot] >= target, self._arrival_check(slot, target),
-                           self.spin_s)
-        self.fence = True
+        self.barrier()
+        self._done()
         for q in plan.others:
             if slabs.slab(q).buffer[:hlen] != header:
                 n = self.n_parallel
@@ -305,9 +296,12 @@ class ShmBackend(Backend):
         if self.fence:
             self.barrier()  # nobody may still read the slabs the last collective used
 
-    def scalar_parts(self, code):
+    def scalar_parts(self, dtype):
         """Root, after the end barrier: ``[(value, weight)]`` over the ranks (None for this one)
-        if every other rank contributed one float scalar of dtype code ``code``, else None."""
+        if every other rank contributed one float scalar of ``dtype``, else None."""
+        if dtype.char not in SCALAR_CHARS:
+            return None
+        code = ord(dtype.char)
         mv, fv, seq, me = self.mv, self.fv, self.seq, self.rank
         out = []
         for q in range(self.n_parallel):
@@ -425,7 +419,7 @@ class _SmallPlan:
     more bytes than ``SPLIT_BYTES``, or arrays it does not take).
     """
 
-    __slots__ = ("containers", "checked", "sig", "op", "lay", "header", "spans", "me", "others",
+    __slots__ = ("containers", "checked", "sig", "op", "lay", "header", "spans", "others",
                  "ufunc", "scale", "gens", "per_array")
 
     def __init__(self, be, keys, op):
@@ -442,7 +436,6 @@ class _SmallPlan:
             self.lay = be.slabs.layout(arrays)
             self.header = _HEAD.pack(len(arrays), 1.0, 0) + self.lay.ints
             self.spans = [(off, off + a.nbytes) for a, (_, off, _) in zip(arrays, self.lay.entries)]
-        self.me = be.rank
         self.others = [q for q in range(be.n_parallel) if q != be.rank]
         self.ufunc = reducers.UFUNCS[op]
         self.scale = 1.0 / be.n_parallel if op == "avg" else None
