@@ -29,6 +29,7 @@ machine.  The sentinel kills its node master when the controller's end of
 the connection closes, so killing the controller ends every machine.
 """
 
+import ctypes
 import logging
 import os
 import pickle
@@ -36,6 +37,7 @@ import select
 import signal
 import socket
 import struct
+import sys
 import time
 from typing import NamedTuple
 
@@ -735,6 +737,29 @@ def finalize(mpi):
             mpi.Finalize()
     except Exception as exc:  # noqa: BLE001 - exiting anyway
         logger.warning("MPI_Finalize failed: %s", exc)
+
+
+def exit_finalized(status=0):
+    """End this process after ``finalize``, the way a C program ends: ``exit(status)``.
+
+    MPICH's PMI client tells mpiexec that the process finished in a C exit
+    handler; ``os._exit`` skips it, and mpiexec then takes the exit for a crash
+    and kills every other process of the job, a controller still running the
+    user's script after ``close()`` included.  C's exit runs that handler and
+    none of Python's (no ``atexit``, no ``finally`` in the user's script around
+    ``fork()``).  Python's own buffers are flushed first, as a normal exit would.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+    try:
+        ctypes.CDLL(None).exit(status)
+    except (OSError, AttributeError):  # no C library to call: no PMI handler either
+        pass
+    os._exit(status)
 
 
 class LayoutMsg(NamedTuple):

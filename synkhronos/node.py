@@ -5,7 +5,7 @@ import os
 import pickle
 import signal
 
-from .cluster import Exit, finalize
+from .cluster import Exit, exit_finalized, finalize
 from .control import HANDLERS, Command, decode, describe_error, rank_header, run_command
 from .data_module import node_alloc, node_free, node_sync
 from .errors import CommAborted, WorkerDiedError, WorkerError
@@ -47,7 +47,7 @@ def serve(rt, join_workers):
         if not rt.closed:
             rt.abandon(rt, "the controller ended the job")
         finalize(cluster.MPI)
-        os._exit(0)
+        exit_finalized(0)
     signal.signal(signal.SIGTERM, ended)
     try:
         while True:
@@ -119,7 +119,7 @@ def serve(rt, join_workers):
         # flight, so it gets a deadline: SIGALRM ends this process past it.
         signal.alarm(FINALIZE_S)
         finalize(cluster.MPI)
-        os._exit(0)
+        exit_finalized(0)
 
 
 def _stop(pid):

@@ -85,6 +85,7 @@ def test_cluster_contract(machines, local):
     before = _mpi_segments()
     rc, out, _ = mpirun(machines, ["cluster_checks.py", str(local)])
     assert rc == 0 and "ALL OK" in out, out
+    assert "AFTER CLOSE OK" in out, out  # the script outlived its node masters
     assert out.count("OK all_reduce and reduce") == 5, out
     assert_nothing_left(out, before, "cluster_checks.py")
 
@@ -157,4 +158,6 @@ def test_mnist_demo_unchanged_under_mpiexec():
         assert m, text
         return float(m.group(1))
     assert "2 ranks" in out
+    # The serial twin runs in the controller after close(), once the node master has exited.
+    assert re.search(r"serial on 1 BLAS thread .* speedup [\d.]+x", out), out
     assert abs(final(out) - final(p.stdout)) <= 0.5, (out, p.stdout)
