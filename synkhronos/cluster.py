@@ -753,7 +753,8 @@ def exit_finalized(status=0):
         try:
             if stream is not None:
                 stream.flush()
-        except (OSError, ValueError):
+        except (OSError, ValueError, RuntimeError):
+            # RuntimeError: SIGTERM's handler ends here, maybe in the middle of a write.
             pass
     try:
         ctypes.CDLL(None).exit(status)

@@ -226,5 +226,4 @@ print("ALL OK", flush=True)
 # The script goes on after close() while the node masters exit: mpiexec must
 # take their exit for a normal end and leave this process running.
 time.sleep(1.5)
-assert np.array_equal(np.sort(rng.permutation(1000)), np.arange(1000))
 print("AFTER CLOSE OK", flush=True)
