@@ -25,7 +25,7 @@ def _default_float32():
 
 _default_float32()
 
-from .cluster import Layout, layout  # noqa: E402
+from .cluster.layout import Layout, layout  # noqa: E402
 from .data_module import Data, data  # noqa: E402
 from .distribute import distribute  # noqa: E402
 from .errors import (BackendUnavailableError, SharedMemoryError, SynkError,  # noqa: E402

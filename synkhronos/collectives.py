@@ -1,5 +1,8 @@
-"""Collectives on shared variables: broadcast, scatter, gather, all_gather, reduce,
-all_reduce (and, from rank_values, set_value, get_value, get_lengths, get_shapes).
+"""Collectives on shared variables: broadcast, scatter, gather, all_gather, and their commands.
+
+Also the home of the whole public set: reduce and all_reduce come from
+``reductions``, set_value, get_value, get_lengths and get_shapes from
+``rank_values``.
 
 Each collective checks its arguments in the master, posts one command whose
 message names the variables by their index in ``rt.shareds``, and runs the
@@ -18,33 +21,20 @@ import logging
 from typing import NamedTuple
 
 import numpy as np
-from pytensor.tensor.sharedvar import TensorSharedVariable
 
-from . import reducers
-from .comm import compressed
 from . import sharedvars as sv
 from . import split as rows
 from .control import Command, handler, run_command
 from .data_module import Data
 from .rank_values import get_lengths, get_shapes, get_value, set_value  # noqa: F401
+from .reductions import all_reduce, reduce  # noqa: F401
 from .runtime import require_distributed, serialized
+from .sharedvars import backend_values, transport
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
            "set_value", "get_value", "get_lengths", "get_shapes"]
-
-
-def _transport(rt, nccl):
-    """The backend a call uses: the run's, or its host backend for ``nccl=False``."""
-    return rt.backend if nccl else rt.backend.host
-
-
-def _values(be, shareds):
-    """The variables' values as the backend takes them: device arrays stay on the device."""
-    if be.device_arrays:
-        return [sv.raw(v) for v in shareds]
-    return [sv.get_array(v) for v in shareds]
 
 
 @serialized
@@ -93,11 +83,11 @@ def _broadcast_local(rt, msg, items=None):
     descs = msg.descs or [None] * len(shareds)
     via = [k for k, d in enumerate(descs) if d is None]
     root = rt.master_rank
-    be = _transport(rt, msg.nccl)
+    be = transport(rt, msg.nccl)
     keys = [msg.idx[k] for k in via]
     if rt.rank == root:
         if via:
-            arrays = (_values(be, [shareds[k] for k in via]) if items is None
+            arrays = (backend_values(be, [shareds[k] for k in via]) if items is None
                       else [items[k] for k in via])
             got = be.broadcast(arrays, root, keys=keys)
             for k, value in zip(via, got):
@@ -250,8 +240,8 @@ class GatherMsg(NamedTuple):
 
 def _gather_local(rt, msg):
     shareds = [rt.shareds[i] for i in msg.idx]
-    be = _transport(rt, msg.nccl)
-    got = be.gather(_values(be, shareds), rt.master_rank, keys=msg.idx)
+    be = transport(rt, msg.nccl)
+    got = be.gather(backend_values(be, shareds), rt.master_rank, keys=msg.idx)
     if rt.rank != rt.master_rank:
         if got is not None:
             for var, value in zip(shareds, got):
@@ -324,8 +314,8 @@ class AllGatherMsg(NamedTuple):
 
 def _all_gather_local(rt, msg):
     shareds = [rt.shareds[i] for i in msg.idx]
-    be = _transport(rt, msg.nccl)
-    got = be.all_gather(_values(be, shareds))
+    be = transport(rt, msg.nccl)
+    got = be.all_gather(backend_values(be, shareds))
     joined = [_join(np.concatenate, [got[q][k] for q in range(rt.n_parallel)], var, "all_gather")
               for k, var in enumerate(shareds)]
     for var, value in zip(shareds, joined):
@@ -335,162 +325,3 @@ def _all_gather_local(rt, msg):
 @handler(Command.ALL_GATHER, AllGatherMsg)
 def _all_gather_worker(rt, msg):
     _all_gather_local(rt, msg)
-
-
-def _check_reduce(rt, shared_vars, op, in_place, where):
-    reducers.check_op(op, where)
-    idx, single = sv.resolve(rt, shared_vars, where, unique=in_place)
-    if in_place and op == "avg":
-        for i in idx:
-            var = rt.shareds[i]
-            if np.dtype(var.dtype).kind in "iub":
-                raise TypeError(f"{where}: op 'avg' on {var} of dtype {var.dtype} gives "
-                                "floats, which the variable cannot hold; use 'sum'")
-    return idx, single
-
-
-@serialized
-def reduce(shared_vars, op="avg", in_place=True, nccl=True):
-    """Reduce shared variables over all ranks into the master.  Master only.
-
-    Workers' values do not change.
-
-    Args:
-        shared_vars: a shared variable, its name, or a list/tuple of either.
-        op: "avg", "sum", "prod", "max" or "min" ("avg" is sum, then scale).
-        in_place: True overwrites the master's values; False returns the
-            results and changes nothing.
-        nccl: use NCCL where available (GPU mode only).
-
-    Returns:
-        None if ``in_place``, else one array, or a tuple of arrays for a
-        list/tuple of variables.
-
-    Raises:
-        SynkStateError: before distribute().
-        TypeError: ``op="avg"`` in place on an integer variable.
-        ValueError: unknown op, a variable no distributed function uses, or
-            values whose shapes differ between ranks (nothing changes then).
-        WorkerError: a rank failed while reducing.
-    """
-    rt = require_distributed("reduce()")
-    idx, single = _check_reduce(rt, shared_vars, op, in_place, "reduce")
-    msg = ReduceMsg(idx, op, bool(in_place), bool(nccl))
-    result = run_command(rt, Command.REDUCE, msg, lambda seq: _reduce_local(rt, msg))
-    return None if in_place else sv.ret(result, single)
-
-
-class ReduceMsg(NamedTuple):
-    """REDUCE: reduce by ``op`` into the master (its variables, if ``in_place``)."""
-
-    idx: list
-    op: str
-    in_place: bool
-    nccl: bool
-
-
-def _reduce_local(rt, msg):
-    shareds = [rt.shareds[i] for i in msg.idx]
-    be = _transport(rt, msg.nccl)
-    arrays = _values(be, shareds)
-    root = rt.master_rank
-    outs = None
-    if msg.in_place and rt.rank == root and not be.device_arrays:
-        outs = [sv.writable_out(rt, v, reducers.result_dtype(msg.op, a.dtype))
-                for v, a in zip(shareds, arrays)]
-    result = be.reduce(arrays, msg.op, root, out=outs)
-    if rt.rank != root:
-        return None
-    if not msg.in_place:
-        return [sv.like(rt, var, value) for var, value in zip(shareds, result)] \
-            if be.device_arrays else result
-    for var, value, out in zip(shareds, result, outs or [None] * len(shareds)):
-        sv.store(rt, var, value, out)
-
-
-@handler(Command.REDUCE, ReduceMsg)
-def _reduce_worker(rt, msg):
-    _reduce_local(rt, msg)
-
-
-@serialized
-def all_reduce(shared_vars, op="avg", nccl=True, dtype=None):
-    """Reduce shared variables over all ranks; every rank keeps the result.  Master only.
-
-    Args:
-        shared_vars: a shared variable, its name, or a list/tuple of either.
-        op: "avg", "sum", "prod", "max" or "min" ("avg" is sum, then scale).
-        nccl: use NCCL where available (GPU mode only).
-        dtype: None, or "bfloat16" / "float16" to send float values in that
-            16-bit type (scaled first, summed in float32; op "sum" or "avg"
-            only; see ``synkhronos.comm.compressed``).  Results keep the
-            variables' dtypes, at the small type's precision.
-
-    Raises:
-        SynkStateError: before distribute().
-        TypeError: ``op="avg"`` on an integer variable.
-        ValueError: unknown op, a variable no distributed function uses, or
-            values whose shapes differ between ranks (nothing changes then).
-        WorkerError: a rank failed while reducing.
-    """
-    rt = require_distributed("all_reduce()")
-    # A loop all-reducing one variable sends the same message each time: it
-    # is checked and pickled once (the arguments are the key).
-    key = None
-    if (type(shared_vars) is TensorSharedVariable and type(op) is str and type(nccl) is bool
-            and (dtype is None or type(dtype) is str)):
-        key = (Command.ALL_REDUCE, shared_vars, op, nccl, dtype)
-        hit = rt.wire.get(key)
-        if hit is not None:
-            msg = hit[0]
-            run_command(rt, Command.ALL_REDUCE, msg, lambda seq: all_reduce_local(rt, msg),
-                        wire=hit[1])
-            return
-    idx, _ = _check_reduce(rt, shared_vars, op, True, "all_reduce")
-    if dtype is not None:
-        compressed.check(dtype, op, [(rt.shareds[i], rt.shareds[i].dtype) for i in idx],
-                         "all_reduce")
-    msg = AllReduceMsg(idx, op, bool(nccl), dtype)
-    run_command(rt, Command.ALL_REDUCE, msg, lambda seq: all_reduce_local(rt, msg))
-    if key is not None and rt.control.last_plain is not None:
-        rt.wire[key] = (msg, rt.control.last_plain)
-
-
-class AllReduceMsg(NamedTuple):
-    """ALL_REDUCE: reduce by ``op``; every rank keeps the result."""
-
-    idx: list
-    op: str
-    nccl: bool
-    dtype: object = None    # a 16-bit transport type, or None
-
-
-def all_reduce_local(rt, msg):
-    """Every rank, inside a command: all-reduce the variables an ``AllReduceMsg`` names.
-
-    Also the second part of a fused training step (``Function`` calls with
-    ``then``), inside the CALL command.
-    """
-    small = rt.backend.small_all_reduce
-    if small is not None and msg.dtype is None and small(msg.idx, msg.op):
-        return
-    shareds = [rt.shareds[i] for i in msg.idx]
-    if msg.dtype is not None:
-        host = rt.backend.host
-        arrays = _values(host, shareds)
-        result = compressed.all_reduce(host, arrays, msg.op, msg.dtype,
-                                       out=[sv.out_of(a) for a in arrays])
-        for var, value in zip(shareds, result):
-            sv.adopt(rt, var, value)
-        return
-    be = _transport(rt, msg.nccl)
-    arrays = _values(be, shareds)
-    outs = None if be.device_arrays else [sv.out_of(a) for a in arrays]
-    result = be.all_reduce(arrays, msg.op, out=outs, keys=msg.idx)
-    for var, value in zip(shareds, result):
-        sv.adopt(rt, var, value)
-
-
-@handler(Command.ALL_REDUCE, AllReduceMsg)
-def _all_reduce_worker(rt, msg):
-    all_reduce_local(rt, msg)

@@ -1,4 +1,4 @@
-"""The control channel: commands, the control block in shared memory, barriers, status slots.
+"""The control channel: the control block in shared memory, barriers, status slots, run_command.
 
 The master announces a command by writing a pickled message into a shared
 segment and bumping a sequence number (the start barrier: no worker moves
@@ -9,93 +9,18 @@ back to sleeping so idle workers cost no CPU.  Every wait is bounded: it keeps
 checking that the other side is alive and that no rank aborted.
 """
 
-import enum
 import logging
 import os
 import pickle
 import time
-import traceback
 from typing import NamedTuple
 
-from .errors import CommAborted, WorkerDiedError, worker_error_type
+from .commands import COMMANDS, Command, decode, encode, handler
+from .errors import CommAborted, WorkerDiedError, describe_error, unpickle_exception, worker_error_type
 from .liveness import spin_until, wait_until
 from .shmem import SharedArray
 
 logger = logging.getLogger(__name__)
-
-
-class Command(enum.IntEnum):
-    """Every command a worker can run; handlers register under these."""
-
-    QUIT = 0
-    GROW_MESSAGE = 1
-    DATA_ALLOC = 2
-    DATA_FREE = 3
-    DISTRIBUTE = 4
-    CALL = 5
-    BROADCAST = 10
-    SCATTER = 11
-    GATHER = 12
-    ALL_GATHER = 13
-    REDUCE = 14
-    ALL_REDUCE = 15
-    SET_VALUE = 16
-    GET_VALUE = 17
-    GET_SHAPES = 18
-    PROFILE = 19
-    SAVE_STATE = 30
-    LOAD_STATE = 31
-    OVERLAP_STEP = 32
-    LAYOUT = 40         # cluster: every rank learns its global rank
-    DATA_SYNC = 41      # cluster: node masters copy written Data contents
-
-
-HANDLERS = {}
-
-
-MESSAGES = {}
-
-
-def handler(cmd, message=None):
-    """Register the decorated function as the worker handler of ``cmd``.
-
-    ``message``, the command's NamedTuple, travels as a plain tuple (pickling
-    a named tuple costs microseconds per call) and is rebuilt in the worker:
-    by its ``from_wire`` (made with ``to_wire``) where it has one, else ``_make``.
-    """
-    def deco(fn):
-        HANDLERS[cmd] = fn
-        if message is not None:
-            # Looked up once here, not at every call.
-            MESSAGES[cmd] = (message, getattr(message, "to_wire", None),
-                             getattr(message, "from_wire", None))
-        return fn
-    return deco
-
-
-def _to_wire(cmd, payload):
-    entry = MESSAGES.get(cmd)
-    if entry is None or type(payload) is not entry[0]:
-        return payload
-    return tuple(payload) if entry[1] is None else entry[1](payload)
-
-
-def _from_wire(cmd, raw):
-    entry = MESSAGES.get(cmd)
-    if entry is None or type(raw) is not tuple:
-        return raw
-    return tuple.__new__(entry[0], raw) if entry[2] is None else entry[2](raw)
-
-
-# Command(n) runs Python code in the enum machinery; a dict lookup does not.
-_COMMANDS = {int(c): c for c in Command}
-
-
-def decode(data):
-    """Return (command, payload, ids of dropped Data objects or None) from a posted message."""
-    cmd, raw, frees = pickle.loads(data)
-    cmd = _COMMANDS[cmd]
-    return cmd, _from_wire(cmd, raw), frees
 
 
 OK, FAILED, ABORTED = 0, 1, 2
@@ -110,14 +35,6 @@ MSG_BYTES = 1 << 20
 IDLE_TIMEOUT_S = 0.05
 DECODE_CACHE_BYTES = 1024  # messages this short are kept decoded (keyed by their bytes)
 DECODE_CACHE_SIZE = 256
-
-
-def default_spin_s(n_parallel, n_cpus):
-    """How long a waiter spins before sleeping; 0 when ranks outnumber cores."""
-    env = os.environ.get("SYNK_SPIN_S")
-    if env is not None:
-        return float(env)
-    return 0.0 if n_parallel > n_cpus else 0.01
 
 
 class Control:
@@ -161,8 +78,7 @@ class Control:
             data = wire
         else:
             frees = [freed.popleft() for _ in range(len(freed))] if freed else None
-            data = pickle.dumps((int(cmd), _to_wire(cmd, payload), frees),
-                                protocol=pickle.HIGHEST_PROTOCOL)
+            data = encode(cmd, payload, frees)
             if len(data) > self.msg.nbytes:
                 self._grow_message(rt, len(data))
             wire = None if frees else data
@@ -224,13 +140,7 @@ class Control:
         n = self.mv[self.slot(rank, ERR_LEN)]
         raw = bytes(self.errors.view(offset=rank * ERR_BYTES, shape=(n,)))
         text, exc_bytes = pickle.loads(raw)
-        exc = None
-        if exc_bytes is not None:
-            try:
-                exc = pickle.loads(exc_bytes)
-            except Exception:  # noqa: BLE001 - the type may not unpickle here; the text remains
-                exc = None
-        return text, exc
+        return text, unpickle_exception(exc_bytes)
 
     def wait_command(self, rank, last_seq, check):
         """Block until the master posts a command after ``last_seq``; return its seq."""
@@ -307,21 +217,11 @@ class GrowMessageMsg(NamedTuple):
     size: int
 
 
-@handler(Command.GROW_MESSAGE, GrowMessageMsg)
+@handler(Command.GROW_MESSAGE, GrowMessageMsg, local=True)
 def _grow_message_worker(rt, msg):
     new = SharedArray.attach(msg.name, msg.size)
     old, rt.control.msg = rt.control.msg, new
     old.close()
-
-
-def describe_error(header, exc):
-    """Return (traceback text under ``header``, the pickled exception or None)."""
-    text = header + "\n" + "".join(traceback.format_exception(exc))
-    try:
-        exc_bytes = pickle.dumps(exc)
-    except Exception:  # noqa: BLE001 - the text alone still tells what happened
-        exc_bytes = None
-    return text, exc_bytes
 
 
 def rank_header(rank, n_parallel):
@@ -345,9 +245,9 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None, wire=None):
     if prof is not None:
         prof.begin(what or cmd.name.lower())
     seq = control.post(rt, cmd, payload, wire)
-    cluster = rt.cluster
-    if cluster is not None:
-        cluster.forward(cmd, control.last)  # controller: the other machines; node master: nothing
+    cluster = rt.cluster  # the controller's link to the other machines (None elsewhere)
+    if cluster is not None and not COMMANDS[cmd].local:
+        cluster.forward(cmd, control.last)
     rt.monitor.begin(what or cmd)  # a Command is named only if a rank stalls
     if prof is not None:
         prof.lap("control")
@@ -406,7 +306,7 @@ def _worker_error(cmd, failures):
     if others:
         msg += f" (and {others} other rank{'s' if others > 1 else ''})"
     msg += ":\n" + text
-    err = worker_error_type(exc)(msg, first, {r: t for r, (t, _) in failures.items()})
+    err = worker_error_type(exc)(msg, first, {r: t for r, (t, _) in failures.items()},
+                                 {r: e for r, (_, e) in failures.items()})
     err.__cause__ = exc
-    err.raw_failures = failures  # a node master sends them on to the controller
     return err

@@ -4,19 +4,17 @@ import logging
 import math
 import numbers
 import weakref
-from typing import NamedTuple
 
 import numpy as np
 from pytensor.graph.basic import Variable
 
 from . import conditioning
-from .control import Command, handler, run_command
+from .commands import Command
+from .control import run_command
+from .datamaps import DataAllocMsg, DataDesc, DataFreeMsg, DataSyncMsg
 from .errors import WorkerDiedError
 from .runtime import require_forked, serialized
-from .cluster import DATA as DATA_TAG
 from .shmem import SharedArray
-
-
 
 logger = logging.getLogger(__name__)
 
@@ -249,7 +247,8 @@ class Data:
         size = self._dtype.itemsize
         raw = memoryview(self._seg.buffer)[lo * size:hi * size]
         try:
-            rt.cluster.sync_data(self._ID, lo * size, raw, rt.check)
+            rt.cluster.send_command(Command.DATA_SYNC, DataSyncMsg(self._ID, lo * size, len(raw)),
+                                    raw, rt.check)
         except WorkerDiedError:
             rt.abandon(rt, "a machine died while Data was mirrored")
             raise
@@ -358,52 +357,6 @@ def _dropped(rt, data_id, box):
         rt.freed.append(data_id)
 
 
-class DataDesc(NamedTuple):
-    """A Data object as commands name it: ranks find its memory by ``data_id``."""
-
-    data_id: int
-    dtype: str
-    shape: tuple
-    minibatch: bool
-
-
-class DataAllocMsg(NamedTuple):
-    """DATA_ALLOC: map the segment ``name`` of ``nbytes`` as Data ``data_id``'s memory."""
-
-    data_id: int
-    name: str
-    nbytes: int
-
-
-class DataFreeMsg(NamedTuple):
-    """DATA_FREE: unmap Data ``data_id``'s memory."""
-
-    data_id: int
-
-
-@handler(Command.DATA_ALLOC, DataAllocMsg)
-def _alloc_worker(rt, msg):
-    old = rt.datas.pop(msg.data_id, None)
-    if old is not None:
-        old.close()
-    rt.datas[msg.data_id] = SharedArray.attach(msg.name, msg.nbytes)
-
-
-@handler(Command.DATA_FREE, DataFreeMsg)
-def _free_worker(rt, msg):
-    old = rt.datas.pop(msg.data_id, None)
-    if old is not None:
-        old.close()
-
-
-def view(rt, desc):
-    """Return this rank's NumPy view of the Data a ``DataDesc`` names."""
-    seg = rt.datas[desc.data_id]
-    if rt.is_master:
-        return seg._data
-    return seg.cached_view(desc.dtype, desc.shape)
-
-
 def check_data(value, rt, dtype, ndim, where, what):
     """Raise unless Data ``value`` can stand for an array of ``dtype`` and ``ndim`` in run ``rt``.
 
@@ -438,32 +391,3 @@ def _rows_written(arr, k):
         if step > 0:
             return lo * row, max(lo, hi) * row
     return 0, arr.size
-
-
-# -- a cluster's node masters hold their own copy of every Data (cluster.py) ----------------
-
-_NODE_SEGS = {}  # data id -> the segment this node master made
-
-
-def node_alloc(rt, msg):
-    """Node master: make this machine's segment for a DATA_ALLOC; return the message to post."""
-    node_free(rt, [msg.data_id])
-    seg = SharedArray(rt.segment_name(f"d{msg.data_id}"), msg.nbytes)
-    _NODE_SEGS[msg.data_id] = seg
-    return DataAllocMsg(msg.data_id, seg.name, msg.nbytes)
-
-
-def node_free(rt, ids):
-    """Node master: free this machine's segments of Data objects ``ids``."""
-    for data_id in ids:
-        seg = _NODE_SEGS.pop(data_id, None)
-        if seg is not None:
-            seg.unlink()
-            seg.close()
-
-
-def node_sync(rt, cluster, payload, check):
-    """Node master: receive written Data contents from the controller (DATA_SYNC)."""
-    data_id, offset, n = payload
-    seg = _NODE_SEGS[data_id]
-    cluster.recv_into(0, DATA_TAG, memoryview(seg.buffer)[offset:offset + n], check)

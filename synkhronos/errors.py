@@ -1,4 +1,7 @@
-"""The exceptions synkhronos raises."""
+"""The exceptions synkhronos raises, and how they cross between processes."""
+
+import pickle
+import traceback
 
 
 class SynkError(Exception):
@@ -24,12 +27,15 @@ class WorkerError(SynkError):
     Attributes:
         rank: the lowest failing rank.
         failures: dict mapping each failing rank to its traceback text.
+        causes: dict mapping each failing rank to its exception, or None where
+            it did not unpickle in this process.
     """
 
-    def __init__(self, message, rank, failures):
+    def __init__(self, message, rank, failures, causes=None):
         super().__init__(message)
         self.rank = rank
         self.failures = failures
+        self.causes = causes if causes is not None else dict.fromkeys(failures)
 
 
 _WORKER_ERRORS = {}
@@ -90,3 +96,29 @@ class BackendUnavailableError(SynkError, ImportError):
 
 class CommAborted(SynkError):
     """Internal: another rank failed, so this rank left a collective early."""
+
+
+def pickle_exception(exc):
+    """Return ``exc`` pickled, or None when it will not pickle (the text still tells what happened)."""
+    if exc is None:
+        return None
+    try:
+        return pickle.dumps(exc)
+    except Exception:  # noqa: BLE001 - any failure to pickle means "send the text only"
+        return None
+
+
+def unpickle_exception(raw):
+    """Return the exception ``pickle_exception`` made, or None when its type does not unpickle here."""
+    if raw is None:
+        return None
+    try:
+        return pickle.loads(raw)
+    except Exception:  # noqa: BLE001 - the type may not exist in this process; the text remains
+        return None
+
+
+def describe_error(header, exc):
+    """Return (traceback text under ``header``, the pickled exception or None)."""
+    text = header + "\n" + "".join(traceback.format_exception(exc))
+    return text, pickle_exception(exc)

@@ -11,7 +11,8 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
-from . import collectives, compat, data_module, gpu, reducers, sharedvars, split
+from . import compat, datamaps, gpu, reducers, sharedvars, split
+from .reductions import AllReduceMsg, all_reduce_local
 
 
 @dataclass
@@ -32,11 +33,13 @@ class FunctionSpec:
     variants: dict = field(default_factory=dict)  # per process: compiled slicing variants
     simple: bool = field(init=False)              # one output with a collective op
     collective: bool = field(init=False)          # the graph holds in-graph collectives
+    jax: bool = field(init=False)                 # runs on PyTensor's JAX backend
 
     def __post_init__(self):
         self.simple = len(self.outputs) == 1 and self.output_ops[0] in reducers.COLLECTIVE_OPS
         self.collective = any(getattr(node.op, "synk_collective", False)
                               for node in self.fn.maker.fgraph.apply_nodes)
+        self.jax = gpu.uses_jax(self.fn)
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -61,7 +64,7 @@ def run_share(spec, rt, msg):
         datas = rt.datas
         arrays = [datas[d.data_id]._data for d in descs]
     else:
-        arrays = [data_module.view(rt, d) for d in descs]
+        arrays = [datamaps.view(rt, d) for d in descs]
     rows = None
     sel = msg.sel
     if msg.n_scattered:
@@ -108,10 +111,8 @@ def run_share(spec, rt, msg):
         # More slices than rows would only add empty calls: cost stays that of the unsliced call.
         num_slices = max(1, min(num_slices, rows))
         results = run_slices(spec, rt, arrays, msg.n_scattered, shared_sel, num_slices, out_idx)
-    if (rows != 0 or spec.collective) and spec.updates and gpu.uses_jax(spec.fn):
-        # JAX runs asynchronously and reads NumPy inputs (shared memory) in
-        # place: finish before the command ends and the master may reuse them.
-        gpu.wait([sharedvars.raw(var) for var, _ in spec.updates])
+    if (rows != 0 or spec.collective) and spec.updates:
+        _wait_device(spec)
     if prof is not None:
         prof.lap("compute")
     if msg.then is not None:
@@ -135,10 +136,9 @@ def _run_collective(spec, rt, arrays, msg, shared_sel, subset):
         else:
             out_idx = list(range(len(spec.outputs))) if subset is None else subset
             results = run_slices(spec, rt, arrays, msg.n_scattered, shared_sel, 1, out_idx)
-        if gpu.uses_jax(spec.fn):
-            # JAX dispatches asynchronously: its collectives (host callbacks)
-            # must run while this rank is still inside the call.
-            gpu.wait(list(results) + [sharedvars.raw(var) for var, _ in spec.updates])
+        # JAX dispatches asynchronously: its collectives (host callbacks)
+        # must run while this rank is still inside the call.
+        _wait_device(spec, results)
     finally:
         rt.in_call = False
     # Another rank may still read this rank's buffers from the graph's last
@@ -154,8 +154,7 @@ def run_then(rt, then):
     master, so one command does gradient, all-reduce and update.
     """
     prof = rt.profiler
-    collectives.all_reduce_local(rt, collectives.AllReduceMsg(then.idx, then.op, True,
-                                                              then.dtype))
+    all_reduce_local(rt, AllReduceMsg(then.idx, then.op, True, then.dtype))
     # Other ranks may still copy reduced parts out of this rank's buffers, which the
     # follow-up (zeroing the gradient) and the results about to be sent overwrite.
     rt.backend.settle()
@@ -163,10 +162,21 @@ def run_then(rt, then):
         prof.lap("collective")
     follow = rt.functions[then.function_id].spec
     follow.fn()
-    if follow.updates and gpu.uses_jax(follow.fn):
-        gpu.wait([sharedvars.raw(var) for var, _ in follow.updates])
+    if follow.updates:
+        _wait_device(follow)
     if prof is not None:
         prof.lap("compute")
+
+
+def _wait_device(spec, results=()):
+    """Return once a JAX function's ``results`` and updated shared variables are computed.
+
+    Every rank, inside a command; no-op for functions on other backends.  JAX
+    runs asynchronously and reads NumPy inputs (shared memory) in place: a
+    rank finishes before its command ends and the master may reuse them.
+    """
+    if spec.jax:
+        gpu.wait(list(results) + [sharedvars.raw(var) for var, _ in spec.updates])
 
 
 def variant(spec, slice_shareds, defer):

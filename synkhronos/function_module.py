@@ -1,18 +1,18 @@
-"""synk.function and Function: build, call (scatter, slices, reduction), output modes."""
+"""synk.function and Function: build a data-parallel function, and the object the user calls.
+
+How a call runs (its checks, the CALL command and its message) is in ``calls``.
+"""
 
 import logging
-import numbers
-from typing import NamedTuple
 
 import numpy as np
 import pytensor
 
-from . import conditioning, data_module, execution, gpu, reducers, sharedvars, split
-from .control import Command, handler, run_command
+from . import data_module, execution, gpu, reducers
+from .calls import FusedCall, run_call
 from .comm import compressed
 from .errors import SynkStateError
-from .function_args import (check_lengths, common_length, parse_outputs, parse_updates,
-                            var_list)
+from .function_args import parse_outputs, parse_updates, var_list
 from .runtime import require_forked, serialized
 
 logger = logging.getLogger(__name__)
@@ -85,49 +85,6 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
     f.attach(rt)
     rt.functions.append(f)
     return f
-
-
-class CallMsg(NamedTuple):
-    """CALL: run function ``function_id`` on every rank's share of the inputs.
-
-    ``descs`` name the input Data (scattered ones first, ``n_scattered`` of
-    them); ``sel`` selects ``n_rows`` rows of them before the split; ``sel_s``
-    is each rank's ``batch_s`` selection; ``subset`` the outputs to return.
-    """
-
-    function_id: int
-    descs: list
-    n_scattered: int
-    sel: object
-    n_rows: int
-    sel_s: object
-    num_slices: int
-    subset: object
-    then: object = None         # a ThenMsg: a fused step's all-reduce and follow-up call
-
-    def to_wire(self):
-        """This message as plain tuples, the cheapest to pickle (every call sends one)."""
-        then = self[8]
-        return (self[0], [tuple(d) for d in self[1]]) + self[2:8] + (
-            None if then is None else tuple(then),)
-
-    @classmethod
-    def from_wire(cls, raw):
-        """Rebuild a message sent by ``to_wire``."""
-        # tuple.__new__ directly: the named tuples' own constructors run Python code.
-        new = tuple.__new__
-        then = raw[8]
-        descs = [new(data_module.DataDesc, d) for d in raw[1]]
-        return new(cls, (raw[0], descs) + raw[2:8] + (None if then is None else new(ThenMsg, then),))
-
-
-class ThenMsg(NamedTuple):
-    """What every rank does after its share of a fused call: all-reduce, then a call."""
-
-    idx: list                   # shared variables to all-reduce, by index in rt.shareds
-    op: str
-    function_id: int            # the function to call next, without inputs
-    dtype: object = None        # a 16-bit transport type ("bfloat16", "float16"), or None
 
 
 class Function:
@@ -267,7 +224,7 @@ class Function:
             TypeError, ValueError: bad inputs or call options (nothing runs).
             WorkerError: a rank raised; the runtime stays usable.
         """
-        return self._call(args, kwargs, output_subset, batch, batch_s, num_slices, None)
+        return run_call(self, args, kwargs, output_subset, batch, batch_s, num_slices, None)
 
     def then_all_reduce(self, shared_vars, op, then, dtype=None):
         """Return a callable that runs this function, an all-reduce and ``then`` as one command.
@@ -297,172 +254,4 @@ class Function:
         reducers.check_op(op, "then_all_reduce: op")
         if dtype is not None:
             compressed.check(dtype, op, [], "then_all_reduce")
-        return _FusedCall(self, shared_vars, op, then, dtype)
-
-    def _call(self, args, kwargs, output_subset, batch, batch_s, num_slices, then):
-        rt = self._rt
-        if rt is None or rt.closed:
-            raise SynkStateError("this function belongs to a closed synkhronos run; "
-                                 "build it again after fork()")
-        if not rt.distributed:
-            raise SynkStateError("call distribute() before calling synkhronos functions")
-        prof = rt.profiler
-        if prof is not None:
-            # Checking the arguments is the master's control overhead too.
-            prof.begin(self._what)
-        try:
-            # A loop calling with the same Data sends the same message: it is
-            # checked and pickled once (``_wire``).  Index arrays do not compare
-            # as a whole, so calls with ``batch`` lists are not kept.
-            last = self._wire
-            wire = None
-            if (last is not None and last[2] is not None and then is None and not kwargs
-                    and batch is None and batch_s is None and output_subset is None
-                    and type(num_slices) is int and num_slices == 1
-                    and _same_data(args, last[2], last[0].descs)):
-                msg, wire = last[0], last[1]
-            else:
-                msg = self._prepare(rt, args, kwargs, output_subset, batch, batch_s, num_slices)
-                if then is not None:
-                    msg = msg._replace(then=then(rt))
-                if last is not None and msg.sel is None and msg.sel_s is None and last[0] == msg:
-                    wire = last[1]
-            spec = self.spec
-            result = run_command(rt, Command.CALL, msg,
-                                 lambda seq: execution.execute(spec, rt, msg),
-                                 lambda mine: execution.collect(spec, rt, mine, msg.subset,
-                                                                self._what[len("call of "):]),
-                                 what=self._what, wire=wire)
-            if wire is None and msg.sel is None and msg.sel_s is None \
-                    and rt.control.last_plain is not None:
-                # The ids of the Data given in input order: no reference that
-                # would keep a dropped Data's memory alive.
-                ids = None
-                # Kept only for the call the fast check above stands for: no options.
-                if (msg.then is None and msg.subset is None and msg.num_slices == 1
-                        and not kwargs and len(args) == len(self._all_inputs)
-                        and all(type(a) is data_module.Data for a in args)):
-                    ids = tuple(id(a) for a in args)
-                self._wire = (msg, rt.control.last_plain, ids)
-            return result
-        finally:
-            if prof is not None:
-                prof.end("control")
-
-    def _prepare(self, rt, args, kwargs, output_subset, batch, batch_s, num_slices):
-        """Check everything in the master and build the call message."""
-        if kwargs or len(args) != len(self._all_inputs):
-            args = self._bind(args, kwargs, self.name or "function")
-        datas = []
-        for i, v in enumerate(args):
-            # The common case inline: a live Data of the right type with memory.
-            if (type(v) is data_module.Data and v._rt is rt and v._data is not None
-                    and v._dtype == self._dtypes[i] and v._ndim == self._ndims[i]):
-                datas.append(v)
-            else:
-                datas.append(self._as_data(rt, i, v))
-        n_scattered = len(self.spec.inputs)
-        scattered = datas[:n_scattered]
-        sel = None if batch is None else split.normalize_batch(batch)
-        n_rows = check_lengths(self.name or "function", self.spec.inputs, scattered, sel)
-        if sel is not None:
-            sel = split.resolve(sel, common_length(scattered))
-        if type(num_slices) is not int or num_slices != 1:
-            if not (isinstance(num_slices, numbers.Integral) and not isinstance(num_slices, bool)
-                    and num_slices >= 1):
-                raise ValueError(f"{self.name or 'function'}: num_slices must be an int >= 1; "
-                                 f"got {num_slices!r}")
-            if num_slices > 1 and self.spec.collective:
-                raise ValueError(f"{self.name or 'function'}: num_slices > 1 cannot run a graph "
-                                 "holding in-graph collectives (ranks would meet them a different "
-                                 "number of times); use num_slices=1")
-            if num_slices > 1 and None in self.spec.output_ops:
-                raise ValueError(f"{self.name or 'function'}: num_slices > 1 cannot combine the "
-                                 "slices of an output with op None; use 'gather' or a reduce op")
-        sel_s = None
-        if batch_s is not None:
-            if not self.spec.sliceable:
-                raise ValueError(f"{self.name or 'function'}: batch_s needs sliceable_shareds "
-                                 "in function()")
-            sel_s = split.normalize_batch_s(batch_s, rt.n_parallel)
-        subset = None
-        if output_subset is not None:
-            subset = self._check_subset(output_subset)
-        # tuple.__new__: a named tuple's own constructor runs Python code at every call.
-        return tuple.__new__(CallMsg, (self._ID, [d.describe() for d in datas], n_scattered, sel,
-                                       n_rows, sel_s, int(num_slices), subset, None))
-
-    def _check_subset(self, output_subset):
-        try:
-            subset = [int(i) for i in output_subset]
-        except (TypeError, ValueError):
-            subset = None
-        n = len(self.spec.outputs)
-        if subset is None or any(not 0 <= i < n for i in subset) or len(set(subset)) != len(subset):
-            raise ValueError(f"{self.name or 'function'}: output_subset must list distinct "
-                             f"indices in range({n}); got {output_subset!r}")
-        return subset
-
-    def _as_data(self, rt, i, value):
-        """Return ``value`` as a Data for input ``i``, or raise naming what is wrong."""
-        var = self._all_inputs[i]
-        name = self.name or "function"
-        what = f"input {var}"
-        if isinstance(value, data_module.Data):
-            data_module.check_data(value, rt, var.dtype, var.ndim, name, what)
-            return value
-        if isinstance(value, np.ndarray) or np.isscalar(value) or isinstance(value, (list, tuple)):
-            arr = conditioning.condition(value, var.dtype, var.ndim, name, what)
-            scratch = self._scratch.get(i)
-            if scratch is None or scratch._rt is not rt:
-                scratch = data_module.data(value=arr, var=var, oversize=1.5)
-                self._scratch[i] = scratch
-            else:
-                scratch.set_value(arr, oversize=1.5)
-            return scratch
-        raise TypeError(f"{name}: input {var} must be a synkhronos Data or a NumPy array; "
-                        f"got {type(value).__name__}")
-
-
-def _same_data(args, ids, descs):
-    """Whether ``args`` are the Data of the call that sent ``descs``, with the same shapes."""
-    if len(args) != len(ids):
-        return False
-    for a, i, desc in zip(args, ids, descs):
-        # A Data's _ID is unique in the run: a new object at a reused id differs.
-        if (id(a) != i or type(a) is not data_module.Data or a._ID != desc.data_id
-                or a._data is None or a._data.shape != desc.shape):
-            return False
-    return True
-
-
-class _FusedCall:
-    """A function call fused with an all-reduce and a follow-up call (``then_all_reduce``)."""
-
-    def __init__(self, f, shared_vars, op, then, dtype):
-        self.f = f
-        self.shared_vars = shared_vars
-        self.op = op
-        self.then = then
-        self.dtype = dtype
-
-    def _then(self, rt):
-        if self.then._rt is not rt:
-            raise ValueError("then_all_reduce: then belongs to another synkhronos run")
-        idx, _ = sharedvars.resolve(rt, self.shared_vars, "then_all_reduce")
-        if self.dtype is not None:
-            compressed.check(self.dtype, self.op,
-                             [(rt.shareds[i], rt.shareds[i].dtype) for i in idx],
-                             "then_all_reduce")
-        return ThenMsg(idx, self.op, self.then._ID, self.dtype)
-
-    @serialized
-    def __call__(self, *args, output_subset=None, batch=None, batch_s=None, num_slices=1,
-                 **kwargs):
-        """Run the fused step; arguments and result as for ``Function.__call__``."""
-        return self.f._call(args, kwargs, output_subset, batch, batch_s, num_slices, self._then)
-
-
-@handler(Command.CALL, CallMsg)
-def _call_worker(rt, msg):
-    execution.execute(rt.functions[msg.function_id].spec, rt, msg)
+        return FusedCall(self, shared_vars, op, then, dtype)

@@ -5,9 +5,10 @@ made here as callbacks and never import the modules that start processes.
 """
 
 import os
+import signal
 import time
 
-from .errors import CommAborted, WorkerDiedError, WorkerStalledError
+from .errors import CommAborted, SynkError, WorkerDiedError, WorkerStalledError
 
 CHECK_EVERY_S = 0.01
 SLOW_CHECK_S = 0.25  # how often /proc states and the timeout are looked at
@@ -25,10 +26,50 @@ def pid_alive(pid):
     return True
 
 
-def default_timeout_s():
-    """The timeout of one command: ``SYNK_TIMEOUT_S`` if set, else 30 minutes."""
-    env = os.environ.get("SYNK_TIMEOUT_S")
-    return float(env) if env else DEFAULT_TIMEOUT_S
+def stop_process(pid, started=None, grace_s=0.0, reap=False):
+    """End process ``pid``: SIGKILL, or SIGTERM first when ``grace_s`` > 0 (SIGKILL past it).
+
+    ``started`` (its ``proc_start_time``) guards against a reused pid: a
+    process that started at another time is left alone.  ``reap`` waits for
+    it (only for this process's own child).
+    """
+    if started is not None and proc_start_time(pid) != started:
+        return  # gone already, and the pid maybe given to another process since
+    try:
+        if grace_s > 0:
+            os.kill(pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and proc_state(pid) not in ("Z", "X", None):
+                time.sleep(0.02)
+            if proc_state(pid) in ("Z", "X", None):
+                return _reap(pid, reap)
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        return None
+    return _reap(pid, reap)
+
+
+def _reap(pid, reap):
+    if reap:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+
+
+def no_check():
+    """A check with nothing to check: the wait is bounded by something else."""
+
+
+def deadline_check(seconds, message):
+    """Return a check that raises ``SynkError(message)`` once ``seconds`` have passed."""
+    deadline = time.monotonic() + seconds
+
+    def check():
+        if time.monotonic() > deadline:
+            raise SynkError(message)
+    return check
 
 
 def _stat_fields(pid):

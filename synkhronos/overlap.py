@@ -24,7 +24,7 @@ __all__ = ["step"]
 class OverlapMsg(NamedTuple):
     """OVERLAP_STEP: run gradient call ``call`` (or none) while all-reducing the previous one."""
 
-    call: object          # a function_module.CallMsg, or None to only flush
+    call: object          # a calls.CallMsg, or None to only flush
     grad_id: int          # the gradient function (writes ``cur``)
     update_id: int        # the update function (reads and zeroes ``prev``)
     cur_idx: int
@@ -95,7 +95,7 @@ def _local(rt, msg):
     return results, weight
 
 
-@handler(Command.OVERLAP_STEP, OverlapMsg)
+@handler(Command.OVERLAP_STEP, OverlapMsg, collected=True)
 def _overlap_worker(rt, msg):
     results, weight = _local(rt, msg)
     if msg.call is not None:

@@ -78,7 +78,7 @@ class ProfileMsg(NamedTuple):
     on: bool
 
 
-@handler(Command.PROFILE, ProfileMsg)
+@handler(Command.PROFILE, ProfileMsg, collected=True)
 def _profile_worker(rt, msg):
     if msg.on:
         rt.profiler = Profiler(rt.rank)

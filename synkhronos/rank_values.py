@@ -140,7 +140,7 @@ class GetValueMsg(NamedTuple):
     idx: list
 
 
-@handler(Command.GET_VALUE, GetValueMsg)
+@handler(Command.GET_VALUE, GetValueMsg, collected=True)
 def _get_value_worker(rt, msg):
     mine = [sv.get_array(rt.shareds[i]) for i in msg.idx] if rt.rank == msg.rank else None
     rt.backend.contribute(mine)
@@ -209,7 +209,7 @@ class GetShapesMsg(NamedTuple):
     idx: list
 
 
-@handler(Command.GET_SHAPES, GetShapesMsg)
+@handler(Command.GET_SHAPES, GetShapesMsg, collected=True)
 def _get_shapes_worker(rt, msg):
     rt.backend.contribute([np.array(sv.raw(rt.shareds[i]).shape, dtype=np.int64)
                            for i in msg.idx])

@@ -1,87 +1,176 @@
-"""Runtime: the one process-global state of synkhronos, and guards on it."""
+"""Runtime: the one process-global state of synkhronos, in typed parts, and guards on it."""
 
 import collections
 import functools
 import itertools
 import threading
 from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import Any, Callable, MutableMapping, Optional
 
 from .errors import SynkStateError
 
 
-@dataclass
-class Runtime:
-    """Everything ``fork()`` sets up; ``close()`` drops it.
+@dataclass(frozen=True)
+class Config:
+    """What ``fork()`` decided for the run; the same in every process, never changed.
 
-    Exists in the master and, as a copy made by fork, in every worker.
+    Attributes:
+        master_pid: the pid of the process that called ``fork()`` on this machine.
+        prefix: every shared-memory segment name of the run starts so (shmem.run_prefix).
+        device: "cpu" or "gpu".
+        max_n_var: most variables in one call or collective.
+        max_dim: most dimensions of a variable.
+        n_gpus: GPUs this machine's ranks use (0 in CPU mode).
+        gpu_ids: CUDA device ids, indexed round robin by rank.
+        cores: usable cores, indexed by local rank when pinning.
+        profile_workers: workers record a cProfile until the end.
+        spin_s: how long waits spin before sleeping.
+        timeout_s: the longest one command may run.
+    """
+
+    master_pid: int
+    prefix: str = "/synk_"
+    device: str = "cpu"
+    max_n_var: int = 1000
+    max_dim: int = 16
+    n_gpus: int = 0
+    gpu_ids: tuple = ()
+    cores: tuple = ()
+    profile_workers: bool = False
+    spin_s: float = 0.0
+    timeout_s: float = 1800.0
+
+
+@dataclass(slots=True)
+class Placement:
+    """Where this process stands among the ranks.
+
+    On one machine every rank is local and the leader (the process that posts
+    commands here) is the master.  In a cluster machine ``m`` holds global
+    ranks ``rank_offset .. rank_offset + n_local - 1``, its leader is local
+    index 0, and the global numbers are known only after LAYOUT.
     """
 
     rank: int
     n_parallel: int
     master_rank: int
-    master_pid: int
-    prefix: str = "/synk_"          # every segment name of the run starts so (shmem.run_prefix)
-    device: str = "cpu"
-    max_n_var: int = 1000
-    max_dim: int = 16
-    control: object = None          # control.Control
-    backend: object = None          # comm.base.Backend
-    procs: dict = field(default_factory=dict)   # rank -> Process (master only)
-    janitor: object = None
-    datas: dict = field(default_factory=dict)   # data id -> Data (master: weakly) / SharedArray
-    functions: list = field(default_factory=list)
-    shareds: list = field(default_factory=list)  # shared vars known to distribute()
-    shared_ids: dict = field(default_factory=dict)  # id(var) -> index in shareds
-    distributed: bool = False
-    closed: bool = False
-    counter: object = field(default_factory=itertools.count)
-    restore: list = field(default_factory=list)  # callables undoing fork() in master
-    check: object = None            # raises if another rank died or stalled (liveness)
-    monitor: object = None          # master: liveness.Monitor, which is also its check
-    abandon: object = None          # process.abandon: stop everything after a fatal failure
-    n_gpus: int = 0
-    gpu_ids: list = field(default_factory=list)  # CUDA device ids, indexed round robin by rank
-    cores: list = field(default_factory=list)    # usable cores, indexed by rank when pinning
-    janitor_fd: int = -1            # master: write end of the pipe the janitor watches
-    profile_workers: bool = False   # workers record a cProfile until QUIT
-    profiler: object = None         # profiling.Profiler while synk.profile() records
-    lock_fd: int = -1               # the run's lock (shmem.hold_run_lock), held by every process
-    freed: collections.deque = field(default_factory=collections.deque)  # dropped Data ids
-    wire: dict = field(default_factory=dict)  # master: repeated calls' messages, pickled (post)
-    cleanup_dirs: list = field(default_factory=list)  # removed by the janitor after a crash
-    device_shareds: set = field(default_factory=set)  # ids of shared vars whose values live on the device
-    jax_before_fork: bool = False   # JAX ran in the master before fork(): workers cannot
-    in_call: bool = False           # running a call's graph: in-graph collectives combine ranks
-    # This machine's part of the run.  On one machine: every rank, and the
-    # leader (the process that posts commands here) is the master.  In a
-    # cluster (cluster.py): machine ``node`` holds global ranks
-    # ``rank_offset .. rank_offset + n_local - 1``; its leader is local index 0.
-    local_index: int = -1           # this process's index among the machine's ranks
-    n_local: int = 0
-    leader: int = -1                # local index of the machine's leader
+    local_index: int
+    n_local: int
+    leader: int
     rank_offset: int = 0
-    cluster: object = None          # cluster.Cluster: the MPI side (controller and node masters)
 
-    def __post_init__(self):
-        if self.n_local == 0:
-            self.n_local = self.n_parallel
-        if self.local_index < 0:
-            self.local_index = self.rank
-        if self.leader < 0:
-            self.leader = self.master_rank
+
+@dataclass(slots=True)
+class Registry:
+    """What the run knows by id: functions, shared variables and Data."""
+
+    datas: MutableMapping[int, Any] = field(default_factory=dict)  # id -> Data (master, weakly) / SharedArray
+    functions: list = field(default_factory=list)
+    shareds: list = field(default_factory=list)          # shared variables known to distribute()
+    shared_ids: dict = field(default_factory=dict)       # id(var) -> index in shareds
+    device_shareds: set = field(default_factory=set)     # ids of shared vars whose values live on a device
+    distributed: bool = False
+    freed: collections.deque = field(default_factory=collections.deque)  # dropped Data ids, for the ranks
+    wire: dict = field(default_factory=dict)             # master: repeated calls' messages, pickled
+
+    def unmap(self, ids):
+        """Close this process's mappings of Data objects the master dropped."""
+        for data_id in ids:
+            seg = self.datas.pop(data_id, None)
+            if seg is not None:
+                seg.close()
+
+
+@dataclass(slots=True)
+class Processes:
+    """The leader's: its workers, janitor and what ``close()`` must undo (empty in a worker)."""
+
+    procs: dict = field(default_factory=dict)       # local index -> multiprocessing.Process
+    janitor: Optional[Any] = None                   # janitor.Janitor
+    monitor: Optional[Callable] = None              # liveness.Monitor, also the leader's check
+    restore: list = field(default_factory=list)     # callables undoing fork() in this process
+    cleanup_dirs: list = field(default_factory=list)  # removed by the janitor after a crash
+    lock_fd: int = -1                               # the run's lock (shmem.hold_run_lock)
+
+
+def _forward(path, doc, writable=True):
+    get = attrgetter(path)
+    part, name = path.split(".")
+    if not writable:
+        return property(get, doc=doc)
+
+    def put(self, value):
+        setattr(getattr(self, part), name, value)
+    return property(get, put, doc=doc)
+
+
+@dataclass(slots=True)
+class Runtime:
+    """Everything ``fork()`` sets up; ``close()`` drops it.
+
+    Exists in the master and, as a copy made by fork, in every worker.  The
+    parts' most used fields read through as attributes (``rt.rank`` is
+    ``rt.place.rank``).
+    """
+
+    config: Config
+    place: Placement
+    registry: Registry = field(default_factory=Registry)
+    processes: Processes = field(default_factory=Processes)
+    control: Optional[Any] = None       # control.Control
+    backend: Optional[Any] = None       # comm.base.Backend
+    check: Optional[Callable] = None    # raises if another rank died or stalled (liveness)
+    abandon: Optional[Callable] = None  # process.abandon: stop everything after a fatal failure
+    cluster: Optional[Any] = None       # the controller's cluster.controller.Controller
+    profiler: Optional[Any] = None      # profiling.Profiler while synk.profile() records
+    counter: Any = field(default_factory=itertools.count)
+    closed: bool = False
+    in_call: bool = False               # running a call's graph: in-graph collectives combine ranks
+    jax_before_fork: bool = False       # JAX ran in the master before fork(): workers cannot
+
+    rank = _forward("place.rank", "This process's global rank.")
+    n_parallel = _forward("place.n_parallel", "Ranks in the run (every machine).")
+    master_rank = _forward("place.master_rank", "The rank of the process that runs the program.")
+    local_index = _forward("place.local_index", "This process's index among its machine's ranks.")
+    n_local = _forward("place.n_local", "Ranks on this machine.")
+    leader = _forward("place.leader", "Local index of this machine's leader.")
+    rank_offset = _forward("place.rank_offset", "This machine's first global rank.")
+    datas = _forward("registry.datas", "Data by id: the master's objects, a rank's segments.")
+    functions = _forward("registry.functions", "Every synkhronos Function, by id.")
+    shareds = _forward("registry.shareds", "Shared variables known to distribute().")
+    shared_ids = _forward("registry.shared_ids", "id(shared variable) -> index in shareds.")
+    device_shareds = _forward("registry.device_shareds", "Shared variables living on a device.")
+    distributed = _forward("registry.distributed", "Whether distribute() has run.")
+    freed = _forward("registry.freed", "Ids of dropped Data, told to the ranks with the next command.")
+    wire = _forward("registry.wire", "Repeated calls' messages, pickled once.")
+    procs = _forward("processes.procs", "The leader's workers by local index.")
+    monitor = _forward("processes.monitor", "The leader's liveness.Monitor.")
+    restore = _forward("processes.restore", "What close() undoes in this process.")
+    cleanup_dirs = _forward("processes.cleanup_dirs", "Directories the janitor removes after a crash.")
+    janitor = _forward("processes.janitor", "The leader's janitor.Janitor.")
+    prefix = _forward("config.prefix", "The run's segment name prefix.", writable=False)
+    device = _forward("config.device", '"cpu" or "gpu".', writable=False)
+    master_pid = _forward("config.master_pid", "The pid of this machine's leader.", writable=False)
+    max_n_var = _forward("config.max_n_var", "Most variables in one command.", writable=False)
+    max_dim = _forward("config.max_dim", "Most dimensions of a variable.", writable=False)
+    n_gpus = _forward("config.n_gpus", "GPUs this machine's ranks use.", writable=False)
+    gpu_ids = _forward("config.gpu_ids", "CUDA device ids by rank.", writable=False)
+    cores = _forward("config.cores", "Usable cores by local rank.", writable=False)
 
     @property
     def is_master(self):
-        return self.rank == self.master_rank
+        return self.place.rank == self.place.master_rank
 
     @property
     def worker_ranks(self):
         """Local indices of this machine's workers (every rank but the leader's)."""
-        return [r for r in range(self.n_local) if r != self.leader]
+        leader = self.place.leader
+        return [r for r in range(self.place.n_local) if r != leader]
 
     def segment_name(self, tag):
         """Return a fresh segment name: the run's prefix, rank, counter, tag."""
-        return f"{self.prefix}{self.rank}_{next(self.counter)}{tag}"
+        return f"{self.config.prefix}{self.place.rank}_{next(self.counter)}{tag}"
 
 
 _state = {"runtime": None}
@@ -119,6 +208,6 @@ def require_forked(what):
 def require_distributed(what):
     """Return the Runtime; raise SynkStateError unless distribute() has run."""
     rt = require_forked(what)
-    if not rt.distributed:
+    if not rt.registry.distributed:
         raise SynkStateError(f"{what} needs distribute() first")
     return rt

@@ -6,7 +6,8 @@ memory (JAX arrays) has one place to convert.  A variable's values live on the
 device when it holds a JAX array or a JAX function uses it (``distribute()``
 records those in ``rt.device_shareds``): collectives then write JAX arrays
 back, as PyTensor's JAX backend does after an update, so the next call finds
-them on the device.
+them on the device.  ``transport`` and ``backend_values`` give the backend a
+collective's values travel through and the form it takes them in.
 """
 
 import numbers
@@ -16,7 +17,7 @@ from pytensor.compile import SharedVariable
 from pytensor.tensor import TensorType
 from pytensor.tensor.sharedvar import TensorSharedVariable
 
-from . import conditioning, data_module, gpu
+from . import conditioning, data_module, datamaps, gpu
 from . import split as rows
 
 
@@ -134,7 +135,7 @@ def check_static_shape(var, shape, where):
 
 def data_view(rt, desc):
     """Return this rank's view of a Data object described by ``describe``."""
-    return data_module.view(rt, desc)
+    return datamaps.view(rt, desc)
 
 
 def raw(var):
@@ -159,6 +160,18 @@ def get_array(var):
     if type(arr) is np.ndarray:
         return arr
     return gpu.to_host(arr)
+
+
+def transport(rt, nccl):
+    """The backend a collective uses: the run's, or its host backend for ``nccl=False``."""
+    return rt.backend if nccl else rt.backend.host
+
+
+def backend_values(be, shareds):
+    """The variables' values as backend ``be`` takes them: device arrays stay on the device."""
+    if be.device_arrays:
+        return [raw(v) for v in shareds]
+    return [get_array(v) for v in shareds]
 
 
 def writable_out(rt, var, dtype=None):

@@ -4,22 +4,24 @@ import logging
 import os
 import time
 
-# Importing the command modules registers their handlers in HANDLERS.
-from . import (checkpoint, cluster, collectives, data_module, distribute,  # noqa: F401
-               function_module, overlap, profiling)
-from .control import ABORTED, FAILED, HANDLERS, OK, Command, rank_header
+from .commands import COMMANDS, label
+from .control import ABORTED, FAILED, OK, rank_header
 from .errors import CommAborted
 
 logger = logging.getLogger(__name__)
 
 
 def loop(rt):
-    """Serve commands until QUIT; never returns to the caller's code."""
+    """Serve commands until the final one; never returns to the caller's code.
+
+    The handlers are whatever modules registered them (commands.py) before the
+    fork that started this worker.
+    """
     control = rt.control
     me = rt.local_index  # in a cluster, the global rank is known only after LAYOUT
     check = rt.check
     profiler = None
-    if rt.profile_workers:
+    if rt.config.profile_workers:
         import cProfile
         profiler = cProfile.Profile()
         profiler.enable()
@@ -33,16 +35,17 @@ def loop(rt):
             t_seen = time.perf_counter_ns()
         cmd, payload, frees = control.read_message()
         if prof is not None:
-            prof.begin(_what(rt, cmd, payload), t_seen)
+            prof.begin(label(cmd, rt, payload), t_seen)
             prof.lap("control")
         if frees:
-            unmap(rt, frees)
+            rt.registry.unmap(frees)
         rt.backend.begin(seq)
         if debug:
             t0 = time.perf_counter()
+        spec = COMMANDS[cmd]
         status = OK
         try:
-            HANDLERS[cmd](rt, payload)
+            spec.run(rt, payload)
         except CommAborted:
             status = ABORTED
         except BaseException as exc:  # noqa: BLE001 - everything goes back to the master
@@ -54,28 +57,10 @@ def loop(rt):
             prof.end("control")
         if debug:
             logger.debug("rank %d ran %s in %.6f s", rt.rank, cmd.name, time.perf_counter() - t0)
-        if cmd is Command.QUIT:
+        if spec.final:
             if profiler is not None:
                 profiler.disable()
                 profiler.dump_stats(f"synk_worker_{rt.rank}.prof")
             control.finish(me, seq, status)
             os._exit(0)
         control.finish(me, seq, status)
-
-
-def _what(rt, cmd, payload):
-    """The command as the master's profile names it."""
-    if cmd == Command.CALL:
-        return f"call of {rt.functions[payload.function_id].name or 'function'}"
-    return cmd.name.lower()
-
-
-def unmap(rt, ids):
-    """Close this rank's mappings of Data objects the master dropped."""
-    for data_id in ids:
-        seg = rt.datas.pop(data_id, None)
-        if seg is not None:
-            seg.close()
-
-
-HANDLERS.setdefault(Command.QUIT, lambda rt, payload: None)

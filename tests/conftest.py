@@ -12,6 +12,9 @@ from synkhronos.runtime import get_runtime
 
 HANG_S = 100
 
+# tests/helpers holds modules the tests import and scripts they run: nothing to collect.
+collect_ignore = ["helpers"]
+
 # JAX-mode runs (started by tests/test_jax_mode.py): SYNK_TEST_MODE=JAX makes
 # PyTensor's JAX backend every function's default mode, so the function and
 # collective suites run again on JAX arrays.  Read by test_collectives.py too.

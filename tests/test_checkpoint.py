@@ -19,7 +19,7 @@ from synkhronos import checkpoint
 pytestmark = pytest.mark.timeout(115)
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "tests" / "ckpt_train.py"
+SCRIPT = ROOT / "tests" / "helpers" / "ckpt_train.py"
 
 
 def _script(*args, **kwargs):

@@ -1,6 +1,6 @@
 """Clusters over MPI: real ``mpiexec`` jobs on this machine, several MPI processes standing in for machines.
 
-Each job runs a script (cluster_checks.py, cluster_faults.py, the MNIST demo)
+Each job runs a script (helpers/cluster_checks.py, helpers/cluster_faults.py, the MNIST demo)
 whose controller checks results against NumPy and prints what it saw; these
 tests read that output, and check that a failed job leaves no process and no
 shared-memory segment behind.
@@ -14,10 +14,12 @@ import time
 
 import pytest
 
-from procs import DEADLINE_S, gone, wait_for
+from helpers.procs import DEADLINE_S, gone, wait_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+CHECKS = os.path.join(HERE, "helpers", "cluster_checks.py")
+FAULTS = os.path.join(HERE, "helpers", "cluster_faults.py")
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
 
@@ -83,7 +85,7 @@ def assert_nothing_left(out, before_mpi, script="cluster_faults.py"):
 def test_cluster_contract(machines, local):
     """Functions (batch, batch_s, num_slices, every op), every collective, Data mirroring."""
     before = _mpi_segments()
-    rc, out, _ = mpirun(machines, ["cluster_checks.py", str(local)])
+    rc, out, _ = mpirun(machines, [CHECKS, str(local)])
     assert rc == 0 and "ALL OK" in out, out
     assert "AFTER CLOSE OK" in out, out  # the script outlived its node masters
     assert out.count("OK all_reduce and reduce") == 5, out
@@ -91,7 +93,7 @@ def test_cluster_contract(machines, local):
 
 
 def test_remote_rank_error_then_the_run_goes_on():
-    rc, out, _ = mpirun(3, ["cluster_faults.py", "remote-error", "2"])
+    rc, out, _ = mpirun(3, [FAULTS, "remote-error", "2"])
     assert rc == 0, out
     # The last rank (5) of the last machine raised ValueError; the controller got it as such.
     assert "CAUGHT WorkerValueError rank 5" in out, out
@@ -102,14 +104,14 @@ def test_remote_rank_error_then_the_run_goes_on():
 
 
 def test_idle_node_masters_outlive_the_command_timeout():
-    rc, out, _ = mpirun(2, ["cluster_faults.py", "idle", "2"])
+    rc, out, _ = mpirun(2, [FAULTS, "idle", "2"])
     assert rc == 0, out
     assert "AFTER" in out and "CLOSED" in out, out
 
 
 def test_stopped_node_master_is_named_and_the_job_ends():
     before = _mpi_segments()
-    rc, out, _ = mpirun(3, ["cluster_faults.py", "stop-node", "2"], SYNK_HEARTBEAT_S="3")
+    rc, out, _ = mpirun(3, [FAULTS, "stop-node", "2"], SYNK_HEARTBEAT_S="3")
     m = re.search(r"CAUGHT WorkerStalledError ([\d.]+) machine 1 \(\S+, ranks 2\.\.3\)", out)
     assert m, out
     assert float(m.group(1)) < DEADLINE_S, out
@@ -118,7 +120,7 @@ def test_stopped_node_master_is_named_and_the_job_ends():
 
 def test_timeout_names_the_late_machine():
     before = _mpi_segments()
-    rc, out, _ = mpirun(3, ["cluster_faults.py", "timeout", "2"])
+    rc, out, _ = mpirun(3, [FAULTS, "timeout", "2"])
     m = re.search(r"CAUGHT WorkerStalledError ([\d.]+) ranks 2, 3 ran call", out)
     assert m, out
     assert float(m.group(1)) < 6 + DEADLINE_S, out
@@ -129,7 +131,7 @@ def test_killed_node_master_ends_the_job_and_leaves_nothing():
     # mpiexec (MPICH's Hydra) ends the whole job when one of its processes is
     # killed; what synkhronos owes is that nothing of it survives.
     before = _mpi_segments()
-    rc, out, took = mpirun(3, ["cluster_faults.py", "kill-node", "2"])
+    rc, out, took = mpirun(3, [FAULTS, "kill-node", "2"])
     assert rc != 0, out
     assert took < 60, out
     assert_nothing_left(out, before)
@@ -137,7 +139,7 @@ def test_killed_node_master_ends_the_job_and_leaves_nothing():
 
 def test_killed_controller_ends_every_machine():
     before = _mpi_segments()
-    rc, out, _ = mpirun(3, ["cluster_faults.py", "kill-controller", "2"])
+    rc, out, _ = mpirun(3, [FAULTS, "kill-controller", "2"])
     assert rc != 0, out
     assert_nothing_left(out, before)
 

@@ -1,4 +1,4 @@
-"""In-graph collectives in JAX mode (ordered host callbacks), in a forked child (tests/child.py)."""
+"""In-graph collectives in JAX mode (ordered host callbacks), in a forked child (tests/helpers/child.py)."""
 
 import importlib.util
 
@@ -7,8 +7,8 @@ import pytensor
 import pytensor.tensor as pt
 import pytest
 
-import child
 import synkhronos as synk
+from helpers import child
 from synkhronos import ingraph
 from synkhronos.extensions.batchnorm import SyncBatchNorm
 

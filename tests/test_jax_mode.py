@@ -4,10 +4,10 @@
   function on the JAX backend, so shared variables hold JAX arrays).
 - JAX-specific cases: values stay JAX arrays in every rank through
   collectives, batch_s and slices; the NCCL path end to end on a CPU
-  stand-in for CuPy (tests/fake_cupy.py); the guard against forking after
+  stand-in for CuPy (tests/helpers/fake_cupy.py); the guard against forking after
   JAX ran.
 
-JAX cannot fork (tests/child.py): the suites rerun in subprocesses, one fork
+JAX cannot fork (tests/helpers/child.py): the suites rerun in subprocesses, one fork
 per process (the function suite once per rank count, the collectives suite
 with the fork_each plugin), and each case here runs in a forked child of the
 pytest process, which itself never starts JAX.
@@ -25,9 +25,8 @@ import pytensor
 import pytensor.tensor as pt
 import pytest
 
-import child
-import fake_cupy
 import synkhronos as synk
+from helpers import child, fake_cupy
 from synkhronos.runtime import get_runtime
 
 pytestmark = [
@@ -60,7 +59,7 @@ def test_function_suite_on_jax(n):
 
 def test_collectives_suite_on_jax():
     # That suite forks in every test: each test runs in its own process.
-    _suite("-p", "fork_each", "tests/test_collectives.py")
+    _suite("-p", "helpers.fork_each", "tests/test_collectives.py")
 
 
 # ---- helpers run on every rank --------------------------------------------------
@@ -383,7 +382,7 @@ def _case_gpu_mode_simulated(module, case, n_gpus, *args):
     sys.path.insert(0, str(ROOT / "tests" / "gpu"))
     import importlib
 
-    import gpu_env
+    from helpers import gpu_env
 
     from synkhronos import gpu
 

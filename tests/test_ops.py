@@ -2,17 +2,17 @@
 
 Every case runs on the default mode (Numba kernels), the Python linker (the
 Ops' ``perform``) and JAX on the CPU.  JAX cases run in a forked child of the
-pytest process (tests/child.py), which never starts JAX itself.
+pytest process (tests/helpers/child.py), which never starts JAX itself.
 """
 
 import importlib.util
 
-import child
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
 
+from helpers import child
 from synkhronos.extensions import bn_ops, ops
 
 MODES = [None, "FAST_COMPILE", "JAX"]

@@ -48,10 +48,11 @@ class MpiBackend(Backend):
     def __init__(self, rt, spin_s):
         super().__init__(rt, spin_s)
         self.local = ShmBackend(LocalView(rt), spin_s)
-        self.cluster = None  # the leader's cluster.Cluster, after MPI starts
+        self.link = None     # the leader's cluster.link.Link, after MPI starts
+        self.remote = None   # the controller's: the other machines' contributions to a call
         self.mine = None     # a node master's own contribution to a call's outputs
 
-    # The run's size is known only once MPI has started (cluster.connect).
+    # The run's size is known only once MPI has started (cluster.rendezvous).
     @property
     def n_parallel(self):
         return self.rt.n_parallel
@@ -72,9 +73,14 @@ class MpiBackend(Backend):
     def is_leader(self):
         return self.rt.local_index == self.rt.leader
 
-    def attach(self, cluster):
-        """In the leader: collectives between machines go through ``cluster``."""
-        self.cluster = cluster
+    def attach(self, link, remote_contributions):
+        """In the leader: collectives between machines go through ``link``.
+
+        ``remote_contributions()`` (the controller's) returns {global rank:
+        (arrays, weight)} that the other machines' ranks contributed to a call.
+        """
+        self.link = link
+        self.remote = remote_contributions
 
     def bind_check(self, check):
         self.check = check
@@ -112,7 +118,7 @@ class MpiBackend(Backend):
 
     def _exchange(self, obj):
         """Leaders: every machine's ``obj``, in machine order."""
-        cl = self.cluster
+        cl = self.link
         tag = cl.next_tag()
         for m in cl.others:
             cl.send(m, tag, obj)
@@ -192,7 +198,7 @@ class MpiBackend(Backend):
             if here:
                 self._send_all([np.asarray(a, order="C") for a in arrays])
             else:
-                cl = self.cluster
+                cl = self.link
                 arrays = cl.recv(cl.layout.machine_of(root), cl.next_tag(), self.check)
         if rt.rank == root:
             if self._multi:
@@ -201,7 +207,7 @@ class MpiBackend(Backend):
         return self._from_leader(arrays, out=out, keys=keys)
 
     def _send_all(self, obj):
-        cl = self.cluster
+        cl = self.link
         tag = cl.next_tag()
         for m in cl.others:
             cl.send(m, tag, obj)
@@ -210,7 +216,7 @@ class MpiBackend(Backend):
     def gather(self, arrays, root, keys=None):
         got = self._to_leader(None if arrays is None else as_arrays(arrays))
         if self.is_leader:
-            cl = self.cluster
+            cl = self.link
             tag = cl.next_tag()
             root_machine = cl.layout.machine_of(root)
             if cl.node != root_machine:
@@ -255,7 +261,7 @@ class MpiBackend(Backend):
             self._check_scatter(per_rank)
         mine_sub = None
         if self.is_leader:
-            cl = self.cluster
+            cl = self.link
             tag = cl.next_tag()
             root_machine = cl.layout.machine_of(root)
             if rt.rank == root:
@@ -303,7 +309,7 @@ class MpiBackend(Backend):
             for i, entry in enumerate(self.local.collect()):
                 out[i] = entry
         out[rt.rank] = None
-        for rank, entry in self.cluster.contributions().items():
+        for rank, entry in self.remote().items():
             out[rank] = entry
         return out
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
-from . import bn_ops, ops
+from . import bn_ops, conv_ops, pool_ops
 
 __all__ = [
     "he_normal", "glorot_uniform", "Dense", "Conv2D", "BatchNorm",
@@ -368,7 +368,7 @@ def conv2d(x, W, stride=1, pad=0, dilation=1, groups=1, layout="NHWC"):
 
     One ``ops.Conv2d`` node (see there for "NCHW").
     """
-    return ops.conv2d(x, _static_weights(W), stride, pad, dilation, groups, layout)
+    return conv_ops.conv2d(x, _static_weights(W), stride, pad, dilation, groups, layout)
 
 
 def max_pool2d(x, size=2, stride=None, pad=0, layout="NHWC"):
@@ -380,12 +380,12 @@ def max_pool2d(x, size=2, stride=None, pad=0, layout="NHWC"):
         pad: padding on each side; padded cells never win the max.
         layout: "NHWC" or "NCHW".
     """
-    return ops.max_pool2d(x, size, stride, pad, layout)
+    return pool_ops.max_pool2d(x, size, stride, pad, layout)
 
 
 def avg_pool2d(x, size=2, stride=None, pad=0, layout="NHWC"):
     """Return the mean over ``size x size`` windows (padding counts as zeros)."""
-    return ops.avg_pool2d(x, size, stride, pad, layout)
+    return pool_ops.avg_pool2d(x, size, stride, pad, layout)
 
 
 def global_avg_pool(x, layout="NHWC"):

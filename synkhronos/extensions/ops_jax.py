@@ -11,9 +11,9 @@ import logging
 import sys
 
 from . import bn_ops
-from .ops import (AvgPool2d, AvgPool2dGrad, Conv2d, Conv2dGradInput, Conv2dGradWeights,
-                  MaxPool2d, MaxPool2dGrad, _channel_axis, _image_shape, _weight_io,
-                  _weight_shape)
+from .conv_ops import Conv2d, Conv2dGradInput, Conv2dGradWeights
+from .op_geometry import channel_axis, image_shape, weight_io, weight_shape
+from .pool_ops import AvgPool2d, AvgPool2dGrad, MaxPool2d, MaxPool2dGrad
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +83,8 @@ def _register_jax():
         conv = _jax_conv(op)
 
         def conv2d_grad_input(gy, w, geometry=None):
-            cg, _ = _weight_io(op.layout, w.shape)
-            shape = _image_shape(op.layout, gy.shape[0], cg * op.groups, *op.in_hw)
+            cg, _ = weight_io(op.layout, w.shape)
+            shape = image_shape(op.layout, gy.shape[0], cg * op.groups, *op.in_hw)
             _, vjp = jax.vjp(lambda x: conv(x, w), jnp.zeros(shape, gy.dtype))
             return vjp(gy)[0]
         return conv2d_grad_input
@@ -92,10 +92,10 @@ def _register_jax():
     @jax_funcify.register(Conv2dGradWeights)
     def _jax_conv2d_grad_weights(op, **kwargs):
         conv = _jax_conv(op)
-        ca = _channel_axis(op.layout)
+        ca = channel_axis(op.layout)
 
         def conv2d_grad_weights(x, gy, geometry=None):
-            shape = _weight_shape(op.layout, gy.shape[ca], x.shape[ca] // op.groups,
+            shape = weight_shape(op.layout, gy.shape[ca], x.shape[ca] // op.groups,
                                   *op.kernel_hw)
             _, vjp = jax.vjp(lambda w: conv(x, w), jnp.zeros(shape, x.dtype))
             return vjp(gy)[0]
@@ -122,8 +122,8 @@ def _register_jax():
         pool = _jax_avg_pool(op)
 
         def avg_pool2d_grad(gy, geometry=None):
-            c = gy.shape[_channel_axis(op.layout)]
-            shape = _image_shape(op.layout, gy.shape[0], c, *op.in_hw)
+            c = gy.shape[channel_axis(op.layout)]
+            shape = image_shape(op.layout, gy.shape[0], c, *op.in_hw)
             return jax.vjp(pool, jnp.zeros(shape, gy.dtype))[1](gy)[0]
         return avg_pool2d_grad
 

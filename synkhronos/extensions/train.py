@@ -10,6 +10,7 @@ from pytensor.compile import SharedVariable
 import synkhronos as synk
 
 from .. import overlap as _overlap_mod
+from ..calls import prepare_call
 from ..comm import compressed
 from ..data_module import Data
 from ..errors import SynkStateError
@@ -103,8 +104,8 @@ class TrainFunction:
             when ``outputs`` were given.
         """
         if self.overlap:
-            call = self.f_grad._prepare(self._runtime(), data, {}, None, batch, batch_s,
-                                        num_slices)
+            call = prepare_call(self.f_grad, self._runtime(), data, {}, None, batch, batch_s,
+                                num_slices)
             out = self._overlapped(call)
             self._pending = True
             return out

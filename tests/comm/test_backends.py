@@ -12,11 +12,11 @@ import sys
 import numpy as np
 import pytest
 
-import fake_cupy
 import synkhronos as synk
-from synkhronos import control
+from helpers import fake_cupy
 from synkhronos.comm import backend_names
-from synkhronos.control import Command, run_command
+from synkhronos.commands import COMMANDS, Command
+from synkhronos.control import run_command
 from synkhronos.errors import WorkerError
 from synkhronos.runtime import get_runtime
 
@@ -233,7 +233,7 @@ class BackendSuite:
     @pytest.fixture
     def start(self, forked, monkeypatch, backend_env):
         monkeypatch.setenv("SYNK_BACKEND", self.backend)
-        monkeypatch.setitem(control.HANDLERS, TEST_CMD, _run_test_fn)
+        monkeypatch.setitem(COMMANDS, TEST_CMD, COMMANDS[TEST_CMD]._replace(run=_run_test_fn))
 
         def _start(n):
             forked(n)

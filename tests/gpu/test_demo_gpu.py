@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_env import needs_gpu
+from helpers.gpu_env import needs_gpu
 
 pytestmark = needs_gpu
 

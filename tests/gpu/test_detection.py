@@ -1,6 +1,6 @@
 """GPU detection and device selection (GPU machines only).
 
-Every body runs in a forked child (tests/child.py): GPU mode must fork from a
+Every body runs in a forked child (tests/helpers/child.py): GPU mode must fork from a
 process in which neither CUDA nor JAX ever ran, and the pytest process stays so.
 """
 
@@ -10,9 +10,9 @@ import subprocess
 
 import pytest
 
-import child
 import synkhronos as synk
-from gpu_env import N_GPUS, needs_gpu
+from helpers import child
+from helpers.gpu_env import N_GPUS, needs_gpu
 from synkhronos.runtime import get_runtime
 
 pytestmark = needs_gpu

@@ -2,7 +2,7 @@
 
 GPU machines only; with one GPU the NCCL runs have one rank (the communicator,
 grouping, DLPack hand-over and scaling still run for real).  Bodies run in
-forked children (tests/child.py).
+forked children (tests/helpers/child.py).
 """
 
 import logging
@@ -12,10 +12,9 @@ import pytensor
 import pytensor.tensor as pt
 import pytest
 
-import child
-import gpu_env
 import synkhronos as synk
-from gpu_env import N_GPUS, needs_cupy, needs_gpu
+from helpers import child, gpu_env
+from helpers.gpu_env import N_GPUS, needs_cupy, needs_gpu
 from synkhronos.runtime import get_runtime
 
 pytestmark = needs_gpu + [needs_cupy]

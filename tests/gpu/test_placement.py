@@ -1,16 +1,15 @@
 """Device placement in GPU mode (GPU machines only): JAX functions, values in GPU memory.
 
-Bodies run in forked children (tests/child.py).
+Bodies run in forked children (tests/helpers/child.py).
 """
 
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
-import child
-import gpu_env
 import synkhronos as synk
-from gpu_env import N_GPUS, needs_gpu
+from helpers import child, gpu_env
+from helpers.gpu_env import N_GPUS, needs_gpu
 from synkhronos import gpu
 
 pytestmark = needs_gpu

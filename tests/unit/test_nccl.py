@@ -12,7 +12,7 @@ import types
 import numpy as np
 import pytest
 
-import fake_cupy
+from helpers import fake_cupy
 from synkhronos import gpu
 from synkhronos.comm import choose_backend, get_backend
 from synkhronos.comm import nccl_backend as nb

@@ -13,7 +13,8 @@ import time
 import traceback
 
 import synkhronos as synk
-from synkhronos.control import HANDLERS, Command, run_command
+from synkhronos.commands import COMMANDS, Command
+from synkhronos.control import run_command
 from synkhronos.runtime import get_runtime
 
 # Test functions travel as GET_VALUE commands tagged with this marker; the
@@ -92,14 +93,14 @@ def on_every_rank():
     assertion in a worker comes back as WorkerError.  Only the child calls
     this, so the pytest process keeps its handlers.
     """
-    real = HANDLERS[TEST_CMD]
+    real = COMMANDS[TEST_CMD].run
 
     def dispatch(rt, payload):
         if isinstance(payload, tuple) and len(payload) == 3 and payload[0] == _MARK:
             payload[1](rt, *payload[2])
         else:
             real(rt, payload)
-    HANDLERS[TEST_CMD] = dispatch
+    COMMANDS[TEST_CMD] = COMMANDS[TEST_CMD]._replace(run=dispatch)
 
     def run_all(fn, *args, after=None):
         rt = get_runtime()

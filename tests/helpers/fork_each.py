@@ -1,4 +1,4 @@
-"""pytest plugin (``-p fork_each``, with tests/ on the path): run every test in its own fork.
+"""pytest plugin (``-p helpers.fork_each``, with tests/ on the path): run every test in its own fork.
 
 JAX cannot fork: a child forked after JAX started its backend hangs on its
 first JAX call.  In a JAX-mode run every fork() needs a master in which JAX

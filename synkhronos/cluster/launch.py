@@ -1,0 +1,132 @@
+"""How this process was launched (mpiexec or not), MPI's start and end, and a node master's exit."""
+
+import ctypes
+import logging
+import os
+import sys
+from typing import NamedTuple
+
+logger = logging.getLogger(__name__)
+
+
+class Launch(NamedTuple):
+    """This process's place in an MPI job, read from mpiexec's environment."""
+
+    rank: int           # MPI rank (0: the controller)
+    size: int           # MPI processes in the job (machines)
+    local_index: int    # index among the MPI processes on this host
+    local_count: int    # MPI processes on this host
+
+
+_ENV_KEYS = (
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE"),
+)
+
+
+def launched(env=None):
+    """Return this process's ``Launch``, or None.
+
+    Read from the environment mpiexec sets (MPICH's Hydra, Open MPI, PMIx),
+    without initialising MPI.  None when not started by mpiexec, when the job
+    has one process, or when ``SYNK_CLUSTER=0``.
+    """
+    env = os.environ if env is None else env
+    if env.get("SYNK_CLUSTER", "1") == "0":
+        return None
+    for rank_k, size_k, lrank_k, lsize_k in _ENV_KEYS:
+        if rank_k in env and size_k in env:
+            size = int(env[size_k])
+            if size < 2:
+                return None
+            return Launch(int(env[rank_k]), size, int(env.get(lrank_k, 0)),
+                          int(env.get(lsize_k, 1)))
+    return None
+
+
+def close_launcher_fds():
+    """In a process forked from an MPI process: close its link to the MPI launcher.
+
+    mpiexec (MPICH's Hydra) passes each process a socket (``PMI_FD``); a forked
+    child that keeps it open can make the launcher see the MPI process's end
+    wrongly, and end the job.
+    """
+    fd = os.environ.get("PMI_FD")
+    if fd and fd.isdigit():
+        try:
+            os.close(int(fd))
+        except OSError:
+            pass
+
+
+def init_mpi():
+    """Initialise MPI (after the local fork) and return the module; finalised by ``finalize``."""
+    import mpi4py
+    mpi4py.rc.finalize = False  # synkhronos finalises at close; never a blocking atexit
+    mpi4py.rc.thread_level = "single"
+    from mpi4py import MPI
+    return MPI
+
+
+def mpi_segments():
+    """The /dev/shm files this process has mapped since MPI started (MPICH's ``mpich_shm_*``).
+
+    MPI unlinks them when it finalises; a killed process leaves them, so the
+    janitor removes them after its master has gone.
+    """
+    out = set()
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rstrip("\n").split(None, 5)[-1] if line.count(" ") >= 5 else ""
+                name = os.path.basename(path)
+                if path.startswith("/dev/shm/") and not name.startswith("synk_"):
+                    out.add(path.replace(" (deleted)", ""))
+    except OSError:
+        pass
+    return sorted(out)
+
+
+_FINISHED = []
+
+
+def finished():
+    """Whether this process's cluster job has ended (MPI cannot start again)."""
+    return bool(_FINISHED)
+
+
+def finalize(mpi):
+    """Finalise MPI in this process (after which mpiexec lets the others run on)."""
+    _FINISHED.append(True)
+    try:
+        if mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
+    except Exception as exc:  # noqa: BLE001 - exiting anyway
+        logger.warning("MPI_Finalize failed: %s", exc)
+
+
+def exit_finalized(status=0):
+    """End this process after ``finalize``, the way a C program ends: ``exit(status)``.
+
+    MPICH's PMI client tells mpiexec that the process finished in a C exit
+    handler; ``os._exit`` skips it, and mpiexec then takes the exit for a crash
+    and kills every other process of the job, a controller still running the
+    user's script after ``close()`` included.  C's exit runs that handler and
+    none of Python's (no ``atexit``, no ``finally`` in the user's script around
+    ``fork()``).  Python's own buffers are flushed first, as a normal exit would.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError, RuntimeError):
+            # RuntimeError: SIGTERM's handler ends here, maybe in the middle of a write.
+            pass
+    try:
+        ctypes.CDLL(None).exit(status)
+    except (OSError, AttributeError):  # no C library to call: no PMI handler either
+        pass
+    os._exit(status)

@@ -1,0 +1,88 @@
+"""Where the ranks are: ``Layout``, ``layout()``, and the LAYOUT command that numbers ranks globally."""
+
+import socket
+from typing import NamedTuple
+
+from ..commands import Command, handler
+from ..runtime import require_forked
+
+
+class Layout:
+    """Where the ranks are: machine by machine, ``n_local[m]`` ranks on machine ``m``.
+
+    Attributes:
+        n_local: ranks on each machine (machine 0 holds the controller).
+        offsets: the first global rank of each machine.
+        hosts: each machine's host name.
+    """
+
+    def __init__(self, n_local, hosts):
+        self.n_local = list(n_local)
+        self.hosts = list(hosts)
+        self.offsets = [sum(self.n_local[:m]) for m in range(len(self.n_local))]
+
+    @property
+    def n_machines(self):
+        return len(self.n_local)
+
+    @property
+    def n_parallel(self):
+        return sum(self.n_local)
+
+    def ranks(self, machine):
+        """The global ranks on ``machine``."""
+        lo = self.offsets[machine]
+        return range(lo, lo + self.n_local[machine])
+
+    def machine_of(self, rank):
+        """The machine that holds global ``rank``."""
+        for m in range(self.n_machines):
+            if rank < self.offsets[m] + self.n_local[m]:
+                return m
+        raise ValueError(f"rank {rank} is not in the run's {self.n_parallel} ranks")
+
+    def describe(self, machine):
+        r = self.ranks(machine)
+        return f"machine {machine} ({self.hosts[machine]}, ranks {r.start}..{r.stop - 1})"
+
+    def __repr__(self):
+        return f"Layout(n_local={self.n_local}, hosts={self.hosts})"
+
+
+class LayoutMsg(NamedTuple):
+    """LAYOUT: this machine's first global rank and the run's number of ranks."""
+
+    offset: int
+    n_parallel: int
+
+
+def set_layout(rt, offset, n_parallel):
+    """Give this process its global rank, once the layout is known."""
+    place = rt.place
+    place.rank_offset = offset
+    place.rank = offset + place.local_index
+    place.n_parallel = n_parallel
+
+
+# Each machine posts its own LAYOUT (its offset differs): never forwarded.
+@handler(Command.LAYOUT, LayoutMsg, local=True)
+def _layout_worker(rt, msg):
+    set_layout(rt, msg.offset, msg.n_parallel)
+
+
+def layout():
+    """Return where the run's ranks are: a ``Layout`` (machines, ranks on each, host names).
+
+    On one machine: one machine holding every rank.  Master (controller) only,
+    after ``fork()``.
+
+    Example::
+
+        synk.fork()
+        lay = synk.layout()
+        lay.n_machines, lay.n_local, lay.ranks(1)   # 2, [2, 2], range(2, 4)
+    """
+    rt = require_forked("layout()")
+    if rt.cluster is not None:
+        return rt.cluster.layout
+    return Layout([rt.n_parallel], [socket.gethostname()])

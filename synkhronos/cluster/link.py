@@ -1,0 +1,201 @@
+"""The MPI link between machines: tags, sends, receives, and sends that a failure left behind.
+
+Every wait here is a loop over ``Improbe`` or ``Test`` that keeps calling a
+liveness check, so none waits without a bound.  Messages are pickled with
+large buffers out of band (sent as they are, not copied); a reduction's small
+partial travels in a compact form that unpickles fast.
+"""
+
+import pickle
+import struct
+
+import numpy as np
+
+from ..errors import SynkError
+from ..liveness import wait_until
+
+# Tags of the messages between the controller and node masters.
+CMD, REPORT, ABORT, DATA, DONE = 1, 2, 3, 4, 5   # DONE: a report of nothing but success
+TAG_BASE = 64            # collectives: TAG_BASE + (seq * PER_CMD + k) % tag_span
+PER_CMD = 256
+INBAND_BYTES = 1 << 16   # smaller buffers travel inside the pickle
+POOL_BYTES = 1 << 16     # received buffers this large are reused (Link._buffer)
+POOL_MAX = 64
+PACKED = -1  # first word of a compact partial (a pickled message starts with its buffer count)
+_PACKED_HEAD = struct.pack("q", PACKED)
+
+
+class Link:
+    """This process's MPI messages to and from the other machines' leaders.
+
+    Args:
+        mpi: the ``mpi4py.MPI`` module.
+        comm: this job's communicator (a duplicate of COMM_WORLD).
+        layout: the run's ``Layout``.
+        spin_s: how long waits spin before sleeping.
+    """
+
+    def __init__(self, mpi, comm, layout, spin_s):
+        self.MPI = mpi
+        self.comm = comm
+        self.node = comm.Get_rank()
+        self.layout = layout
+        self.spin_s = spin_s
+        self.others = [m for m in range(layout.n_machines) if m != self.node]
+        self.seq = 0           # the current command's number: tags of its messages
+        self.k = 0             # the collective within the command
+        self.sends = []        # (request, buffer) not yet known complete
+        self.orphans = []      # (request, buffer) of sends an aborted command left behind
+        self.pool = {}         # reused receive buffers
+        span = int(mpi.COMM_WORLD.Get_attr(mpi.TAG_UB)) - TAG_BASE
+        self.tag_span = max(PER_CMD, span - span % PER_CMD)
+
+    def begin(self, seq):
+        """Start command ``seq``: its collectives' tags count from here."""
+        self.seq = seq
+        self.k = 0
+
+    def next_tag(self):
+        """A fresh tag for one collective of the current command (the same on every machine)."""
+        self.k += 1
+        return TAG_BASE + (self.seq * PER_CMD + self.k) % self.tag_span
+
+    def send_bytes(self, dest, tag, buf):
+        """Send ``buf`` as it is (kept alive until the send completes)."""
+        self.sends.append((self.comm.Isend(buf, dest, tag), buf))
+
+    def send(self, dest, tag, obj):
+        """Send ``obj`` (pickled; large buffers out of band, not copied) to machine ``dest``.
+
+        A reduction's partial, ``(list of small arrays, float)``, travels in a
+        compact form instead: pickling arrays costs several microseconds each way.
+        """
+        packed = _pack_partial(obj)
+        if packed is not None:
+            self.send_bytes(dest, tag, packed)
+            return
+        bufs = []
+        head = pickle.dumps(obj, protocol=5, buffer_callback=lambda b: _inband(b, bufs))
+        self.send_bytes(dest, tag, struct.pack("q", len(bufs)) + head)
+        for b in bufs:
+            self.send_bytes(dest, tag, b.raw())
+
+    def probe(self, src, tag):
+        """Return (message, size in bytes) if one from ``src`` with ``tag`` has arrived, else None."""
+        st = self.MPI.Status()
+        m = self.comm.Improbe(src, tag, st)
+        return None if m is None else (m, st.Get_count(self.MPI.BYTE))
+
+    def _wait_probe(self, src, tag, check):
+        box = []
+
+        def arrived():
+            got = self.probe(src, tag)
+            if got is None:
+                return False
+            box.append(got)
+            return True
+        wait_until(arrived, check, self.spin_s)
+        return box[0]
+
+    def recv_bytes(self, src, tag, check, slot=None):
+        """Receive one message's bytes (into a kept buffer when ``slot`` is given)."""
+        m, n = self._wait_probe(src, tag, check)
+        buf = self._buffer(src, slot, n)
+        m.Recv(buf)
+        return buf
+
+    def _buffer(self, src, slot, n):
+        """A receive buffer: large ones are kept per (sender, place in message, size).
+
+        Fresh memory costs a page fault per 4 KiB at every call (about as much
+        as the transfer itself); what was received is only valid until the
+        next collective (the backend contract), so the buffer can be reused.
+        """
+        if slot is None or n < POOL_BYTES:
+            return bytearray(n)
+        key = (src, slot, n)
+        buf = self.pool.get(key)
+        if buf is None:
+            if len(self.pool) >= POOL_MAX:
+                self.pool.clear()
+            buf = self.pool[key] = bytearray(n)
+        return buf
+
+    def recv_into(self, src, tag, buf, check):
+        """Receive raw bytes from machine ``src`` into ``buf`` (a writable buffer of their size)."""
+        m, n = self._wait_probe(src, tag, check)
+        if n != len(buf):
+            raise SynkError(f"expected {len(buf)} bytes from machine {src}, got {n}")
+        m.Recv(buf)
+
+    def recv(self, src, tag, check):
+        """Receive what ``send`` sent from machine ``src`` with ``tag``."""
+        return self.rest(src, tag, self.recv_bytes(src, tag, check), check, pooled=True)
+
+    def rest(self, src, tag, head, check, pooled):
+        """Unpickle a message from its head, receiving its out-of-band buffers.
+
+        ``pooled``: receive them into kept buffers (results valid until the
+        next collective), not for what must outlive the command.
+        """
+        n_bufs = struct.unpack_from("q", head)[0]
+        if n_bufs == PACKED:
+            return _unpack_partial(head)
+        bufs = [self.recv_bytes(src, tag, check, slot=i if pooled else None)
+                for i in range(n_bufs)]
+        return pickle.loads(memoryview(head)[8:], buffers=bufs)
+
+    def complete_sends(self, check):
+        """Wait until every send so far has completed (its buffer may be reused)."""
+        if not self.sends:
+            return
+        reqs = [r for r, _ in self.sends]
+        wait_until(lambda: self.MPI.Request.Testall(reqs), check, self.spin_s)
+        self.sends.clear()
+
+    def retire_sends(self):
+        """Stop waiting for sends a command left pending.
+
+        Called when a command is over on this side: every message a peer still
+        wanted has been received by then (its report says so), so a send still
+        pending belongs to a collective that a failure abandoned, and the peer
+        will never receive it (a large message waits for its receiver).  Its
+        request and buffer are kept, tested again later, never waited for.
+        """
+        if self.sends or self.orphans:
+            self.orphans = [(r, b) for r, b in self.orphans + self.sends if not r.Test()]
+            self.sends = []
+
+
+def _inband(buf, out):
+    if buf.raw().nbytes < INBAND_BYTES:
+        return True
+    out.append(buf)
+    return False
+
+
+def _pack_partial(obj):
+    """``(arrays, mass)`` with small plain arrays, as bytes that unpickle fast; else None.
+
+    Arrays as (dtype, shape, bytes) tuples pickle and unpickle in ~3 us, where
+    pickling the arrays themselves costs ~12 us.
+    """
+    if type(obj) is not tuple or len(obj) != 2 or type(obj[0]) is not list \
+            or not isinstance(obj[1], float):
+        return None
+    items = []
+    total = 0
+    for a in obj[0]:
+        if type(a) is not np.ndarray or a.dtype.hasobject:
+            return None
+        total += a.nbytes
+        if total > INBAND_BYTES:
+            return None
+        items.append((a.dtype.str, a.shape, a.tobytes()))
+    return _PACKED_HEAD + pickle.dumps((items, obj[1]), protocol=5)
+
+
+def _unpack_partial(buf):
+    items, mass = pickle.loads(memoryview(buf)[8:])
+    return [np.frombuffer(raw, d).reshape(shape) for d, shape, raw in items], mass

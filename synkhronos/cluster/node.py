@@ -1,0 +1,211 @@
+"""The node master: a cluster machine's leader, serving the controller's commands until QUIT.
+
+It receives each command's bytes from the controller, runs the command's
+``node`` step if it declares one (commands.py), posts it to its ranks and
+runs its own share as a master does, then sends one report.  It holds this
+machine's copy of every Data (the segments its ranks map).
+"""
+
+import logging
+import signal
+import struct
+
+from ..commands import COMMANDS, decode
+from ..control import rank_header, run_command
+from ..errors import CommAborted, WorkerDiedError, WorkerError, describe_error, pickle_exception
+from ..liveness import no_check, stop_process
+from ..shmem import SharedArray
+from .controller import NodeReport
+from .launch import exit_finalized, finalize
+from .link import ABORT, CMD, DATA, DONE, REPORT
+
+logger = logging.getLogger(__name__)
+
+FINALIZE_S = 10
+
+
+class _Ended(BaseException):
+    """This machine's ranks died: stop serving."""
+
+
+class NodeMaster:
+    """One machine's leader in a cluster.
+
+    Args:
+        rt: the Runtime (this process is its machine's leader).
+        link: the ``Link`` to the controller and the other node masters.
+        sentinel: the pid of this machine's sentinel process.
+    """
+
+    def __init__(self, rt, link, sentinel):
+        self.rt = rt
+        self.link = link
+        self.layout = link.layout
+        self.node = link.node
+        self.sentinel = sentinel
+        self.segments = {}     # data id -> this machine's copy of that Data
+
+    # -- messages from and to the controller ------------------------------------------
+    def receive_command(self, check):
+        """Wait for the controller's next command; return its bytes."""
+        buf = self.link.recv_bytes(0, CMD, check)
+        self.link.begin(struct.unpack_from("q", buf)[0])
+        return memoryview(buf)[8:]
+
+    def check(self):
+        """The check while this node master waits: an abort order from the controller."""
+        got = self.link.probe(0, ABORT)
+        if got is None:
+            return
+        buf = bytearray(8)
+        got[0].Recv(buf)
+        control = self.rt.control
+        if struct.unpack("q", buf)[0] == self.link.seq:
+            control.abort(control.current)
+
+    def report(self, failures, contributions, died=None):
+        """Send the command's outcome to the controller."""
+        link = self.link
+        if not failures and not contributions and died is None:
+            link.send_bytes(0, DONE, struct.pack("q", link.seq))  # 8 bytes, nothing to unpickle
+            return
+        link.send(0, REPORT, NodeReport(link.seq, failures, contributions, died))
+
+    # -- this machine's copies of the controller's Data --------------------------------
+    def make_segment(self, data_id, nbytes):
+        """Make this machine's memory for Data ``data_id``; return its segment name."""
+        self.free_segments([data_id])
+        seg = SharedArray(self.rt.segment_name(f"d{data_id}"), nbytes)
+        self.segments[data_id] = seg
+        return seg.name
+
+    def free_segments(self, ids):
+        """Free this machine's copies of Data objects ``ids``."""
+        for data_id in ids:
+            seg = self.segments.pop(data_id, None)
+            if seg is not None:
+                seg.unlink()
+                seg.close()
+
+    def receive_segment(self, data_id, offset, nbytes):
+        """Receive ``nbytes`` written to Data ``data_id`` at byte ``offset`` from the controller."""
+        view = memoryview(self.segments[data_id].buffer)[offset:offset + nbytes]
+        self.link.recv_into(0, DATA, view, self.rt.check)
+
+
+def serve(rt, node, join_workers):
+    """A node master's life after ``fork()``: run the controller's commands until the last.
+
+    ``join_workers(rt)`` ends the machine's workers after it (process.py).
+    Never returns: the process ends through ``exit_finalized``.
+    """
+    link = node.link
+    alone = not rt.worker_ranks  # no local workers: nothing to post
+    status = 0
+
+    def ended(signum, frame):
+        # The sentinel's way to end this machine when the controller has gone:
+        # at once, wherever Python is (an exception could land in a callback
+        # that swallows it), and with MPI finalised so mpiexec ends the job quietly.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if not rt.closed:
+            rt.abandon(rt, "the controller ended the job")
+        finalize(link.MPI)
+        exit_finalized(0)
+    signal.signal(signal.SIGTERM, ended)
+    try:
+        while True:
+            # Between commands nothing runs here, so no command timeout applies: only
+            # the controller's orders (and the sentinel, for its death) end the wait.
+            cmd, payload, frees = decode(node.receive_command(node.check))
+            spec = COMMANDS[cmd]
+            if spec.final:
+                # A normal end: the sentinel must not take the controller's exit,
+                # which may come before this process's, for a failure.
+                stop_process(node.sentinel, reap=True)
+            if frees:
+                node.free_segments(frees)
+                rt.registry.unmap(frees)
+                rt.freed.extend(frees)
+            failures, died, contributions = _run(rt, node, cmd, spec, payload, alone)
+            link.retire_sends()  # an aborted collective's sends nobody will receive
+            node.report(failures, contributions, died)
+            # After a death the machine is torn down; the sentinel still ends this
+            # process if the controller goes.
+            link.complete_sends(rt.check if died is None else no_check)
+            if died is not None:
+                raise _Ended()
+            if spec.final:
+                break
+    except _Ended:
+        status = 1
+    except BaseException as exc:  # noqa: BLE001 - the controller sees the heartbeat stop
+        logger.error("node master %d failed: %r", node.node, exc)
+        status = 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if status != 0:
+            # The controller must learn at once that this machine is gone, not by
+            # heartbeats that would go on while MPI_Finalize below waits.
+            stop_process(node.sentinel, reap=True)
+        if not rt.closed:
+            if status == 0:
+                join_workers(rt)
+            else:
+                rt.abandon(rt, "the controller ended the job")
+        # Always finalise: mpiexec ends the whole job, the controller too, when a
+        # process exits without it.  MPI_Finalize waits for messages still in
+        # flight, so it gets a deadline: SIGALRM ends this process past it.
+        signal.alarm(FINALIZE_S)
+        finalize(link.MPI)
+        exit_finalized(0)
+
+
+def _run(rt, node, cmd, spec, payload, alone):
+    """Run one command on this machine; return (failures, why the ranks died, contributions)."""
+    failures, died, contributions = [], None, []
+    try:
+        if spec.node is not None:
+            payload = spec.node(node, payload)
+            if payload is None:
+                return failures, died, contributions  # the node master's step was all of it
+        if alone and not spec.final:
+            failures = _run_alone(rt, cmd, spec, payload)
+        else:
+            run_command(rt, cmd, payload, local=lambda seq: spec.run(rt, payload))
+        if spec.collected:
+            contributions = rt.backend.node_contributions()
+    except WorkerDiedError as exc:
+        died = str(exc)
+    except WorkerError as exc:
+        failures = [(r, t, pickle_exception(exc.causes.get(r))) for r, t in exc.failures.items()]
+    except CommAborted:
+        pass
+    except Exception as exc:  # noqa: BLE001 - reported to the controller
+        text, raw = describe_error(rank_header(rt.rank, rt.n_parallel), exc)
+        failures = [(rt.rank, text, raw)]
+    return failures, died, contributions
+
+
+def _run_alone(rt, cmd, spec, payload):
+    """Run a command on a machine whose only rank is its node master; return its failures."""
+    control = rt.control
+    control.seq += 1
+    control.current = control.seq  # what the abort flag is compared with
+    rt.backend.begin(control.seq)
+    rt.monitor.begin(cmd)
+    prof = rt.profiler
+    if prof is not None:
+        prof.begin(cmd.name.lower())
+    try:
+        spec.run(rt, payload)
+    except (CommAborted, WorkerDiedError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported to the controller
+        text, raw = describe_error(rank_header(rt.rank, rt.n_parallel), exc)
+        return [(rt.rank, text, raw)]
+    finally:
+        if prof is not None and rt.profiler is prof:
+            prof.end("collective")  # what the handler did not book itself
+    return []
+

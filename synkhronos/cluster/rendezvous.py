@@ -1,0 +1,124 @@
+"""How a cluster's processes find each other in ``fork()``: MPI, the layout, the sentinels.
+
+Runs after the local ranks are forked (forking after ``MPI_Init`` is unsafe).
+The controller returns from ``join``; a node master serves until the end.
+"""
+
+import logging
+import os
+import pickle
+import socket
+
+import numpy as np
+
+from ..commands import Command
+from ..control import run_command
+from ..liveness import command_check, deadline_check, wait_until
+from .controller import Controller
+from .launch import init_mpi, mpi_segments
+from .layout import Layout, LayoutMsg, set_layout
+from .link import Link
+from .node import NodeMaster, serve
+from .sentinel import CONNECT_TIMEOUT_S, Heartbeats, send_address, start_sentinel
+
+logger = logging.getLogger(__name__)
+
+
+def join(rt, launch, tell_janitor, join_workers, pin):
+    """Start MPI and join the other machines; return the run's size (controller only).
+
+    Args:
+        rt: this machine's Runtime, its ranks already forked.
+        launch: this process's ``launch.Launch``.
+        tell_janitor: ``tell_janitor(paths)``: files the janitor removes if this process dies.
+        join_workers: ends the machine's workers after the last command (node masters).
+        pin: pins this process to its core, once MPI has started.
+    """
+    sentinel, sentinel_fd = None, None
+    if launch.rank != 0:
+        sentinel, sentinel_fd = start_sentinel(close_fds=[rt.janitor.fd])
+    try:
+        mpi = init_mpi()
+        made = mpi_segments()
+        if made:
+            tell_janitor(made)
+        link, heartbeats, pids = _connect(rt, mpi, sentinel_fd)
+    except BaseException:
+        rt.abandon(rt, "the cluster could not be set up")
+        raise
+    layout = link.layout
+    offset = layout.offsets[link.node]
+    run_command(rt, Command.LAYOUT, LayoutMsg(offset, layout.n_parallel),
+                local=lambda seq: set_layout(rt, offset, layout.n_parallel))
+    monitor = rt.monitor
+    monitor.offset = offset
+    if link.node == 0:
+        controller = Controller(link, heartbeats, pids)
+        controller.control = rt.control
+        rt.cluster = controller
+        monitor.remote = controller.late_ranks
+        rt.backend.attach(link, controller.contributions)
+        poll = controller.poll
+    else:
+        node = NodeMaster(rt, link, sentinel)
+        rt.registry.datas = {}  # segments mapped here, as in a worker (Data objects live in the controller)
+        rt.backend.attach(link, None)
+        poll = node.check
+
+    def check():
+        monitor()
+        poll()
+    rt.check = check
+    rt.backend.bind_check(command_check(check, rt.control.aborted_now))
+    pin()
+    if link.node != 0:
+        serve(rt, node, join_workers)  # never returns
+    logger.info("cluster of %d machines, %d ranks (%s per machine)", layout.n_machines,
+                layout.n_parallel, ", ".join(str(n) for n in layout.n_local))
+    return layout.n_parallel
+
+
+def _connect(rt, mpi, sentinel_fd):
+    """Exchange the layout, link the sentinels to the controller; return (Link, Heartbeats, pids)."""
+    comm = mpi.COMM_WORLD.Dup()
+    me, size = comm.Get_rank(), comm.Get_size()
+    check = deadline_check(
+        CONNECT_TIMEOUT_S,
+        f"fork: not every one of the {size} MPI processes reached fork() within "
+        f"{CONNECT_TIMEOUT_S:g} s (does every process run the same script and call synk.fork()?)")
+
+    def wait(req):
+        wait_until(lambda: req.Test(), check, 0.01, poll_max_s=5e-3)
+    mine = np.array([rt.n_local, os.getpid()], dtype=np.int64)
+    everyone = np.empty((size, 2), dtype=np.int64)
+    wait(comm.Iallgather(mine, everyone))
+    hosts_buf = bytearray(256 * size)
+    name = mpi.Get_processor_name().encode()[:255].ljust(256, b"\0")
+    wait(comm.Iallgather(name, hosts_buf))
+    hosts = [bytes(hosts_buf[256 * i:256 * (i + 1)]).rstrip(b"\0").decode() for i in range(size)]
+    layout = Layout([int(n) for n in everyone[:, 0]], hosts)
+    link = Link(mpi, comm, layout, rt.config.spin_s)
+    heartbeats = Heartbeats(layout)
+    addr = bytearray(512)
+    listener = None
+    if me == 0:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("", 0))
+        listener.listen(size)
+        where = os.environ.get("SYNK_CONTROLLER_HOST") or socket.gethostname()
+        raw = pickle.dumps((where, listener.getsockname()[1]))
+        addr[:len(raw)] = raw
+    wait(comm.Ibcast(addr, 0))
+    if me == 0:
+        try:
+            heartbeats.accept(listener, size)
+        finally:
+            listener.close()
+    else:
+        where, port = pickle.loads(bytes(addr))
+        if hosts[me] == hosts[0] and not os.environ.get("SYNK_CONTROLLER_HOST"):
+            where = "127.0.0.1"  # same host: no name to resolve
+        send_address(sentinel_fd, where, port, me)
+    logger.info("cluster: %s, this process is %s", layout,
+                "the controller" if me == 0 else layout.describe(me))
+    return link, heartbeats, [int(p) for p in everyone[:, 1]]

@@ -1,0 +1,171 @@
+"""Liveness between machines: each node master's sentinel process, and the heartbeats it sends.
+
+MPI cannot tell that a peer died.  Each node master forks a sentinel before
+MPI starts; it holds a TCP connection to the controller and sends a
+heartbeat every ``BEAT_S`` while its node master runs (not while it is
+stopped).  The controller reads them while it waits (``Heartbeats``): a
+closed connection means the node master died, silence for
+``SYNK_HEARTBEAT_S`` (default 5 s) that it stopped answering; either ends
+the job with an error naming the machine.  The sentinel ends its node
+master when the controller's end of the connection closes, so killing the
+controller ends every machine.
+"""
+
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import time
+
+from ..errors import SynkError, WorkerDiedError, WorkerStalledError
+from ..liveness import proc_start_time, proc_state, stop_process
+from .launch import close_launcher_fds
+
+BEAT_S = 0.2
+CONNECT_TIMEOUT_S = 60.0
+END_GRACE_S = 3.0
+
+
+def heartbeat_limit_s():
+    """Seconds of silence after which a node master counts as stopped (``SYNK_HEARTBEAT_S``)."""
+    return float(os.environ.get("SYNK_HEARTBEAT_S", "5"))
+
+
+def start_sentinel(close_fds=()):
+    """Fork the node master's sentinel (before MPI starts); return its pid and a pipe to it.
+
+    The node master writes the controller's address into the pipe once it is
+    known (``send_address``).  ``close_fds`` are closed in the sentinel (the
+    janitor's pipe: the janitor must see it close when the node master goes).
+    """
+    read_fd, write_fd = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            for fd in close_fds:
+                os.close(fd)
+            close_launcher_fds()
+            os.close(write_fd)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            _sentinel_main(parent, read_fd)
+        finally:
+            os._exit(0)
+    os.close(read_fd)
+    return pid, write_fd
+
+
+def send_address(fd, host, port, node):
+    """Node master: tell its sentinel where the controller listens, and which machine it is."""
+    os.write(fd, pickle.dumps((host, port, node)))
+    os.close(fd)
+
+
+def _sentinel_main(parent, read_fd):
+    ready, _, _ = select.select([read_fd], [], [], CONNECT_TIMEOUT_S)
+    raw = os.read(read_fd, 4096) if ready else b""
+    os.close(read_fd)
+    if not raw:
+        return  # the node master never reached MPI: it exits by itself
+    host, port, node = pickle.loads(raw)
+    try:
+        sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
+        sock.sendall(struct.pack("q", node))
+    except OSError:
+        stop_process(parent, grace_s=END_GRACE_S)
+        return
+    sock.setblocking(False)
+    started = proc_start_time(parent)
+    while True:
+        # Reparented: the node master is gone (its pid may already name another process).
+        if os.getppid() != parent or proc_start_time(parent) != started:
+            return
+        readable, _, _ = select.select([sock], [], [], BEAT_S)
+        if readable:
+            try:
+                got = sock.recv(64)
+            except OSError:
+                got = b""
+            if got == b"":
+                # The controller is gone, or ended the job: end this machine.  SIGTERM
+                # first: the node master finalises MPI, so mpiexec ends the job quietly.
+                stop_process(parent, grace_s=END_GRACE_S)
+                return
+        if proc_state(parent) not in ("T", "t"):
+            try:
+                sock.send(b".")
+            except BlockingIOError:
+                pass
+            except OSError:
+                stop_process(parent, grace_s=END_GRACE_S)
+                return
+
+
+class Heartbeats:
+    """The controller's end of the sentinels' connections.
+
+    Args:
+        layout: the run's ``Layout`` (to name a lost machine).
+    """
+
+    def __init__(self, layout):
+        self.layout = layout
+        self.socks = {}        # machine -> connected socket
+        self.last_beat = {}
+        self.limit = heartbeat_limit_s()
+        self.quitting = False  # QUIT was sent: a closed connection is no failure
+
+    def accept(self, listener, n_machines):
+        """Take one connection per node master from ``listener``; raise SynkError if some never come."""
+        listener.settimeout(CONNECT_TIMEOUT_S)
+        try:
+            for _ in range(n_machines - 1):
+                sock, _ = listener.accept()
+                sock.settimeout(CONNECT_TIMEOUT_S)
+                node = struct.unpack("q", _recv_exact(sock, 8))[0]
+                sock.setblocking(False)
+                self.socks[node] = sock
+                self.last_beat[node] = time.monotonic()
+        except OSError as exc:
+            raise SynkError(f"fork: not every node master's sentinel reached the controller "
+                            f"({len(self.socks)} of {n_machines - 1}): {exc}") from exc
+
+    def read(self):
+        """Read what the sentinels sent; raise if a machine died or went silent."""
+        now = time.monotonic()
+        for m, sock in self.socks.items():
+            try:
+                got = sock.recv(4096)
+            except BlockingIOError:
+                got = None
+            except OSError:
+                got = b""
+            if got == b"" and not self.quitting:
+                raise WorkerDiedError(
+                    f"{self.layout.describe(m)}: its node master died (the connection to its "
+                    "sentinel closed); the job is ended", self.layout.offsets[m], None)
+            if got or self.quitting:
+                self.last_beat[m] = now
+            elif now - self.last_beat[m] > self.limit:
+                raise WorkerStalledError(
+                    f"{self.layout.describe(m)}: its node master stopped answering (no heartbeat "
+                    f"for {now - self.last_beat[m]:.1f} s, SYNK_HEARTBEAT_S="
+                    f"{self.limit:g}); the job is ended", self.layout.offsets[m], None)
+
+    def close(self):
+        """Close every connection: each sentinel then ends its node master."""
+        for sock in self.socks.values():
+            sock.close()
+        self.socks = {}
+
+
+def _recv_exact(sock, n):
+    out = b""
+    while len(out) < n:
+        got = sock.recv(n - len(out))
+        if not got:
+            raise OSError("connection closed")
+        out += got
+    return out

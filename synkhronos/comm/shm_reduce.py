@@ -1,0 +1,237 @@
+"""ShmBackend's reductions: reduce, all_reduce, split all-reduces into homes, the small fast path.
+
+Large reductions are split so that every rank reduces its own part of the
+arrays (reduce-scatter), then every rank copies the reduced parts out
+(all-gather): the work runs in parallel on all cores, and a rank never packs
+the part it reduces itself (it reads that from its own array).  Small
+all-reduces of host shared variables run on a plan cached per (variables, op).
+
+``ShmReduce`` is mixed into ``ShmBackend`` and uses its slabs, homes and
+barriers (``barrier``, ``_start``, ``_done``).
+"""
+
+import numpy as np
+
+from .. import reducers
+from . import parts
+from .base import SPLIT_BYTES, as_arrays
+from .slabs import _HEAD, HOMES
+
+
+class ShmReduce:
+    """The reductions of ``ShmBackend`` (mixed into it)."""
+
+    def reduce(self, arrays, op, root, weight=None, out=None):
+        return self._reduce(arrays, op, weight, root, out)
+
+    def all_reduce(self, arrays, op, weight=None, out=None, keys=None):
+        return self._reduce(arrays, op, weight, None, out, keys)
+
+    def _reduce(self, arrays, op, weight, root, out, keys=None):
+        self._start()
+        n = self.n_parallel
+        me = self.rank
+        wants = root is None or root == me
+        arrays = as_arrays(arrays)
+        if n == 1:
+            return self._one_rank(arrays, op, out)
+        ops = None if arrays is None else parts.op_list(op, len(arrays))
+        plan = self._split_plan(arrays, ops, weight)
+        if plan is not None and keys is not None:
+            return self._all_reduce_homes(arrays, ops, keys, plan)
+        skip = None if plan is None else parts.skips(plan[me], len(arrays))
+        lay = self.slabs.pack(arrays, 1.0 if weight is None else weight, skip)
+        self.barrier()
+        self._done()
+        if self.slabs.alike(lay):
+            # Every rank packed the same header: same shapes, one split flag.
+            got = [self.slabs.views_of(q, lay) for q in range(n)]
+            ranks = range(n)
+            flags = [plan is not None]
+        else:
+            got = [self.slabs.unpack(q) for q in range(n)]
+            ranks = [q for q in range(n) if got[q] is not None]
+            if not ranks:
+                return [] if wants else None
+            flags = [self.slabs.flag(q) for q in ranks]
+            parts.check_alike(got, ranks, flags)
+        if flags[0] and len(ranks) < n:
+            # A rank gave nothing, so nobody reduces its part: contributors fill
+            # in the part they skipped and everyone reduces whole arrays.
+            if plan is not None:
+                for i, lo, hi in plan[me]:
+                    np.copyto(got[me][i].reshape(-1)[lo:hi], arrays[i].reshape(-1)[lo:hi])
+            self.barrier()
+            self._done()
+            plan = None
+        if plan is None:
+            if not wants:
+                return None
+            first = got[ranks[0]]
+            ops = parts.op_list(op, len(first))
+            w = None if weight is None else [self.slabs.weight(q) for q in ranks]
+            return [parts.combine(ops[i], [got[q][i] for q in ranks], w, parts.out_entry(out, i))
+                    for i in range(len(first))]
+        # Reduce-scatter: this rank reduces its part of every array into its slab,
+        # reading its own contribution from its own array (never packed).
+        for i, lo, hi in plan[me]:
+            srcs = [arrays[i].reshape(-1)[lo:hi]]
+            srcs += [got[q][i].reshape(-1)[lo:hi] for q in range(n) if q != me]
+            parts.reduce_into(ops[i], srcs, got[me][i].reshape(-1)[lo:hi])
+        self.barrier()
+        self._done()
+        if not wants:
+            return None
+        # All-gather: copy every rank's reduced part out, scaling averages on the way.
+        result = [parts.result_buffer(a, parts.out_entry(out, i)) for i, a in enumerate(arrays)]
+        flats = [r.reshape(-1) for r in result]
+        for q in range(n):
+            for i, lo, hi in plan[q]:
+                parts.finish(ops[i], got[q][i].reshape(-1)[lo:hi], flats[i][lo:hi], n)
+        return result
+
+    def small_all_reduce(self, keys, op):
+        """All-reduce small host shared variables in place on a cached plan; False if it cannot.
+
+        The latency path of ``all_reduce`` (every rank calls it with the same
+        ``keys``, indices into ``rt.shareds``, and ``op``).  It writes exactly
+        what ``_reduce`` would for these arrays (the same header and data in
+        this rank's slab), so ranks where it declines, before touching
+        anything, meet the others in the general path; every rank reduces
+        the slabs in rank order, so all get the same bits.  Declines for
+        arrays that are not plain writeable host arrays, results of another
+        dtype, or sizes worth splitting.
+        """
+        key = (tuple(keys), op)
+        plan = self.small_plans.get(key)
+        if plan is None:
+            plan = _SmallPlan(self, keys, op)
+            if len(self.small_plans) > 64:
+                self.small_plans.clear()
+            self.small_plans[key] = plan
+        arrays = [c.storage[0] for c in plan.containers]
+        checked = plan.checked
+        for a, b in zip(arrays, checked):
+            if a is not b:
+                # Not the arrays the plan was checked on (an update replaced them).
+                if not plan.takes(arrays):
+                    return False
+                checked[:] = arrays  # held, so their ids stay theirs
+                break
+        lay = plan.lay
+        if lay is None:
+            return False
+        self._start()
+        slabs = self.slabs
+        buf = slabs.own(lay.total).buffer
+        header = plan.header
+        hlen = len(header)
+        buf[:hlen] = header
+        for a, (lo, hi) in zip(arrays, plan.spans):
+            buf[lo:hi] = a.tobytes()
+        self.barrier()
+        self._done()
+        for q in plan.others:
+            if slabs.slab(q).buffer[:hlen] != header:
+                n = self.n_parallel
+                got = [slabs.unpack(r) for r in range(n)]
+                parts.check_alike(got, range(n), [slabs.flag(r) for r in range(n)])
+                raise ValueError("all_reduce: the ranks' values differ in shape or dtype")
+        gens = [entry[0] for entry in slabs.slabs.values()]
+        if gens != plan.gens:
+            # A slab grew since: views of the new ones, per array over the ranks.
+            by_rank = [slabs.views_of(q, lay) for q in range(self.n_parallel)]
+            plan.per_array = [[v[i] for v in by_rank] for i in range(len(arrays))]
+            plan.gens = gens
+        ufunc, scale = plan.ufunc, plan.scale
+        for a, views in zip(arrays, plan.per_array):
+            ufunc(views[0], views[1], out=a)
+            for v in views[2:]:
+                ufunc(a, v, out=a)
+            if scale is not None:
+                a *= scale
+        return True
+
+    def _all_reduce_homes(self, arrays, ops, keys, plan):
+        """Split all_reduce whose results land in (and stay in) every rank's homes.
+
+        Arrays already in their homes are read in place by the other ranks:
+        nothing is packed.  Others are copied in, all but the part this rank
+        reduces itself.  Each rank reduces its part (scaling averages) and
+        writes it into every rank's home, over the inputs it has read; after
+        the second barrier every home holds the whole result.
+        """
+        n, me = self.n_parallel, self.rank
+        homes = self.homes
+        refs, dsts = [], []
+        for k, a, (lo, hi) in zip(keys, arrays, parts.skips(plan[me], len(arrays))):
+            ref, dst = homes.get(me, k, a.shape, a.dtype)
+            refs.append(ref)
+            dsts.append(dst)
+            if a is not dst and not homes.holds(k, a):
+                src, flat = a.reshape(-1), dst.reshape(-1)
+                if lo > 0:
+                    np.copyto(flat[:lo], src[:lo])
+                if hi < a.size:
+                    np.copyto(flat[hi:], src[hi:])
+        self.slabs.pack_refs(arrays, refs)
+        self.barrier()
+        self._done()
+        got = [dsts if q == me else self.slabs.unpack(q) for q in range(n)]
+        if any(g is None for g in got):
+            raise ValueError("all_reduce with keys needs arrays from every rank")
+        parts.check_alike(got, range(n), [HOMES if q == me else self.slabs.flag(q)
+                                          for q in range(n)])
+        # Each rank reduces its part and writes the result into every rank's
+        # home at once: no rank copies the others' parts afterwards, so every
+        # byte is read once and written once per rank.
+        for i, lo, hi in plan[me]:
+            peers = [got[q][i].reshape(-1)[lo:hi] for q in range(n) if q != me]
+            parts.reduce_to_all(ops[i], [arrays[i].reshape(-1)[lo:hi]] + peers,
+                                [dsts[i].reshape(-1)[lo:hi]] + peers,
+                                1.0 / n if ops[i] == "avg" else None)
+        self.barrier()
+        self._done()
+        return dsts
+
+
+class _SmallPlan:
+    """What ``small_all_reduce`` needs for one (variables, op), checked once.
+
+    ``lay`` is None where the fast path never applies (device variables,
+    more bytes than ``SPLIT_BYTES``, or arrays it does not take).
+    """
+
+    __slots__ = ("containers", "checked", "sig", "op", "lay", "header", "spans", "others",
+                 "ufunc", "scale", "gens", "per_array")
+
+    def __init__(self, be, keys, op):
+        rt = be.rt
+        shareds = [rt.shareds[k] for k in keys]
+        self.containers = [v.container for v in shareds]
+        arrays = [c.storage[0] for c in self.containers]
+        self.checked = list(arrays)
+        self.sig = [(a.shape, a.dtype) if type(a) is np.ndarray else (None, None) for a in arrays]
+        self.op = op
+        self.lay = self.header = self.spans = None
+        if (be.n_parallel > 1 and not any(id(v) in rt.device_shareds for v in shareds)
+                and self.takes(arrays)):
+            self.lay = be.slabs.layout(arrays)
+            self.header = _HEAD.pack(len(arrays), 1.0, 0) + self.lay.ints
+            self.spans = [(off, off + a.nbytes) for a, (_, off, _) in zip(arrays, self.lay.entries)]
+        self.others = [q for q in range(be.n_parallel) if q != be.rank]
+        self.ufunc = reducers.UFUNCS[op]
+        self.scale = 1.0 / be.n_parallel if op == "avg" else None
+        self.gens = None
+        self.per_array = None
+
+    def takes(self, arrays):
+        """Whether these arrays have the plan's shapes and dtypes, are plain and writeable."""
+        total = 0
+        for a, (shape, dtype) in zip(arrays, self.sig):
+            if (type(a) is not np.ndarray or a.shape != shape or a.dtype != dtype
+                    or not a.flags.c_contiguous or not a.flags.writeable
+                    or (self.op == "avg" and a.dtype.kind not in "fc")):
+                return False
+            total += a.nbytes
+        return total < SPLIT_BYTES

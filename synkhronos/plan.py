@@ -1,0 +1,148 @@
+"""What ``fork()`` will start: a pure plan from its arguments and what was found on the machine.
+
+``plan()`` validates every argument and setting and decides the mode, the
+number of ranks, the cores and GPUs, before anything is created: a bad value
+leaves nothing behind, and the decision is checkable without processes.
+"""
+
+import math
+import numbers
+import os
+from typing import NamedTuple, Optional
+
+from .errors import SynkStateError
+from .liveness import DEFAULT_TIMEOUT_S
+
+
+class Machine(NamedTuple):
+    """What ``fork()`` found before planning (process.probe).
+
+    Attributes:
+        cores: the usable cores (``os.sched_getaffinity``).
+        n_gpus: NVIDIA GPUs visible (0 when ``use_gpu=False``).
+        cuda_user: what already initialised CUDA in this process, or None.
+        launch: this process's ``cluster.launch.Launch`` under mpiexec, or None.
+        cluster_finished: this process's cluster job already ended.
+        env: the ``SYNK_*`` settings (``os.environ``).
+    """
+
+    cores: tuple
+    n_gpus: int = 0
+    cuda_user: Optional[str] = None
+    launch: Optional[tuple] = None
+    cluster_finished: bool = False
+    env: dict = {}
+
+
+class Plan(NamedTuple):
+    """What ``fork()`` starts."""
+
+    n_parallel: int          # ranks on this machine
+    master_rank: int
+    device: str              # "cpu" or "gpu"
+    n_gpus: int
+    cores: tuple             # this process's share of the host's cores
+    spin_s: float
+    timeout_s: float
+    max_n_var: int
+    max_dim: int
+    profile_workers: bool
+    launch: Optional[tuple]  # cluster: this process's Launch
+
+
+def plan(machine, n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
+         max_n_var=1000, max_dim=16, timeout=None):
+    """Return the ``Plan`` for ``fork(...)`` with these arguments on ``machine``.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: an argument or ``SYNK_*`` setting out of range.
+        RuntimeError: ``use_gpu=True`` without a GPU.
+        SynkStateError: GPU mode with CUDA already initialised; a cluster job forked twice.
+    """
+    if use_gpu not in (None, True, False):
+        raise TypeError(f"fork: use_gpu must be None, True or False; got {use_gpu!r}")
+    n_gpus = machine.n_gpus if use_gpu is not False else 0
+    if use_gpu and n_gpus == 0:
+        raise RuntimeError("fork: use_gpu=True but no NVIDIA GPU was found; "
+                           "use use_gpu=False (or None) for CPU mode")
+    gpu_mode = n_gpus > 0
+    if gpu_mode and machine.cuda_user is not None:
+        raise SynkStateError(
+            f"fork: {machine.cuda_user} already initialised CUDA in this process, and a forked "
+            "worker cannot use a GPU after that. Call synk.fork() first, before "
+            "anything touches the GPU (jax.devices(), JAX arrays or functions, "
+            "cupy, torch.cuda); importing those packages alone is fine. "
+            "Or pass use_gpu=False for CPU mode.")
+    cores = tuple(machine.cores)
+    launch = machine.launch
+    per_host = 1
+    if launch is not None:
+        if machine.cluster_finished:
+            raise SynkStateError("fork: this cluster job was closed; under mpiexec a program "
+                                 "forks once (MPI cannot start again)")
+        if master_rank != 0:
+            raise ValueError(f"fork: in a cluster the controller holds rank 0; master_rank "
+                             f"must be 0, got {master_rank}")
+        # Several MPI processes on one host divide its cores (and GPUs) among them.
+        cores = tuple(share(cores, launch.local_index, launch.local_count))
+        if gpu_mode:
+            n_gpus = len(share(list(range(n_gpus)), launch.local_index, launch.local_count))
+        per_host = launch.local_count
+    if n_parallel is None:
+        n_parallel = n_gpus if gpu_mode else len(cores)
+    _check_int("n_parallel", n_parallel, 1)
+    _check_int("master_rank", master_rank, 0)
+    if master_rank >= n_parallel:
+        raise ValueError(f"fork: master_rank must be in range(n_parallel={n_parallel}); "
+                         f"got {master_rank}")
+    _check_int("max_n_var", max_n_var, 1)
+    _check_int("max_dim", max_dim, 1)
+    if timeout is None:
+        timeout = _env_seconds(machine.env, "SYNK_TIMEOUT_S", DEFAULT_TIMEOUT_S)
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) \
+            or math.isnan(timeout) or timeout <= 0:
+        raise ValueError(f"fork: timeout must be a number of seconds > 0 (or math.inf); "
+                         f"got {timeout!r}")
+    # Waiters spin only while every rank on the host has a core of its own.
+    spin_default = 0.0 if n_parallel * per_host > len(machine.cores) else 0.01
+    spin_s = _env_seconds(machine.env, "SYNK_SPIN_S", spin_default, allow_zero=True)
+    return Plan(n_parallel, master_rank, "gpu" if gpu_mode else "cpu", n_gpus, cores, spin_s,
+                float(timeout), max_n_var, max_dim, bool(profile_workers), launch)
+
+
+def share(items, index, count):
+    """The part of ``items`` (cores, GPUs) one of ``count`` MPI processes on a host uses."""
+    n = len(items)
+    if count <= 1:
+        return list(items)
+    if count >= n:
+        return [items[index % n]]
+    return list(items[index * n // count:(index + 1) * n // count])
+
+
+def _check_int(name, value, low):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"fork: {name} must be an int; got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"fork: {name} must be >= {low}; got {value}")
+
+
+def _env_seconds(env, name, default, allow_zero=False):
+    """A number of seconds from the environment variable ``name``, or ``default`` if unset."""
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if math.isnan(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"fork: {name} must be a number of seconds "
+                         f"{'>= 0' if allow_zero else '> 0'}; got {raw!r}")
+    return value
+
+
+def environment():
+    """The ``SYNK_*`` settings ``plan`` reads, from ``os.environ``."""
+    return {k: v for k, v in os.environ.items() if k.startswith("SYNK_")}
