@@ -76,7 +76,18 @@ def test_call_subset_without_output_subset():
 
 def test_default_linker_and_mode():
     linker = compat.default_linker()
-    assert linker in {"numba", "cvm", "vm", "jax", "c|py", "c", "py", "pytorch", "mlx"}
+    # Independent of get_default_mode(): the linker a function compiled with the default
+    # mode actually got.
+    x = pt.dvector("x")
+    used = pytensor.function([x], x + 1).maker.linker
+    names = {"NumbaLinker": "numba", "JAXLinker": "jax", "PytorchLinker": "pytorch",
+             "MLXLinker": "mlx", "OpWiseCLinker": "c|py", "CLinker": "c", "PerformLinker": "py"}
+    kind = type(used).__name__
+    if kind == "VMLinker":
+        assert linker == ("cvm" if used.c_thunks or (used.c_thunks is None and
+                                                     bool(pytensor.config.cxx)) else "vm")
+    else:
+        assert linker == names[kind]
     if compat.PYTENSOR_VERSION[0] >= 3 and pytensor.config.mode == "Mode":
         assert linker == "numba"
     assert isinstance(compat.default_mode_name(), str)

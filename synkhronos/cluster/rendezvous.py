@@ -6,8 +6,8 @@ The controller returns from ``join``; a node master serves until the end.
 
 import logging
 import os
-import pickle
 import socket
+import struct
 
 import numpy as np
 
@@ -19,7 +19,7 @@ from .launch import init_mpi, mpi_segments
 from .layout import Layout, LayoutMsg, set_layout
 from .link import Link
 from .node import NodeMaster, serve
-from .sentinel import CONNECT_TIMEOUT_S, Heartbeats, send_address, start_sentinel
+from .sentinel import CONNECT_TIMEOUT_S, Heartbeats, new_secret, send_address, start_sentinel
 
 logger = logging.getLogger(__name__)
 
@@ -98,27 +98,54 @@ def _connect(rt, mpi, sentinel_fd):
     hosts = [bytes(hosts_buf[256 * i:256 * (i + 1)]).rstrip(b"\0").decode() for i in range(size)]
     layout = Layout([int(n) for n in everyone[:, 0]], hosts)
     link = Link(mpi, comm, layout, rt.config.spin_s)
-    heartbeats = Heartbeats(layout)
-    addr = bytearray(512)
+    addr = bytearray(_ADDR.size)
     listener = None
     if me == 0:
+        secret = new_secret()
+        host, advertised = _listen_address(hosts)
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind(("", 0))
+        listener.bind((host, 0))
         listener.listen(size)
-        where = os.environ.get("SYNK_CONTROLLER_HOST") or socket.gethostname()
-        raw = pickle.dumps((where, listener.getsockname()[1]))
-        addr[:len(raw)] = raw
+        _ADDR.pack_into(addr, 0, advertised.encode()[:255], listener.getsockname()[1], secret)
     wait(comm.Ibcast(addr, 0))
+    raw_host, port, secret = _ADDR.unpack(addr)
+    heartbeats = Heartbeats(layout, secret)
     if me == 0:
         try:
             heartbeats.accept(listener, size)
         finally:
             listener.close()
     else:
-        where, port = pickle.loads(bytes(addr))
-        if hosts[me] == hosts[0] and not os.environ.get("SYNK_CONTROLLER_HOST"):
+        where = raw_host.rstrip(b"\0").decode()
+        if where == hosts[0] and hosts[me] == hosts[0]:
             where = "127.0.0.1"  # same host: no name to resolve
-        send_address(sentinel_fd, where, port, me)
+        send_address(sentinel_fd, where, port, me, secret)
     logger.info("cluster: %s, this process is %s", layout,
                 "the controller" if me == 0 else layout.describe(me))
     return link, heartbeats, [int(p) for p in everyone[:, 1]]
+
+
+_ADDR = struct.Struct("256sq32s")  # the liveness port's host, its port, the job's secret
+
+
+def _listen_address(hosts):
+    """Return (address to bind the liveness port to, what node masters connect to).
+
+    The address the cluster uses: ``SYNK_CONTROLLER_HOST``, loopback when every
+    process runs on this host, else this host's own address.  Only where that
+    resolves to nothing but loopback (a host name mapped to 127.0.1.1) does the
+    port listen on every interface; it admits only sentinels that prove the
+    job's secret in any case.
+    """
+    named = os.environ.get("SYNK_CONTROLLER_HOST")
+    if not named and all(h == hosts[0] for h in hosts):
+        return "127.0.0.1", "127.0.0.1"
+    name = named or socket.gethostname()
+    try:
+        ip = socket.gethostbyname(name)
+    except OSError:
+        ip = None
+    if ip is None or (ip.startswith("127.") and not named):
+        logger.info("liveness port: %s resolves to %s here; listening on every interface", name, ip)
+        return "", name
+    return ip, ip

@@ -11,8 +11,12 @@ master when the controller's end of the connection closes, so killing the
 controller ends every machine.
 """
 
+import hashlib
+import hmac
+import logging
 import os
 import pickle
+import secrets
 import select
 import signal
 import socket
@@ -23,7 +27,12 @@ from ..errors import SynkError, WorkerDiedError, WorkerStalledError
 from ..liveness import proc_start_time, proc_state, stop_process
 from .launch import close_launcher_fds
 
+logger = logging.getLogger(__name__)
+
 BEAT_S = 0.2
+NONCE_BYTES = 32
+SECRET_BYTES = 32
+_ANSWER = struct.Struct("q32s")  # machine, HMAC-SHA256(secret, nonce + machine)
 CONNECT_TIMEOUT_S = 60.0
 END_GRACE_S = 3.0
 
@@ -57,10 +66,31 @@ def start_sentinel(close_fds=()):
     return pid, write_fd
 
 
-def send_address(fd, host, port, node):
-    """Node master: tell its sentinel where the controller listens, and which machine it is."""
-    os.write(fd, pickle.dumps((host, port, node)))
+def new_secret():
+    """A fresh per-job secret: sent to the node masters over MPI, never over the liveness port."""
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def send_address(fd, host, port, node, secret):
+    """Node master: tell its sentinel where the controller listens, which machine it is,
+    and the job's secret (through a pipe to its own child)."""
+    os.write(fd, pickle.dumps((host, port, node, secret)))
     os.close(fd)
+
+
+def _mac(secret, nonce, node):
+    return hmac.new(secret, nonce + struct.pack("q", node), hashlib.sha256).digest()
+
+
+def prove(sock, node, secret):
+    """Sentinel: answer the controller's challenge, proving it belongs to this job.
+
+    The controller sends a fresh nonce; the answer is the machine's number and
+    an HMAC of the nonce under the job's secret (the secret itself never
+    crosses the socket, and a recorded answer fails against the next nonce).
+    """
+    nonce = _recv_exact(sock, NONCE_BYTES)
+    sock.sendall(_ANSWER.pack(node, _mac(secret, nonce, node)))
 
 
 def _sentinel_main(parent, read_fd):
@@ -69,10 +99,10 @@ def _sentinel_main(parent, read_fd):
     os.close(read_fd)
     if not raw:
         return  # the node master never reached MPI: it exits by itself
-    host, port, node = pickle.loads(raw)
+    host, port, node, secret = pickle.loads(raw)  # from its own parent, through a pipe
     try:
         sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
-        sock.sendall(struct.pack("q", node))
+        prove(sock, node, secret)
     except OSError:
         stop_process(parent, grace_s=END_GRACE_S)
         return
@@ -108,29 +138,88 @@ class Heartbeats:
 
     Args:
         layout: the run's ``Layout`` (to name a lost machine).
+        secret: the job's secret (``new_secret``), which every sentinel proves it holds.
     """
 
-    def __init__(self, layout):
+    def __init__(self, layout, secret):
         self.layout = layout
+        self.secret = secret
         self.socks = {}        # machine -> connected socket
         self.last_beat = {}
         self.limit = heartbeat_limit_s()
         self.quitting = False  # QUIT was sent: a closed connection is no failure
 
-    def accept(self, listener, n_machines):
-        """Take one connection per node master from ``listener``; raise SynkError if some never come."""
-        listener.settimeout(CONNECT_TIMEOUT_S)
+    def accept(self, listener, n_machines, timeout_s=CONNECT_TIMEOUT_S):
+        """Take one proven connection per node master from ``listener``.
+
+        Each connection gets a fresh nonce and must answer it (``prove``)
+        within the deadline; a connection that answers wrongly, names a
+        machine already connected, sends too much or closes is dropped with a
+        warning, and the wait goes on: strangers cannot take a sentinel's place
+        or stall the job.  Nothing received is unpickled.
+
+        Raises:
+            SynkError: not every node master's sentinel proved itself in time.
+        """
+        deadline = time.monotonic() + timeout_s
+        listener.setblocking(False)
+        pending = {}  # socket -> (nonce, bytes received so far)
         try:
-            for _ in range(n_machines - 1):
-                sock, _ = listener.accept()
-                sock.settimeout(CONNECT_TIMEOUT_S)
-                node = struct.unpack("q", _recv_exact(sock, 8))[0]
-                sock.setblocking(False)
-                self.socks[node] = sock
-                self.last_beat[node] = time.monotonic()
-        except OSError as exc:
-            raise SynkError(f"fork: not every node master's sentinel reached the controller "
-                            f"({len(self.socks)} of {n_machines - 1}): {exc}") from exc
+            while len(self.socks) < n_machines - 1:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SynkError(
+                        f"fork: not every node master's sentinel reached the controller "
+                        f"({len(self.socks)} of {n_machines - 1} within {timeout_s:g} s)")
+                ready, _, _ = select.select([listener, *pending], [], [], min(left, 0.5))
+                for sock in ready:
+                    if sock is listener:
+                        self._challenge(listener, pending)
+                    else:
+                        self._answer(sock, pending, n_machines)
+        finally:
+            for sock in pending:
+                sock.close()
+
+    @staticmethod
+    def _challenge(listener, pending):
+        try:
+            sock, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        try:
+            sock.setblocking(True)
+            sock.settimeout(1.0)
+            sock.sendall(nonce)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            return
+        pending[sock] = (nonce, b"")
+
+    def _answer(self, sock, pending, n_machines):
+        nonce, got = pending[sock]
+        try:
+            more = sock.recv(_ANSWER.size - len(got) + 1)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            more = b""
+        got += more
+        if more and len(got) < _ANSWER.size:
+            pending[sock] = (nonce, got)
+            return
+        del pending[sock]
+        node, mac = _ANSWER.unpack(got) if len(got) == _ANSWER.size else (None, None)
+        if node is None or not 0 < node < n_machines or node in self.socks \
+                or not hmac.compare_digest(mac, _mac(self.secret, nonce, node)):
+            logger.warning("liveness port: dropped a connection that did not prove it "
+                           "belongs to this job")
+            sock.close()
+            return
+        self.socks[node] = sock
+        self.last_beat[node] = time.monotonic()
 
     def read(self):
         """Read what the sentinels sent; raise if a machine died or went silent."""

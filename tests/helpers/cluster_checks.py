@@ -217,8 +217,10 @@ else:
     raise AssertionError("an out-of-range batch index went through")
 try:
     synk.all_reduce(W, op="mean")
-except ValueError:
-    pass
+except ValueError as exc:
+    assert "op" in str(exc) and "mean" in str(exc), exc
+else:
+    raise AssertionError("all_reduce(op='mean') went through")
 check_f(f(d), np.arange(len(X)), "bad input, then a good call")
 
 synk.close()
