@@ -1,11 +1,14 @@
 """fork() and close(): the worker processes, core pinning, thread limits, liveness, cleanup."""
 
 import atexit
+import contextlib
 import ctypes
 import logging
 import multiprocessing
 import os
 import signal
+import threading
+import time
 import warnings
 import weakref
 
@@ -23,13 +26,14 @@ from .control import Control, run_command
 from .errors import SynkStateError
 from .janitor import Janitor
 from .liveness import Monitor, command_check, stop_process, worker_check
-from .plan import Machine, environment, plan
+from .plan import Machine, environment, plan, process_limit
 from .runtime import Config, Placement, Processes, Registry, Runtime, get_runtime, serialized, set_runtime
 
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 JOIN_TIMEOUT_S = 5.0
+LOGGING_WAIT_S = 2.0
 
 
 @serialized
@@ -56,9 +60,10 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
     Args:
         n_parallel: number of ranks (default: every usable core, or every
             GPU); in a cluster, ranks per machine (several MPI processes on
-            one host divide its cores).  Any value >= 1 is accepted: in CPU mode more ranks than
-            cores, in GPU mode ranks share GPUs round robin (then NCCL is not
-            used, since it needs one GPU per rank).
+            one host divide its cores).  Any value >= 1 the machine can start
+            is accepted: in CPU mode more ranks than cores, in GPU mode ranks
+            share GPUs round robin (then NCCL is not used, since it needs one
+            GPU per rank).
         use_gpu: None picks GPU mode when NVIDIA GPUs are present, False forces
             CPU mode, True requires GPUs.
         master_rank: the rank of the calling process.
@@ -78,8 +83,9 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
     Raises:
         SynkStateError: already forked (a ``RuntimeError``).
         TypeError: an argument of the wrong type.
-        ValueError: ``n_parallel`` < 1, or ``master_rank`` not in
-            ``range(n_parallel)`` (in a cluster, not 0).
+        ValueError: ``n_parallel`` < 1 or more than the machine can start,
+            ``master_rank`` not in ``range(n_parallel)`` (in a cluster, not
+            0), or an invalid ``SYNK_*`` setting.
         RuntimeError: ``use_gpu=True`` without a GPU.
         SynkStateError: GPU mode, but CUDA or JAX is already initialised in
             this process (a forked worker could not use its GPU).
@@ -99,7 +105,7 @@ def probe(use_gpu):
     return Machine(cores=tuple(sorted(os.sched_getaffinity(0))), n_gpus=n_gpus,
                    cuda_user=gpu.cuda_in_use() if n_gpus else None, launch=launch,
                    cluster_finished=launch is not None and mpi_launch.finished(),
-                   env=environment())
+                   env=environment(), max_procs=process_limit(), shm_free=shmem.shm_space()[0])
 
 
 def start(p):
@@ -144,15 +150,31 @@ def start(p):
         _limit_threads(rt)
         # CPU mode on a machine with GPUs: mode="JAX" must not put every rank on GPU 0.
         rt.restore.append(gpu.keep_jax_on_cpu())
-    for rank in rt.worker_ranks:
-        proc = ctx.Process(target=_worker_main, args=(rt, rank),
-                           name=f"synk-rank-{rank}", daemon=True)
-        proc.start()
-        rt.procs[rank] = proc
-    rt.monitor = rt.check = Monitor(rt.procs, p.timeout_s, rt.control.pending)
-    rt.backend.bind_check(command_check(rt.check, rt.control.aborted_now))
-    rt.janitor = Janitor(prefix, rt.cleanup_dirs, [proc.pid for proc in rt.procs.values()],
-                         close_in_child=mpi_launch.close_launcher_fds)
+    # The parent-death signal fires when the forking *thread* ends: only the main
+    # thread lives as long as the process.  Otherwise the workers' own check on
+    # their parent (liveness.worker_check) and the janitor end them.
+    tie = threading.current_thread() is threading.main_thread()
+    rank = None
+    try:
+        with _logging_held():
+            for rank in rt.worker_ranks:
+                proc = ctx.Process(target=_worker_main, args=(rt, rank, tie),
+                                   name=f"synk-rank-{rank}", daemon=True)
+                proc.start()
+                rt.procs[rank] = proc
+            rank = None
+            rt.monitor = rt.check = Monitor(rt.procs, p.timeout_s, rt.control.pending)
+            rt.backend.bind_check(command_check(rt.check, rt.control.aborted_now))
+            rt.janitor = Janitor(prefix, rt.cleanup_dirs,
+                                 [proc.pid for proc in rt.procs.values()],
+                                 close_in_child=mpi_launch.close_launcher_fds)
+    except BaseException as exc:
+        # Out of processes or memory, Ctrl-C: stop the ranks started, free everything.
+        if rank is not None:
+            exc.add_note(f"fork: starting rank {rank} of n_parallel={p.n_parallel} failed; "
+                         "the ranks already started were stopped")
+        abandon(rt, f"fork() failed: {exc!r}")
+        raise
     # Registered after multiprocessing's own exit hook, so it runs first,
     # while the workers are still there to be told to quit.
     atexit.unregister(_close_at_exit)
@@ -217,6 +239,36 @@ def _pin(rt, rank, restore=False):
             rt.restore.append(lambda: os.sched_setaffinity(0, before))
 
 
+@contextlib.contextmanager
+def _logging_held(wait_s=LOGGING_WAIT_S):
+    """Hold every logging handler's lock while forking: no child inherits a record half written.
+
+    logging re-creates its locks in a child, but a thread caught inside a
+    handler's ``emit`` still holds its stream's own lock (a file's buffer):
+    the child's first record there would wait forever.  Locks are taken all
+    or none, with a bounded wait, since handlers may take each other's
+    (MemoryHandler); past ``wait_s`` the fork goes ahead without them.
+    """
+    handlers = [ref() for ref in list(getattr(logging, "_handlerList", ()))]
+    locks = [h.lock for h in handlers if h is not None and getattr(h, "lock", None) is not None]
+    held = []
+    deadline = time.monotonic() + wait_s
+    while locks and time.monotonic() < deadline:
+        for lock in locks:
+            if not lock.acquire(timeout=0.01):
+                break
+            held.append(lock)
+        else:
+            break
+        while held:
+            held.pop().release()
+    try:
+        yield
+    finally:
+        while held:
+            held.pop().release()
+
+
 def _set_pdeathsig():
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -225,10 +277,11 @@ def _set_pdeathsig():
         pass
 
 
-def _worker_main(rt, rank):
+def _worker_main(rt, rank, tie):
     mpi_launch.close_launcher_fds()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the master's to handle
-    _set_pdeathsig()
+    if tie:
+        _set_pdeathsig()
     if os.getppid() != rt.master_pid:
         os._exit(1)
     rt.place.local_index = rank
@@ -323,9 +376,11 @@ def _teardown(rt):
     for f in rt.functions:
         f._detach()
     set_runtime(None)
-    if rt.cluster is not None and not rt.cluster.broken:
-        # After this mpiexec lets the node masters end; MPI cannot start again here.
-        mpi_launch.finalize(rt.cluster.link.MPI)
+    if rt.cluster is not None:
+        rt.cluster.heartbeats.close()
+        if not rt.cluster.broken:
+            # After this mpiexec lets the node masters end; MPI cannot start again here.
+            mpi_launch.finalize(rt.cluster.link.MPI)
 
 
 def _close_at_exit():

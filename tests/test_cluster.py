@@ -8,6 +8,7 @@ shared-memory segment behind.
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -142,6 +143,37 @@ def test_killed_controller_ends_every_machine():
     rc, out, _ = mpirun(3, [FAULTS, "kill-controller", "2"])
     assert rc != 0, out
     assert_nothing_left(out, before)
+
+
+def test_machines_end_by_themselves_when_the_controller_goes_silent():
+    # A controller that stops beating (here: stopped; on a cluster also a cut link,
+    # which closes no connection) must not leave machines waiting for it forever.
+    before = _mpi_segments()
+    heartbeat_s = 3
+    p = subprocess.Popen([MPIEXEC, "-n", "3", sys.executable, FAULTS, "stop-controller", "2"],
+                         cwd=HERE, env=_env(SYNK_HEARTBEAT_S=str(heartbeat_s)),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, pids = [], []
+    try:
+        for line in p.stdout:
+            out.append(line)
+            if line.startswith("STOPPING"):
+                break
+        text = "".join(out)
+        pids = [int(x) for x in re.search(r"^PIDS ([\d ]+) ", text, re.M).group(1).split()]
+        t0 = time.monotonic()
+        assert wait_for(lambda: all(gone(q) for q in pids[1:]), 4 * heartbeat_s), text
+        took = time.monotonic() - t0
+    finally:
+        if pids:
+            os.kill(pids[0], signal.SIGKILL)
+        else:
+            p.kill()
+        rest, _ = p.communicate(timeout=60)
+    text += rest
+    print(f"machines gone {took:.2f} s after the controller went silent")
+    assert took < 2 * heartbeat_s, (took, text)
+    assert_nothing_left(text, before)
 
 
 @pytest.mark.slow

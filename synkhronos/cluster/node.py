@@ -22,6 +22,7 @@ from .link import ABORT, CMD, DATA, DONE, REPORT
 logger = logging.getLogger(__name__)
 
 FINALIZE_S = 10
+ENDED_FINALIZE_S = 1.0  # after the sentinel ended this machine
 
 
 class _Ended(BaseException):
@@ -110,6 +111,9 @@ def serve(rt, node, join_workers):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if not rt.closed:
             rt.abandon(rt, "the controller ended the job")
+        # A controller that went silent cannot take part in MPI_Finalize: bounded, and
+        # SIGALRM's default action ends this process past the bound.
+        signal.setitimer(signal.ITIMER_REAL, ENDED_FINALIZE_S)
         finalize(link.MPI)
         exit_finalized(0)
     signal.signal(signal.SIGTERM, ended)

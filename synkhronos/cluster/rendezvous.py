@@ -115,6 +115,7 @@ def _connect(rt, mpi, sentinel_fd):
             heartbeats.accept(listener, size)
         finally:
             listener.close()
+        heartbeats.start_beating()
     else:
         where = raw_host.rstrip(b"\0").decode()
         if where == hosts[0] and hosts[me] == hosts[0]:

@@ -21,6 +21,7 @@ import select
 import signal
 import socket
 import struct
+import threading
 import time
 
 from ..errors import SynkError, WorkerDiedError, WorkerStalledError
@@ -108,6 +109,8 @@ def _sentinel_main(parent, read_fd):
         return
     sock.setblocking(False)
     started = proc_start_time(parent)
+    limit = heartbeat_limit_s()
+    heard = None  # when the controller's beats last arrived (None: not beating yet)
     while True:
         # Reparented: the node master is gone (its pid may already name another process).
         if os.getppid() != parent or proc_start_time(parent) != started:
@@ -115,7 +118,7 @@ def _sentinel_main(parent, read_fd):
         readable, _, _ = select.select([sock], [], [], BEAT_S)
         if readable:
             try:
-                got = sock.recv(64)
+                got = sock.recv(4096)
             except OSError:
                 got = b""
             if got == b"":
@@ -123,6 +126,12 @@ def _sentinel_main(parent, read_fd):
                 # first: the node master finalises MPI, so mpiexec ends the job quietly.
                 stop_process(parent, grace_s=END_GRACE_S)
                 return
+            heard = time.monotonic()
+        elif heard is not None and time.monotonic() - heard > limit:
+            # The controller stopped beating (cut off, stopped, or its host is gone
+            # without closing the connection): nobody will ever order this machine to end.
+            stop_process(parent, grace_s=END_GRACE_S)
+            return
         if proc_state(parent) not in ("T", "t"):
             try:
                 sock.send(b".")
@@ -148,6 +157,8 @@ class Heartbeats:
         self.last_beat = {}
         self.limit = heartbeat_limit_s()
         self.quitting = False  # QUIT was sent: a closed connection is no failure
+        self._stop = threading.Event()
+        self._beater = None
 
     def accept(self, listener, n_machines, timeout_s=CONNECT_TIMEOUT_S):
         """Take one proven connection per node master from ``listener``.
@@ -243,8 +254,32 @@ class Heartbeats:
                     f"for {now - self.last_beat[m]:.1f} s, SYNK_HEARTBEAT_S="
                     f"{self.limit:g}); the job is ended", self.layout.offsets[m], None)
 
+    def start_beating(self):
+        """Send every sentinel a beat each ``BEAT_S`` from a thread, while the program runs.
+
+        Heartbeats go both ways: a sentinel that hears nothing for
+        ``SYNK_HEARTBEAT_S`` ends its machine, so a controller that is cut off or
+        stopped leaves no machine waiting for it forever.  A thread, because the
+        user's program may compute for hours between two commands.
+        """
+        socks = list(self.socks.values())
+
+        def beat():
+            while not self._stop.wait(BEAT_S):
+                for sock in socks:
+                    try:
+                        sock.send(b".")
+                    except OSError:  # full, or closed: the reading side tells what happened
+                        pass
+        self._beater = threading.Thread(target=beat, name="synk-heartbeats", daemon=True)
+        self._beater.start()
+
     def close(self):
-        """Close every connection: each sentinel then ends its node master."""
+        """Stop beating and close every connection: each sentinel then ends its node master."""
+        self._stop.set()
+        if self._beater is not None:
+            self._beater.join()
+            self._beater = None
         for sock in self.socks.values():
             sock.close()
         self.socks = {}

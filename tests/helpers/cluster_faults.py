@@ -4,6 +4,7 @@ remote-error: a rank on another machine raises inside a call; the run goes on.
 kill-node: the controller SIGKILLs machine 1's node master, then calls a function.
 stop-node: the controller SIGSTOPs machine 1's node master, then calls a function.
 kill-controller: the controller SIGKILLs itself after printing the job's pids.
+stop-controller: the controller SIGSTOPs itself (as if cut off); the test ends it.
 timeout: a rank on machine 1 sleeps past fork(timeout=6) inside a call.
 idle: the controller sends nothing for longer than fork(timeout=2); the run goes on.
 """
@@ -108,3 +109,6 @@ elif mode == "idle":
     print("CLOSED", flush=True)
 elif mode == "kill-controller":
     os.kill(os.getpid(), signal.SIGKILL)
+elif mode == "stop-controller":
+    print("STOPPING", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
