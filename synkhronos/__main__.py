@@ -5,6 +5,7 @@ report was printed or every check passed, 1 when a check failed.
 """
 
 import argparse
+import math
 import sys
 
 
@@ -12,6 +13,28 @@ def _say(line):
     # A command-line program: its report is its output (the library itself only logs).
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
+
+
+def _seconds(text):
+    """argparse type: a number of seconds > 0 (``inf``: no limit)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0:  # nan too
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0 (or inf); got {text!r}")
+    return value
+
+
+def _ranks(text):
+    """argparse type: a number of ranks >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1; got {text!r}")
+    return value
 
 
 def main(argv=None):
@@ -22,12 +45,12 @@ def main(argv=None):
                     "rank, run a function call and each collective, and say PASS or what failed.")
     parser.add_argument("--check", action="store_true",
                         help="fork, call, run every collective and compare with NumPy")
-    parser.add_argument("-n", "--n-parallel", type=int, default=None,
+    parser.add_argument("-n", "--n-parallel", type=_ranks, default=None,
                         help="ranks for --check (default: every usable core, or every GPU)")
     parser.add_argument("--gpu", action="store_true",
                         help="--check in GPU mode (default: CPU mode)")
-    parser.add_argument("--timeout", type=float, default=120,
-                        help="seconds before --check gives up (default 120)")
+    parser.add_argument("--timeout", type=_seconds, default=120.0,
+                        help="seconds before --check gives up (default 120; inf: never)")
     args = parser.parse_args(argv)
 
     from . import doctor

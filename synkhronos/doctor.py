@@ -6,6 +6,7 @@ and ``synkhronos/__main__.py`` (the program) writes them out.
 
 import importlib.metadata
 import importlib.util
+import math
 import os
 import platform
 import signal
@@ -14,6 +15,8 @@ import traceback
 from dataclasses import dataclass
 
 import numpy as np
+
+from .plan import SETTINGS, environment, setting_problems
 
 # Packages whose versions the report lists when they are installed.
 PACKAGES = ("pytensor", "numpy", "scipy", "numba", "jax", "jaxlib", "cupy", "mpi4py", "pymc",
@@ -29,6 +32,7 @@ def report():
         ("gpu", _gpus()),
         ("shared memory", shm_report()),
         ("backends", _backends()),
+        ("settings", settings_report()),
     ]
 
 
@@ -120,7 +124,7 @@ def _cpu():
     except (OSError, ValueError):
         pass
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
-                 "NUMBA_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "PYTENSOR_FLAGS", "SYNK_BACKEND"):
+                 "NUMBA_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "PYTENSOR_FLAGS"):
         if name in os.environ:
             items.append((name, os.environ[name]))
     return items
@@ -211,14 +215,21 @@ def _backends():
             items.append((name, "loads"))
         except (BackendUnavailableError, ImportError) as exc:
             items.append((name, f"unavailable: {exc}"))
-    def has(mod):
-        return importlib.util.find_spec(mod) is not None
-    items.append(("nccl (GPU mode)", "cupy present" if has("cupy") else
-                  "unavailable: needs cupy-cuda12x and a GPU"))
-    items.append(("mpi (clusters)", "mpi4py present" if has("mpi4py") else
-                  "unavailable: pip install mpi4py"))
-    items.append(("JAX mode", "jax present" if has("jax") else "unavailable: pip install jax"))
+    for what, mod, missing in (("nccl (GPU mode)", "cupy", "needs cupy-cuda12x and a GPU"),
+                               ("mpi (clusters)", "mpi4py", "pip install mpi4py"),
+                               ("JAX mode", "jax", "pip install jax")):
+        items.append((what, f"{mod} present" if importlib.util.find_spec(mod) is not None
+                      else f"unavailable: {missing}"))
     return items
+
+
+def settings_report(env=None):
+    """Return the report items on the ``SYNK_*`` settings set, INVALID ones flagged."""
+    env = environment() if env is None else env
+    bad = setting_problems(env)
+    return [(k, f"INVALID: {bad[k]}" if k in bad else v if k in SETTINGS else
+             f"{v!r} (not a synkhronos setting: a typo?)")
+            for k, v in sorted(env.items())] or [("SYNK_*", "none set (defaults)")]
 
 
 @dataclass
@@ -243,22 +254,28 @@ def check(n_parallel=None, use_gpu=False, timeout=120):
     Args:
         n_parallel: number of ranks; default every usable core (or GPU).
         use_gpu: passed on to ``synk.fork``.
-        timeout: seconds before the check gives up (a step that hangs fails).
+        timeout: seconds before the check gives up (a step that hangs fails), or math.inf.
 
     Returns:
         A list of ``Step``; the check passed if every step is ``ok``.
+
+    Raises:
+        ValueError: ``timeout`` is not a number > 0.
     """
     import synkhronos as synk
     from .runtime import get_runtime
 
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"check: timeout must be a number of seconds > 0 or math.inf; got {timeout!r}")
     steps = []
 
     def on_alarm(signum, frame):
-        raise _Timeout(f"no answer within {timeout} s")
+        raise _Timeout(f"no answer within {timeout:g} s")
 
-    old = signal.signal(signal.SIGALRM, on_alarm) if timeout else None
-    if timeout:
-        signal.alarm(int(timeout))
+    timed = math.isfinite(timeout)
+    old = signal.signal(signal.SIGALRM, on_alarm) if timed else None
+    if timed:
+        signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
         try:
             n = synk.fork(n_parallel, use_gpu=use_gpu)
@@ -270,8 +287,8 @@ def check(n_parallel=None, use_gpu=False, timeout=120):
     except _Timeout as exc:
         steps.append(Step("timeout", False, str(exc)))
     finally:
-        if timeout:
-            signal.alarm(0)
+        if timed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)
         rt = get_runtime()
         pid = os.getpid()
@@ -360,10 +377,12 @@ def _collective_steps(synk, n, steps):
               np.full(3, n * (n + 1) / 2))
 
     def all_reduce():
-        synk.all_reduce(s, op="max")
-        _same("all_reduce max", synk.gather(s), np.full((n, 3), float(n)))
-        synk.all_reduce(s, op="avg")
-        _same("all_reduce avg", synk.gather(s), np.full((n, 3), float(n)))
+        # Each op from values that differ by rank (r + 1), so none can pass by accident.
+        for op, want in (("avg", (n + 1) / 2), ("max", float(n))):
+            for r in range(n):
+                synk.set_value(r, s, np.full(3, float(r + 1)))
+            synk.all_reduce(s, op=op)
+            _same(f"all_reduce {op}", synk.gather(s), np.full((n, 3), want))
 
     step("function call (sum, avg, max, gather, updates)", call)
     step("gather", gather)
@@ -376,7 +395,6 @@ def _collective_steps(synk, n, steps):
 
 
 def _same(what, got, want):
-    got = np.asarray(got)
-    want = np.asarray(want)
+    got, want = np.asarray(got), np.asarray(want)
     if got.shape != want.shape or not np.allclose(got, want, rtol=1e-6, atol=1e-9):
         raise AssertionError(f"{what}: expected {want.tolist()}, got {got.tolist()}")

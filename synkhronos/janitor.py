@@ -11,9 +11,28 @@ import os
 import shutil
 import signal
 import time
+import weakref
 
 from . import shmem
 from .liveness import proc_start_time, stop_process
+
+# This process's janitors that children forked later must not hold on to (os.fork() or
+# multiprocessing in the user's program): the janitor would wait for such a child to end
+# before cleaning up, and the run's lock it keeps would make the run look alive.
+_WATCHED = weakref.WeakSet()
+
+
+def _close_in_child():
+    for janitor in list(_WATCHED):
+        for fd in janitor.child_closes:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    _WATCHED.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 class Janitor:
@@ -41,6 +60,16 @@ class Janitor:
         os.close(read_fd)
         self.pid = pid
         self.fd = write_fd  # children must not keep it open, or the janitor never sees EOF
+        self.child_closes = ()
+
+    def close_in_children(self, *fds):
+        """Have every child this process forks from now on close the pipe and ``fds``.
+
+        Not for a process whose own code closes them in its children (a node
+        master's sentinel): a second close could hit a descriptor reused since.
+        """
+        self.child_closes = (self.fd, *fds)
+        _WATCHED.add(self)
 
     def tell(self, paths):
         """Have the janitor also remove these files (under /dev/shm) when the leader goes."""
@@ -48,6 +77,7 @@ class Janitor:
 
     def release(self, timeout_s):
         """The leader's normal end: the janitor cleans up (nothing left by now) and exits."""
+        _WATCHED.discard(self)  # before the close: a child forked after it must close nothing
         os.close(self.fd)
         deadline = time.monotonic() + timeout_s
         while True:

@@ -8,8 +8,11 @@ leaves nothing behind, and the decision is checkable without processes.
 import math
 import numbers
 import os
+import resource
 from typing import NamedTuple, Optional
 
+from .comm import backend_names
+from .control import ERR_BYTES, MSG_BYTES, RANK_BASE, RANK_STRIDE
 from .errors import SynkStateError
 from .liveness import DEFAULT_TIMEOUT_S
 
@@ -24,6 +27,9 @@ class Machine(NamedTuple):
         launch: this process's ``cluster.launch.Launch`` under mpiexec, or None.
         cluster_finished: this process's cluster job already ended.
         env: the ``SYNK_*`` settings (``os.environ``).
+        max_procs: ``(n, what)``: at most n more processes may start here, a limit set
+            by ``what`` (``process_limit``); None if unknown.
+        shm_free: bytes free in /dev/shm, or None if unknown.
     """
 
     cores: tuple
@@ -32,6 +38,8 @@ class Machine(NamedTuple):
     launch: Optional[tuple] = None
     cluster_finished: bool = False
     env: dict = {}
+    max_procs: Optional[tuple] = None
+    shm_free: Optional[int] = None
 
 
 class Plan(NamedTuple):
@@ -92,12 +100,16 @@ def plan(machine, n_parallel=None, use_gpu=None, master_rank=0, profile_workers=
     if n_parallel is None:
         n_parallel = n_gpus if gpu_mode else len(cores)
     _check_int("n_parallel", n_parallel, 1)
+    _check_capacity(machine, n_parallel)
     _check_int("master_rank", master_rank, 0)
     if master_rank >= n_parallel:
         raise ValueError(f"fork: master_rank must be in range(n_parallel={n_parallel}); "
                          f"got {master_rank}")
     _check_int("max_n_var", max_n_var, 1)
     _check_int("max_dim", max_dim, 1)
+    problems = setting_problems(machine.env, cluster=launch is not None)
+    if problems:
+        raise ValueError(f"fork: {next(iter(problems.values()))}")
     if timeout is None:
         timeout = _env_seconds(machine.env, "SYNK_TIMEOUT_S", DEFAULT_TIMEOUT_S)
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) \
@@ -106,7 +118,7 @@ def plan(machine, n_parallel=None, use_gpu=None, master_rank=0, profile_workers=
                          f"got {timeout!r}")
     # Waiters spin only while every rank on the host has a core of its own.
     spin_default = 0.0 if n_parallel * per_host > len(machine.cores) else 0.01
-    spin_s = _env_seconds(machine.env, "SYNK_SPIN_S", spin_default, allow_zero=True)
+    spin_s = _env_seconds(machine.env, "SYNK_SPIN_S", spin_default)
     return Plan(n_parallel, master_rank, "gpu" if gpu_mode else "cpu", n_gpus, cores, spin_s,
                 float(timeout), max_n_var, max_dim, bool(profile_workers), launch)
 
@@ -128,19 +140,103 @@ def _check_int(name, value, low):
         raise ValueError(f"fork: {name} must be >= {low}; got {value}")
 
 
-def _env_seconds(env, name, default, allow_zero=False):
-    """A number of seconds from the environment variable ``name``, or ``default`` if unset."""
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
+def _check_capacity(machine, n_parallel):
+    """Refuse more ranks than this machine can start, before anything is created."""
+    # n_parallel - 1 workers and the janitor: n_parallel new processes.
+    if machine.max_procs is not None and n_parallel > machine.max_procs[0]:
+        limit, what = machine.max_procs
+        raise ValueError(f"fork: n_parallel={n_parallel} is more ranks than this machine can "
+                         f"start: at most {limit} more processes ({what})")
+    need = control_bytes(n_parallel)
+    if machine.shm_free is not None and need > machine.shm_free:
+        raise ValueError(f"fork: n_parallel={n_parallel} is more ranks than /dev/shm holds: "
+                         f"their control block needs {need / 2**20:.0f} MiB "
+                         f"({ERR_BYTES // 1024} KiB per rank), {machine.shm_free / 2**20:.0f} "
+                         "MiB are free")
+
+
+def control_bytes(n_ranks):
+    """Bytes of shared memory the control block of ``n_ranks`` ranks takes (control.Control)."""
+    return 8 * (RANK_BASE + RANK_STRIDE * n_ranks) + ERR_BYTES * n_ranks + MSG_BYTES
+
+
+def process_limit():
+    """Return ``(n, what)``: at most n more processes may start here, as ``what`` sets; or None.
+
+    The smallest of the kernel's limits, the container's (cgroup ``pids.max``)
+    and the user's (``ulimit -u``, not enforced for root).
+    """
+    found = []
+    for path, what in (("/proc/sys/kernel/pid_max", "kernel.pid_max"),
+                       ("/proc/sys/kernel/threads-max", "kernel.threads-max")):
+        found.append((_read_int(path), what))
+    pids_max = _read_int("/sys/fs/cgroup/pids.max")
+    if pids_max is not None:
+        current = _read_int("/sys/fs/cgroup/pids.current") or 0
+        found.append((pids_max - current, f"the cgroup's pids.max of {pids_max}"))
+    if os.geteuid() != 0:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+        if soft != resource.RLIM_INFINITY:
+            found.append((soft, f"ulimit -u of {soft}"))
+    found = [f for f in found if f[0] is not None]
+    return min(found) if found else None
+
+
+def _read_int(path):
     try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if math.isnan(value) or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"fork: {name} must be a number of seconds "
-                         f"{'>= 0' if allow_zero else '> 0'}; got {raw!r}")
-    return value
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):  # absent, or "max"
+        return None
+
+
+# What each SYNK_* setting must be: name -> (problem with ``value`` or None, whether
+# only a cluster reads it).
+def _seconds(allow_zero):
+    def problem(value):
+        try:
+            ok = float(value) >= 0 if allow_zero else float(value) > 0
+        except ValueError:
+            ok = False
+        return None if ok else f"a number of seconds {'>= 0' if allow_zero else '> 0'}"
+    return problem
+
+
+def _backend(value):
+    return None if value in backend_names() else f"one of {', '.join(backend_names())}"
+
+
+SETTINGS = {
+    "SYNK_SPIN_S": (_seconds(allow_zero=True), False),
+    "SYNK_TIMEOUT_S": (_seconds(allow_zero=False), False),
+    "SYNK_HEARTBEAT_S": (_seconds(allow_zero=False), True),
+    "SYNK_BACKEND": (_backend, False),
+    "SYNK_CLUSTER": (lambda v: None if v in ("0", "1") else "0 or 1", False),
+    "SYNK_CONTROLLER_HOST": (lambda v: None, True),
+}
+
+
+def setting_problems(env, cluster=True):
+    """Return ``{name: message}`` for the ``SYNK_*`` settings in ``env`` that are invalid.
+
+    Empty values count as unset.  Settings only a cluster reads are checked
+    when ``cluster`` is true; names synkhronos does not know are not checked.
+    """
+    out = {}
+    for name, (problem, cluster_only) in SETTINGS.items():
+        raw = env.get(name)
+        if raw is None or raw == "" or (cluster_only and not cluster):
+            continue
+        want = problem(raw)
+        if want is not None:
+            out[name] = f"{name} must be {want}; got {raw!r}"
+    return out
+
+
+def _env_seconds(env, name, default):
+    """A number of seconds from the setting ``name`` (checked by setting_problems), or ``default``."""
+    raw = env.get(name)
+    return default if raw is None or raw == "" else float(raw)
 
 
 def environment():

@@ -168,6 +168,8 @@ def start(p):
             rt.janitor = Janitor(prefix, rt.cleanup_dirs,
                                  [proc.pid for proc in rt.procs.values()],
                                  close_in_child=mpi_launch.close_launcher_fds)
+            if p.launch is None:
+                rt.janitor.close_in_children(lock_fd)
     except BaseException as exc:
         # Out of processes or memory, Ctrl-C: stop the ranks started, free everything.
         if rank is not None:
@@ -247,10 +249,13 @@ def _logging_held(wait_s=LOGGING_WAIT_S):
     handler's ``emit`` still holds its stream's own lock (a file's buffer):
     the child's first record there would wait forever.  Locks are taken all
     or none, with a bounded wait, since handlers may take each other's
-    (MemoryHandler); past ``wait_s`` the fork goes ahead without them.
+    (MemoryHandler) and logging's module lock, which fork takes too; past
+    ``wait_s`` the fork goes ahead without them.
     """
     handlers = [ref() for ref in list(getattr(logging, "_handlerList", ()))]
     locks = [h.lock for h in handlers if h is not None and getattr(h, "lock", None) is not None]
+    if getattr(logging, "_lock", None) is not None:
+        locks.insert(0, logging._lock)  # held here, fork's own hook takes it at once
     held = []
     deadline = time.monotonic() + wait_s
     while locks and time.monotonic() < deadline:
@@ -364,10 +369,10 @@ def _teardown(rt):
     rt.backend.close()
     rt.control.close()
     shmem.sweep(rt.prefix)
-    os.close(rt.processes.lock_fd)
     if rt.janitor is not None:
-        rt.janitor.release(JOIN_TIMEOUT_S)
+        rt.janitor.release(JOIN_TIMEOUT_S)  # first: children forked later close the lock fd
         rt.janitor = None
+    os.close(rt.processes.lock_fd)
     for undo in reversed(rt.restore):
         try:
             undo()

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .control import Command, handler, run_command
+from .errors import SynkStateError
 from .runtime import require_forked, serialized
 
 CATEGORIES = ("control", "gather", "compute", "collective", "wait", "reduce")
@@ -40,6 +41,11 @@ class Profiler:
         self._last = 0
         self._laps = None
         self._depth = 0
+        self.marks = []         # where each open synk.profile() began in records, outermost first
+
+    def mark(self):
+        """Return where the records of a profile opened now begin (after the current command)."""
+        return len(self.records) + (self._laps is not None)
 
     def begin(self, what, start_ns=None):
         """Start timing a command (``what`` names it in tables and traces).
@@ -78,13 +84,30 @@ class ProfileMsg(NamedTuple):
     on: bool
 
 
+def _open(rt):
+    """Start a profile in this process: the first one switches recording on."""
+    if rt.profiler is None:
+        rt.profiler = Profiler(rt.rank)
+    rt.profiler.marks.append(rt.profiler.mark())
+
+
+def _close(rt):
+    """End the innermost profile here; return its records (an outer profile keeps them too)."""
+    prof = rt.profiler
+    if prof is None or not prof.marks:
+        return []
+    records = prof.records[prof.marks.pop():]
+    if not prof.marks:
+        rt.profiler = None
+    return records
+
+
 @handler(Command.PROFILE, ProfileMsg, collected=True)
 def _profile_worker(rt, msg):
     if msg.on:
-        rt.profiler = Profiler(rt.rank)
+        _open(rt)
         return
-    prof, rt.profiler = rt.profiler, None
-    records = [] if prof is None else prof.records
+    records = _close(rt)
     rt.backend.contribute([np.frombuffer(pickle.dumps(records), dtype=np.uint8)])
 
 
@@ -159,25 +182,37 @@ class Profile:
 class _ProfileContext:
     def __init__(self):
         self.profile = Profile()
+        self._rt = None
+        self._depth = 0
 
     @serialized
     def __enter__(self):
         rt = require_forked("profile()")
+        if self._rt is not None:
+            raise SynkStateError("profile(): this profile is open already; nest a new "
+                                 "synk.profile() instead")
         run_command(rt, Command.PROFILE, ProfileMsg(True))
-        rt.profiler = Profiler(rt.rank)
+        _open(rt)
+        self._rt, self._depth = rt, len(rt.profiler.marks)
         return self.profile
 
     @serialized
-    def __exit__(self, *exc):
-        rt = require_forked("profile()")
-        mine, rt.profiler = rt.profiler, None
+    def __exit__(self, exc_type, exc, tb):
+        rt, self._rt = self._rt, None
+        if rt is None or rt.closed:
+            # The run ended inside the block (a dead worker, Ctrl-C, close()): nothing to
+            # collect, and the error that ended it, if still on its way, is the one to see.
+            return False
+        if rt.profiler is None or len(rt.profiler.marks) != self._depth:
+            raise SynkStateError("profile(): nested profiles must end in reverse order")
+        mine = _close(rt)
 
         def after(_):
             got = rt.backend.collect()
             got[rt.rank] = None
             records = {q: pickle.loads(g[0][0].tobytes()) for q, g in enumerate(got)
                        if g is not None}
-            records[rt.rank] = [] if mine is None else mine.records
+            records[rt.rank] = mine
             return records
         self.profile.records = run_command(rt, Command.PROFILE, ProfileMsg(False), after=after)
         return False
@@ -196,10 +231,14 @@ def profile():
         text = prof.table()               # mean ms per call, by rank and category
         prof.write_trace("steps.json")    # one track per rank, for ui.perfetto.dev
 
+    Profiles nest: an inner one records its block, and its commands count in
+    the outer one too.  If the run ends inside the block (a worker died,
+    Ctrl-C), the error that ended it goes on and the profile stays empty.
+
     Returns:
         A context manager whose ``__enter__`` returns a ``Profile``.
 
     Raises:
-        SynkStateError: before fork().
+        SynkStateError: before fork(); nested profiles ended out of order.
     """
     return _ProfileContext()

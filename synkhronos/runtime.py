@@ -3,6 +3,7 @@
 import collections
 import functools
 import itertools
+import os
 import threading
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -180,12 +181,35 @@ _LOCK = threading.RLock()
 
 
 def serialized(fn):
-    """Decorate a public entry point: one thread at a time in the whole library."""
+    """Decorate a public entry point: one thread at a time, and only in the master's process."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        # Before the lock: a child forked while another thread held it would wait forever.
+        _require_master_process(fn.__qualname__)
         with _LOCK:
             return fn(*args, **kwargs)
     return wrapper
+
+
+def _require_master_process(what):
+    """Raise SynkStateError in a process other than the one that forked the live run.
+
+    A child of the master (``os.fork()``, a fork-started multiprocessing
+    worker) inherits the Runtime, and its commands would reach the workers
+    amid the master's.
+    """
+    rt = _state["runtime"]
+    if rt is None or rt.closed or os.getpid() == rt.config.master_pid:
+        return
+    if not rt.is_master:
+        raise SynkStateError(
+            f"{what}(): called in rank {rt.rank}, a worker{' inside a call' if rt.in_call else ''}"
+            "; synkhronos functions and collectives run from the master's program only, "
+            "between calls (inside a graph use synkhronos.ingraph)")
+    raise SynkStateError(
+        f"{what}(): this process (pid {os.getpid()}) is not the synkhronos master "
+        f"(pid {rt.config.master_pid}); only the process that called fork() drives "
+        "the ranks, not a child of it (os.fork(), multiprocessing)")
 
 
 def get_runtime():

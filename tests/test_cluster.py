@@ -153,6 +153,19 @@ def test_killed_node_master_ends_the_job_and_leaves_nothing():
     assert_nothing_left(out, before)
 
 
+@pytest.mark.skipif(FLAVOR != "openmpi", reason="ULFM is Open MPI's (mpirun --with-ft ulfm)")
+def test_killed_node_master_under_ulfm_is_an_error_naming_the_machine():
+    # With ULFM the controller lives on, so the loss reaches it as a SynkError (never a
+    # raw mpi4py.MPI.Exception), naming the machine, and the job still leaves nothing.
+    before = _mpi_segments()
+    rc, out, _ = mpirun(3, [FAULTS, "kill-node", "2"], flags=["--with-ft", "ulfm"])
+    m = re.search(r"CAUGHT WorkerDiedError ([\d.]+) machine 1 \(\S+, ranks 2\.\.3\)", out)
+    assert m, out
+    assert float(m.group(1)) < 2.0, out
+    assert "MPI.Exception" not in out, out
+    assert_nothing_left(out, before)
+
+
 def test_killed_controller_ends_every_machine():
     before = _mpi_segments()
     rc, out, _ = mpirun(3, [FAULTS, "kill-controller", "2"])
@@ -164,7 +177,7 @@ def test_machines_end_by_themselves_when_the_controller_goes_silent():
     # A controller that stops beating (here: stopped; on a cluster also a cut link,
     # which closes no connection) must not leave machines waiting for it forever.
     before = _mpi_segments()
-    heartbeat_s = 3
+    heartbeat_s = 4
     p = subprocess.Popen([MPIEXEC, *FLAGS, "-n", "3", sys.executable, FAULTS, "stop-controller", "2"],
                          cwd=HERE, env=_env(SYNK_HEARTBEAT_S=str(heartbeat_s)),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -97,3 +97,28 @@ def test_format_report():
     text = doctor.format_report([("a", [("k", "v"), ("longer", "w")]), ("b", [])])
     assert text.splitlines() == ["a:", "  k       v", "  longer  w", "b:"]
     assert doctor._ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "0", "soon"])
+def test_check_refuses_a_bad_timeout(value):
+    proc = _run("--check", "--timeout", value)
+    assert proc.returncode == 2
+    assert f"argument --timeout: must be a number of seconds > 0 (or inf); got '{value}'" \
+        in proc.stderr
+    assert "PASS" not in proc.stdout and "Traceback" not in proc.stderr
+    with pytest.raises(ValueError, match="timeout"):
+        doctor.check(2, timeout=float(value) if value != "soon" else value)
+
+
+def test_report_flags_invalid_settings():
+    env = {"SYNK_SPIN_S": "abc", "SYNK_TIMEOUT_S": "-1", "SYNK_HEARTBEAT_S": "0",
+           "SYNK_BACKEND": "nonesuch", "SYNK_CLUSTER": "off", "SYNK_TIMOUT_S": "9"}
+    proc = _run(env=env)
+    assert proc.returncode == 0, proc.stderr
+    section = proc.stdout[proc.stdout.index("settings:"):]
+    for name in ("SYNK_SPIN_S", "SYNK_TIMEOUT_S", "SYNK_HEARTBEAT_S", "SYNK_BACKEND",
+                 "SYNK_CLUSTER"):
+        assert re.search(rf"{name} +INVALID: {name} must be .*; got '{env[name]}'", section), name
+    assert re.search(r"SYNK_TIMOUT_S +'9' \(not a synkhronos setting", section)
+    assert doctor.settings_report({"SYNK_SPIN_S": "0.5"}) == [("SYNK_SPIN_S", "0.5")]
+    assert doctor.settings_report({}) == [("SYNK_*", "none set (defaults)")]

@@ -261,3 +261,15 @@ def test_profile_breaks_each_ranks_time_down_and_adds_up(forked, tmp_path):
     f(d, ranks)
     assert get_runtime().profiler is None
     del g
+
+
+def test_a_bad_setting_leaves_nothing_and_fork_works_after(forked, monkeypatch):
+    monkeypatch.setenv("SYNK_SPIN_S", "abc")
+    with pytest.raises(ValueError, match="SYNK_SPIN_S"):
+        synk.fork(2, use_gpu=False)
+    assert get_runtime() is None
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"synk_{os.getpid()}_")]
+    assert [p for p in multiprocessing.active_children() if p.name.startswith("synk-")] == []
+    monkeypatch.delenv("SYNK_SPIN_S")
+    assert forked(2) == 2
+    assert [r[0] for r in _process_info(2)] == [0, 1]

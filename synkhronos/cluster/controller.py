@@ -105,7 +105,7 @@ class Controller:
             got = link.probe(m, DONE)
             if got is not None:
                 buf = bytearray(8)
-                got[0].Recv(buf)
+                link.receive(got[0], buf, m)
                 self._check_seq(m, struct.unpack("q", buf)[0])
                 self.reports[m] = DONE_REPORT
                 continue
@@ -123,7 +123,7 @@ class Controller:
 
     def _take_report(self, m, probed, n):
         head = bytearray(n)
-        probed.Recv(head)
+        self.link.receive(probed, head, m)
         # Contributions are kept until the call's results are combined: not pooled.
         rep = self.link.rest(m, REPORT, head, self.heartbeats.read, pooled=False)
         self._check_seq(m, rep.seq)

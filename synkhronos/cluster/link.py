@@ -11,7 +11,7 @@ import struct
 
 import numpy as np
 
-from ..errors import SynkError
+from ..errors import SynkError, WorkerDiedError
 from ..liveness import wait_until
 
 # Tags of the messages between the controller and node masters.
@@ -60,9 +60,36 @@ class Link:
         self.k += 1
         return TAG_BASE + (self.seq * PER_CMD + self.k) % self.tag_span
 
+    def lost(self, exc, machine=None):
+        """The SynkError for an MPI error: which machine was lost, from MPI (ULFM) or the caller.
+
+        Under Open MPI with ULFM (``mpirun --with-ft ulfm``) a peer that died
+        turns MPI calls that involve it into ``MPI_ERR_PROC_FAILED``; no raw
+        MPI exception reaches the user.
+        """
+        failed = []
+        try:
+            group = self.comm.Get_failed()
+            failed = self.MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
+                                                    self.comm.Get_group())
+        except Exception:  # noqa: BLE001 - no ULFM here: only the caller knows the peer
+            pass
+        machines = sorted({m for m in failed if m is not None and m >= 0} or
+                          ({machine} if machine is not None else set()))
+        what = exc.Get_error_string() if hasattr(exc, "Get_error_string") else str(exc)
+        if not machines:
+            return WorkerDiedError(f"MPI failed ({what}); the job is ended", self.layout.offsets[0],
+                                   None)
+        names = "; ".join(self.layout.describe(m) for m in machines)
+        return WorkerDiedError(f"{names}: lost ({what}); its processes died or it was cut "
+                               "off; the job is ended", self.layout.offsets[machines[0]], None)
+
     def send_bytes(self, dest, tag, buf):
         """Send ``buf`` as it is (kept alive until the send completes)."""
-        self.sends.append((self.comm.Isend(buf, dest, tag), buf))
+        try:
+            self.sends.append((self.comm.Isend(buf, dest, tag), buf))
+        except self.MPI.Exception as exc:
+            raise self.lost(exc, dest) from None
 
     def send(self, dest, tag, obj):
         """Send ``obj`` (pickled; large buffers out of band, not copied) to machine ``dest``.
@@ -83,7 +110,10 @@ class Link:
     def probe(self, src, tag):
         """Return (message, size in bytes) if one from ``src`` with ``tag`` has arrived, else None."""
         st = self.MPI.Status()
-        m = self.comm.Improbe(src, tag, st)
+        try:
+            m = self.comm.Improbe(src, tag, st)
+        except self.MPI.Exception as exc:
+            raise self.lost(exc, src) from None
         return None if m is None else (m, st.Get_count(self.MPI.BYTE))
 
     def _wait_probe(self, src, tag, check):
@@ -102,8 +132,15 @@ class Link:
         """Receive one message's bytes (into a kept buffer when ``slot`` is given)."""
         m, n = self._wait_probe(src, tag, check)
         buf = self._buffer(src, slot, n)
-        m.Recv(buf)
+        self.receive(m, buf, src)
         return buf
+
+    def receive(self, message, buf, src):
+        """Receive a probed ``message`` from machine ``src`` into ``buf``."""
+        try:
+            message.Recv(buf)
+        except self.MPI.Exception as exc:
+            raise self.lost(exc, src) from None
 
     def _buffer(self, src, slot, n):
         """A receive buffer: large ones are kept per (sender, place in message, size).
@@ -127,7 +164,7 @@ class Link:
         m, n = self._wait_probe(src, tag, check)
         if n != len(buf):
             raise SynkError(f"expected {len(buf)} bytes from machine {src}, got {n}")
-        m.Recv(buf)
+        self.receive(m, buf, src)
 
     def recv(self, src, tag, check):
         """Receive what ``send`` sent from machine ``src`` with ``tag``."""
@@ -151,7 +188,10 @@ class Link:
         if not self.sends:
             return
         reqs = [r for r, _ in self.sends]
-        wait_until(lambda: self.MPI.Request.Testall(reqs), check, self.spin_s)
+        try:
+            wait_until(lambda: self.MPI.Request.Testall(reqs), check, self.spin_s)
+        except self.MPI.Exception as exc:
+            raise self.lost(exc) from None
         self.sends.clear()
 
     def retire_sends(self):
@@ -164,7 +204,10 @@ class Link:
         request and buffer are kept, tested again later, never waited for.
         """
         if self.sends or self.orphans:
-            self.orphans = [(r, b) for r, b in self.orphans + self.sends if not r.Test()]
+            try:
+                self.orphans = [(r, b) for r, b in self.orphans + self.sends if not r.Test()]
+            except self.MPI.Exception as exc:
+                raise self.lost(exc) from None
             self.sends = []
 
 

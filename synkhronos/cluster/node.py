@@ -22,7 +22,7 @@ from .link import ABORT, CMD, DATA, DONE, REPORT
 logger = logging.getLogger(__name__)
 
 FINALIZE_S = 10
-ENDED_FINALIZE_S = 1.0  # after the sentinel ended this machine
+ENDED_FINALIZE_S = 2.0  # after the sentinel ended this machine (its grace is END_GRACE_S, 3 s)
 
 
 class _Ended(BaseException):
@@ -59,7 +59,7 @@ class NodeMaster:
         if got is None:
             return
         buf = bytearray(8)
-        got[0].Recv(buf)
+        self.link.receive(got[0], buf, 0)
         control = self.rt.control
         if struct.unpack("q", buf)[0] == self.link.seq:
             control.abort(control.current)

@@ -6,7 +6,7 @@ import pytest
 
 from synkhronos import SynkStateError
 from synkhronos.cluster.launch import Launch
-from synkhronos.plan import Machine, plan, share
+from synkhronos.plan import Machine, control_bytes, plan, process_limit, setting_problems, share
 
 FOUR = Machine(cores=(0, 1, 2, 3))
 
@@ -53,10 +53,40 @@ def test_bad_arguments_name_themselves(kwargs, error, match):
 @pytest.mark.parametrize("name,value", [
     ("SYNK_SPIN_S", "abc"), ("SYNK_SPIN_S", "-1"), ("SYNK_SPIN_S", "nan"),
     ("SYNK_TIMEOUT_S", "abc"), ("SYNK_TIMEOUT_S", "0"), ("SYNK_TIMEOUT_S", "-5"),
+    ("SYNK_BACKEND", "nonesuch"), ("SYNK_CLUSTER", "no"),
 ])
 def test_bad_settings_name_the_variable(name, value):
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=f"{name} must be .*; got '{value}'"):
         plan(FOUR._replace(env={name: value}))
+
+
+def test_cluster_settings_are_checked_where_a_cluster_reads_them():
+    env = {"SYNK_HEARTBEAT_S": "soon", "SYNK_SPIN_S": "0", "SYNK_UNKNOWN": "x"}
+    assert setting_problems(env) == {
+        "SYNK_HEARTBEAT_S": "SYNK_HEARTBEAT_S must be a number of seconds > 0; got 'soon'"}
+    assert setting_problems(env, cluster=False) == {}
+    assert plan(FOUR._replace(env=env)).spin_s == 0.0          # one machine: not read
+    launch = Launch(rank=0, size=2, local_index=0, local_count=1)
+    with pytest.raises(ValueError, match="SYNK_HEARTBEAT_S"):
+        plan(FOUR._replace(env=env, launch=launch))
+    assert setting_problems({"SYNK_BACKEND": "", "SYNK_TIMEOUT_S": "inf"}) == {}
+
+
+def test_more_ranks_than_the_machine_can_start_name_n_parallel_and_the_limit():
+    few = FOUR._replace(max_procs=(100, "kernel.pid_max"))
+    assert plan(few, n_parallel=100).n_parallel == 100
+    with pytest.raises(ValueError, match=r"n_parallel=101 .* at most 100 more processes "
+                                         r"\(kernel.pid_max\)"):
+        plan(few, n_parallel=101)
+    small = FOUR._replace(shm_free=control_bytes(8))
+    assert plan(small, n_parallel=8).n_parallel == 8
+    with pytest.raises(ValueError, match=r"n_parallel=9 .* /dev/shm"):
+        plan(small, n_parallel=9)
+
+
+def test_the_process_limit_is_read_from_this_machine():
+    n, what = process_limit()
+    assert n > 1 and what
 
 
 def test_settings_are_read_from_the_environment_given():
