@@ -8,32 +8,20 @@ they differ, plus the caller's own counters (``metadata``).  The file is
 written atomically (a temporary file in the same folder, then ``os.replace``),
 so a kill leaves the previous checkpoint or the new one, never half of one.
 
-Format: a NumPy ``.npz`` archive, readable without synkhronos::
-
-    with np.load("ckpt.npz") as f:
-        manifest = json.loads(str(f["manifest"]))
-        W = f["v0"]              # variable 0, equal on every rank
-        b1 = f["v3_r1"]          # variable 3 as rank 1 holds it
-
-``manifest`` (JSON, a 0-d string array) holds ``format``
-("synkhronos-checkpoint"), ``version`` (1), ``n_parallel``, ``metadata`` and
-``variables``: one entry per variable in ``distribute()`` order with
-``name``, ``kind`` ("array" or "rng"), ``per_rank`` and, for arrays,
-``dtype`` and ``shape``, for random generators ``state`` (the bit
-generator's state; per rank a list of them).  Array entries are ``v<i>``, or
-``v<i>_r<rank>`` for a variable whose ranks differ.
+The file format, its checks and the atomic write live in ``checkpoint_file``.
 """
 
 import json
 import logging
-import os
 import pickle
-import tempfile
 from typing import NamedTuple
 
 import numpy as np
+from pytensor.compile import SharedVariable
+from pytensor.tensor import TensorType
 
-from . import gpu
+from . import checkpoint_file as cf
+from . import gpu, rank_values
 from . import sharedvars as sv
 from .control import Command, handler, run_command
 from .runtime import get_runtime
@@ -41,10 +29,6 @@ from .runtime import get_runtime
 logger = logging.getLogger(__name__)
 
 __all__ = ["save", "load", "read"]
-
-FORMAT = "synkhronos-checkpoint"
-VERSION = 1
-
 
 def save(path, shared_vars=None, metadata=None):
     """Write every shared variable (per rank where ranks differ) to ``path``, atomically.
@@ -55,13 +39,17 @@ def save(path, shared_vars=None, metadata=None):
 
     Args:
         path: the file to write (``.npz``; replaced atomically if it exists).
-        shared_vars: the variables to save; default: every distributed one.
+        shared_vars: the variables to save (shared variables, or their names
+            after ``distribute()``); default: every distributed one.
             Required without a distributed run.
         metadata: a JSON-serialisable dict stored with the values, e.g.
             ``{"step": 120, "epoch": 3}``.
 
     Raises:
-        ValueError: no variables to save, or metadata that JSON cannot hold.
+        TypeError: ``shared_vars`` holds something other than shared variables
+            (or, after ``distribute()``, their names).
+        ValueError: no variables to save, a variable no distributed function
+            uses, or metadata that JSON cannot hold.
         WorkerError: a rank failed while reading its values.
     """
     rt = _run()
@@ -75,14 +63,14 @@ def save(path, shared_vars=None, metadata=None):
     entries, arrays = [], {}
     for i, var in enumerate(shareds):
         values = [ranks[i] for ranks in per_rank]
-        entries.append(_entry(i, var, values, arrays))
-    manifest = {"format": FORMAT, "version": VERSION, "n_parallel": len(per_rank),
+        entries.append(cf.make_entry(i, var, values, arrays))
+    manifest = {"format": cf.FORMAT, "version": cf.VERSION, "n_parallel": len(per_rank),
                 "metadata": metadata or {}, "variables": entries}
     try:
         text = json.dumps(manifest)
     except TypeError as exc:
         raise ValueError(f"save: metadata must be JSON-serialisable ({exc})") from None
-    _write_atomically(path, text, arrays)
+    cf.write_atomically(path, text, arrays)
     logger.info("checkpoint of %d variables from %d ranks written to %s",
                 len(shareds), len(per_rank), path)
 
@@ -91,13 +79,13 @@ def read(path):
     """Return ``(manifest, arrays)`` of a checkpoint file, without touching any variable.
 
     Runs anywhere.  ``arrays`` maps the archive's entry names to arrays.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: the file is not a complete synkhronos checkpoint (empty,
+            truncated, corrupt, another format, or an entry missing).
     """
-    with np.load(path, allow_pickle=False) as f:
-        manifest = json.loads(str(f["manifest"]))
-        arrays = {k: f[k] for k in f.files if k != "manifest"}
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"load: {path} is not a synkhronos checkpoint")
-    return manifest, arrays
+    return cf.read(path, "read")
 
 
 def load(path, shared_vars=None):
@@ -111,28 +99,33 @@ def load(path, shared_vars=None):
 
     Args:
         path: a file written by ``save()``.
-        shared_vars: the variables to restore, in the order they were saved;
+        shared_vars: the variables to restore (shared variables, or their
+            names after ``distribute()``), in the order they were saved;
             default: every distributed one.
 
     Returns:
         The ``metadata`` dict given to ``save()``.
 
     Raises:
-        ValueError: the file does not match the variables (count, names,
-            shapes, dtypes), or holds per-rank values for another number of ranks.
+        TypeError: ``shared_vars`` holds something other than shared variables
+            (or, after ``distribute()``, their names).
+        ValueError: the file is not a complete synkhronos checkpoint, or does
+            not match the variables (count, names, kinds, dtypes, shapes in
+            every rank), or holds per-rank values for another number of ranks.
         WorkerError: a rank failed while storing.
     """
     rt = _run()
     shareds = _variables(rt, shared_vars, "load")
-    manifest, arrays = read(path)
+    manifest, arrays = cf.read(path, "load")
     entries = manifest["variables"]
     if len(entries) != len(shareds):
         raise ValueError(f"load: {path} holds {len(entries)} variables; this run has "
                          f"{len(shareds)}")
     n = 1 if rt is None else rt.n_parallel
+    shapes = _current_shapes(rt, shareds)
     per_rank = [[] for _ in range(n)]
-    for i, (entry, var) in enumerate(zip(entries, shareds)):
-        values = _values_of(entry, arrays, var, n, path)
+    for entry, var, have in zip(entries, shareds, shapes):
+        values = _values_of(entry, arrays, var, n, have, f"load: {path}")
         for r in range(n):
             per_rank[r].append(values[r])
     if rt is None:
@@ -200,18 +193,55 @@ def _run():
 
 
 def _variables(rt, shared_vars, where):
+    """The shared variables ``shared_vars`` names (variables, or names after distribute())."""
     if shared_vars is None:
         if rt is None:
             raise ValueError(f"{where}: without a distributed run, name the shared_vars")
         return list(rt.shareds)
-    shareds = list(shared_vars) if isinstance(shared_vars, (list, tuple)) else [shared_vars]
-    if rt is not None:
-        for v in shareds:
-            if id(v) not in rt.shared_ids:
-                raise ValueError(f"{where}: {v} is used by no distributed function")
-    if not shareds:
-        raise ValueError(f"{where}: no shared variables")
-    return shareds
+    items = list(shared_vars) if isinstance(shared_vars, (list, tuple)) else [shared_vars]
+    if not items:
+        raise ValueError(f"{where}: shared_vars is empty")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            if rt is None:
+                raise TypeError(f"{where}: shared_vars names {item!r}; without a distributed "
+                                "run, pass the shared variables themselves")
+            hits = [v for v in rt.shareds if v.name == item]
+            if not hits:
+                raise ValueError(f"{where}: no shared variable named {item!r} is used by a "
+                                 "function given to distribute()")
+            if len(hits) > 1:
+                raise ValueError(f"{where}: {len(hits)} shared variables are named {item!r}; "
+                                 "pass the variable itself")
+            item = hits[0]
+        elif not isinstance(item, SharedVariable):
+            raise TypeError(f"{where}: shared_vars must be a shared variable, its name, or a "
+                            f"list/tuple of them; got {type(item).__name__}")
+        elif rt is not None and (id(item) not in rt.shared_ids
+                                 or rt.shareds[rt.shared_ids[id(item)]] is not item):
+            raise ValueError(f"{where}: shared variable {item} is not used by any function "
+                             "given to distribute()")
+        out.append(item)
+    if len({id(v) for v in out}) != len(out):
+        raise ValueError(f"{where}: a shared variable appears twice in shared_vars")
+    return out
+
+
+def _current_shapes(rt, shareds):
+    """Per variable, its shape in every rank (one rank without a run); None for a generator."""
+    tensors = [k for k, v in enumerate(shareds) if isinstance(v.type, TensorType)]
+    out = [None] * len(shareds)
+    if rt is None:
+        found = [[tuple(sv.raw(shareds[k]).shape)] for k in tensors]
+    elif tensors:
+        # A query only: every rank reports, none changes anything.
+        found = rank_values._shapes(rt, [rt.shared_ids[id(shareds[k])] for k in tensors])
+    else:
+        found = []
+    for k, shapes in zip(tensors, found):
+        out[k] = [tuple(s) for s in shapes]
+    return out
 
 
 def _local_values(shareds):
@@ -247,97 +277,32 @@ def _generator_like(var, state):
     return np.random.Generator(bit_generator)
 
 
-# ---- the file -------------------------------------------------------------------
+def _values_of(entry, arrays, var, n, shapes, where):
+    """One value per rank for variable ``var`` from its (checked) manifest ``entry``.
 
-def _same(values):
-    first = values[0]
-    for v in values[1:]:
-        if isinstance(first, tuple) or isinstance(v, tuple):
-            if not (isinstance(first, tuple) and isinstance(v, tuple)
-                    and _json_state(first[1]) == _json_state(v[1])):
-                return False
-        elif first.shape != v.shape or first.dtype != v.dtype or not np.array_equal(
-                first, v, equal_nan=first.dtype.kind in "fc"):
-            return False
-    return True
-
-
-def _entry(i, var, values, arrays):
-    per_rank = not _same(values)
-    entry = {"index": i, "name": var.name, "per_rank": per_rank}
-    if isinstance(values[0], tuple):
-        entry["kind"] = "rng"
-        states = [_json_state(v[1]) for v in values]
-        entry["state"] = states if per_rank else states[0]
-        return entry
-    entry.update(kind="array", dtype=str(values[0].dtype), shape=list(values[0].shape))
-    if per_rank:
-        for r, v in enumerate(values):
-            arrays[f"v{i}_r{r}"] = v
-    else:
-        arrays[f"v{i}"] = values[0]
-    return entry
-
-
-def _values_of(entry, arrays, var, n, path):
-    """One value per rank for variable ``var`` from its manifest ``entry``."""
-    where = f"load: {path}, variable {entry['index']} ({entry['name']})"
+    ``shapes``: the variable's shape in each rank now (None for a generator).
+    """
+    i = entry["index"]
+    where = f"{where}, variable {i} ({entry['name']})"
     if entry["name"] != var.name:
         raise ValueError(f"{where} does not match this run's variable {var.name}")
-    if entry["per_rank"]:
-        n_saved = len(entry["state"]) if entry["kind"] == "rng" else sum(
-            1 for k in arrays if k.startswith(f"v{entry['index']}_r"))
-        if n_saved != n:
-            raise ValueError(f"{where}: saved per rank from {n_saved} ranks, which differ; "
-                             f"this run has {n}")
+    if (entry["kind"] == "rng") != (shapes is None):
+        saved = "a random generator" if entry["kind"] == "rng" else "an array"
+        raise ValueError(f"{where}: saved {saved}; the variable's type is {var.type}")
+    if entry["per_rank"] and entry["n_saved"] != n:
+        raise ValueError(f"{where}: saved per rank from {entry['n_saved']} ranks, which "
+                         f"differ; this run has {n}")
     if entry["kind"] == "rng":
         states = entry["state"] if entry["per_rank"] else [entry["state"]] * n
-        return [("rng", _from_json_state(s)) for s in states]
-    values = ([arrays[f"v{entry['index']}_r{r}"] for r in range(n)] if entry["per_rank"]
-              else [arrays[f"v{entry['index']}"]] * n)
-    current = sv.get_array(var) if not isinstance(var.get_value(borrow=True), np.random.Generator) \
-        else None
-    for v in values:
-        if current is not None and (v.dtype != current.dtype or v.ndim != current.ndim):
+        return [("rng", cf.from_json_state(s)) for s in states]
+    values = ([arrays[f"v{i}_r{r}"] for r in range(n)] if entry["per_rank"]
+              else [arrays[f"v{i}"]] * n)
+    for r, (v, shape) in enumerate(zip(values, shapes)):
+        if v.dtype != var.dtype or v.ndim != var.ndim:
             raise ValueError(f"{where}: saved {v.dtype} with {v.ndim} dims; the variable is "
-                             f"{current.dtype} with {current.ndim}")
+                             f"{var.dtype} with {var.ndim}")
+        if v.shape != shape:
+            rank = f" in rank {r}" if n > 1 else ""
+            raise ValueError(f"{where}: saved shape {v.shape}; the variable has shape "
+                             f"{shape}{rank}")
     return values
-
-
-def _json_state(state):
-    """A bit generator's state with arrays turned into lists (JSON holds big ints)."""
-    if isinstance(state, dict):
-        return {k: _json_state(v) for k, v in state.items()}
-    if isinstance(state, np.ndarray):
-        return {"__ndarray__": state.tolist(), "dtype": str(state.dtype)}
-    if isinstance(state, np.integer):
-        return int(state)
-    return state
-
-
-def _from_json_state(state):
-    if isinstance(state, dict):
-        if "__ndarray__" in state:
-            return np.array(state["__ndarray__"], dtype=state["dtype"])
-        return {k: _from_json_state(v) for k, v in state.items()}
-    return state
-
-
-def _write_atomically(path, text, arrays):
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".synk-ckpt-", suffix=".npz", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, manifest=np.array(text), **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself survives a crash
-    finally:
-        os.close(dir_fd)

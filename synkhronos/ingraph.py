@@ -19,7 +19,9 @@ step, statistics shared between ranks included, can be one graph.
 Cost: in CPU mode the default (Numba) backend runs each Op's ``perform`` in
 object mode, one Python call and one backend collective per Op and call; in
 JAX mode each Op is an ordered ``jax.experimental.io_callback`` that copies
-its operand to the host and back (see docs/ingraph.md).
+its operand to the host and back (see docs/ingraph.md).  In JAX mode the
+length of ``all_gather``'s result is fixed when JAX traces the graph, so
+every rank must hold the same number of rows there.
 """
 
 import importlib.util
@@ -74,28 +76,45 @@ def _all_reduce(x, kind):
     return np.asarray(out, dtype=x.dtype)
 
 
-def _all_gather(x):
-    """Concatenate every rank's ``x`` along axis 0, in rank order (identity outside a call)."""
+def _all_gather(x, equal_rows=False):
+    """Concatenate every rank's ``x`` along axis 0, in rank order (identity outside a call).
+
+    ``equal_rows``: refuse ranks holding different numbers of rows (JAX mode).
+    """
     rt = in_call()
     x = np.asarray(x)
     if rt is None or rt.n_parallel == 1:
         return np.array(x)
     got = rt.backend.host.all_gather([np.ascontiguousarray(x)])
+    lengths = [len(g[0]) for g in got]
+    if equal_rows and len(set(lengths)) > 1:
+        # Every rank sees the same lengths and raises alike: none waits for another.
+        raise ValueError("all_gather: in JAX mode every rank must hold the same number of rows "
+                         f"(JAX fixes the result's length when tracing); got {lengths}")
     # Views into communication buffers: concatenate copies them out.
     return np.concatenate([g[0] for g in got], axis=0).astype(x.dtype, copy=False)
 
 
-def _gather_grad(x, g):
-    """This rank's rows of ``psum(g)``: the gradient of all_gather at ``x``."""
+def _all_gather_traced(x, n_traced):
+    """``_all_gather`` where JAX fixed the result's length when tracing for ``n_traced`` ranks."""
+    if n_ranks() != n_traced:
+        raise RuntimeError(f"all_gather: this JAX-mode function was traced for {n_traced} "
+                           f"rank(s) and now runs on {n_ranks()}; in JAX mode compile the "
+                           "serial twin separately from the synkhronos function")
+    return _all_gather(x, equal_rows=True)
+
+
+def _gather_grad(n_rows, dtype, g):
+    """This rank's ``n_rows`` rows of ``psum(g)``: the gradient of all_gather."""
     rt = in_call()
     g = np.asarray(g)
     if rt is None or rt.n_parallel == 1:
-        return np.array(g, dtype=x.dtype)
+        return np.array(g, dtype=dtype)
     host = rt.backend.host
-    total = np.asarray(host.all_reduce([g], "sum")[0], dtype=x.dtype)
-    lengths = [int(v[0][0]) for v in host.all_gather([np.array([len(x)], dtype=np.int64)])]
+    total = np.asarray(host.all_reduce([g], "sum")[0], dtype=dtype)
+    lengths = [int(v[0][0]) for v in host.all_gather([np.array([n_rows], dtype=np.int64)])]
     lo = sum(lengths[:rt.rank])
-    return np.array(total[lo:lo + len(x)])
+    return np.array(total[lo:lo + n_rows])
 
 
 class _CollectiveOp(Op):
@@ -154,6 +173,7 @@ class AllGatherOp(_CollectiveOp):
     __props__ = ()
 
     def make_node(self, x):
+        _register_jax()
         x = pt.as_tensor_variable(x)
         if x.ndim == 0:
             raise ValueError("all_gather: needs a tensor with at least one axis (rows)")
@@ -174,12 +194,14 @@ class _GatherGradOp(_CollectiveOp):
     __props__ = ()
 
     def make_node(self, x, g):
+        _register_jax()
         x = pt.as_tensor_variable(x)
         g = pt.as_tensor_variable(g)
         return Apply(self, [x, g], [x.type()])
 
     def perform(self, node, inputs, output_storage):
-        output_storage[0][0] = _gather_grad(inputs[0], inputs[1])
+        x, g = inputs
+        output_storage[0][0] = _gather_grad(len(x), x.dtype, g)
 
     def infer_shape(self, fgraph, node, shapes):
         return [shapes[0]]
@@ -218,9 +240,11 @@ def pmin(x):
 def all_gather(x):
     """Return every rank's ``x`` concatenated along axis 0, in rank order (symbolic).
 
-    Ranks may hold different numbers of rows.  The gradient sends each rank
-    its own rows of the upstream gradient summed over the ranks.  CPU mode
-    only (in JAX mode the result's length is not known when tracing).
+    Ranks may hold different numbers of rows, except in JAX mode: JAX fixes
+    the result's length (n_parallel times this rank's rows) when it traces
+    the graph, and a call whose ranks hold different numbers raises
+    ValueError on every rank.  The gradient sends each rank its own rows of
+    the upstream gradient summed over the ranks.
     """
     return AllGatherOp()(x)
 
@@ -229,7 +253,7 @@ _jax = {"registered": False}
 
 
 def _register_jax():
-    """Teach PyTensor's JAX backend the all-reduce Op, once, if JAX is installed.
+    """Teach PyTensor's JAX backend the collective Ops, once, if JAX is installed.
 
     Importing JAX does not start its backend, so fork() stays possible.
     """
@@ -256,3 +280,28 @@ def _register_jax():
             return io_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), x, ordered=True)
 
         return all_reduce
+
+    @jax_funcify.register(AllGatherOp)
+    def _jax_all_gather(op, node=None, **kwargs):
+        import jax
+        from jax.experimental import io_callback
+
+        def all_gather(x):
+            # Runs when JAX traces, inside the call that first meets these shapes.
+            n = n_ranks()
+            out = jax.ShapeDtypeStruct((n * x.shape[0],) + tuple(x.shape[1:]), x.dtype)
+            return io_callback(lambda a: _all_gather_traced(a, n), out, x, ordered=True)
+
+        return all_gather
+
+    @jax_funcify.register(_GatherGradOp)
+    def _jax_gather_grad(op, node=None, **kwargs):
+        import jax
+        from jax.experimental import io_callback
+
+        def gather_grad(x, g):
+            n_rows, dtype = x.shape[0], np.dtype(x.dtype)
+            out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+            return io_callback(lambda b: _gather_grad(n_rows, dtype, b), out, g, ordered=True)
+
+        return gather_grad

@@ -106,3 +106,18 @@ def test_training_matches_the_serial_twin(forked):
                                    err_msg=p.name)
         for value in synk.gather(p):  # the replicas agree
             np.testing.assert_array_equal(value, p.get_value())
+
+
+def test_four_small_all_reduces_per_layer_and_step():
+    # docs/sync_batchnorm.md: two in the forward pass, two in its gradient.
+    x = pt.matrix("x", dtype="float64")
+    bn = SyncBatchNorm(F, epsilon=EPS)
+    y = bn(pt.cast(x, bn.gamma.dtype))
+    loss = pt.sqr(y).sum() + pt.sin(y[:, 0]).sum()
+    grads = pytensor.grad(loss, [bn.gamma, bn.beta, x])
+
+    def count(outputs):
+        f = pytensor.function([x], outputs, mode="FAST_RUN")
+        return sum(isinstance(n.op, ingraph.AllReduceOp) for n in f.maker.fgraph.apply_nodes)
+    assert count([y]) == 2
+    assert count([loss, *grads]) == 4

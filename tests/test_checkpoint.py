@@ -143,3 +143,74 @@ def test_serial_save_and_load(tmp_path):
     with pytest.raises(ValueError, match="JSON"):
         checkpoint.save(path, [w], metadata={"bad": object()})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.npz"]
+
+
+# ---- what load() refuses ----------------------------------------------------------------
+
+def test_load_refuses_another_shape(tmp_path):
+    path = tmp_path / "w.npz"
+    checkpoint.save(path, [pytensor.shared(np.ones((4, 3)), name="W")])
+    w = pytensor.shared(np.zeros((5, 3)), name="W")
+    with pytest.raises(ValueError, match=r"variable 0 \(W\): saved shape \(4, 3\); the "
+                                         r"variable has shape \(5, 3\)"):
+        checkpoint.load(path, [w])
+    np.testing.assert_array_equal(w.get_value(), np.zeros((5, 3)))  # untouched
+    w.set_value(np.zeros((4, 3)))
+    checkpoint.load(path, [w])
+    np.testing.assert_array_equal(w.get_value(), np.ones((4, 3)))
+
+
+def test_load_refuses_another_shape_in_any_rank(forked, tmp_path):
+    forked(2)
+    f, w, per, gen = _model()
+    synk.distribute()
+    path = tmp_path / "c.npz"
+    checkpoint.save(path)
+    synk.set_value(1, per, np.zeros(3, "float32"))  # only rank 1's value has another shape
+    for r in range(2):
+        synk.set_value(r, w, np.zeros(3, "float32"))
+    with pytest.raises(ValueError, match=r"\(per\): saved shape \(2,\); the variable has shape "
+                                         r"\(3,\) in rank 1"):
+        checkpoint.load(path)
+    # Refused in the master before any value was stored.
+    np.testing.assert_array_equal(synk.gather(w), [np.zeros(3, "float32")] * 2)
+    synk.set_value(1, per, np.zeros(2, "float32"))
+    checkpoint.load(path)
+    np.testing.assert_array_equal(synk.gather(w), [np.linspace(-1, 1, 3).astype("float32")] * 2)
+
+
+def test_variables_by_name(forked, tmp_path):
+    w = pytensor.shared(np.arange(3.0), name="w")
+    with pytest.raises(TypeError, match="shared_vars names 'w'; without a distributed run"):
+        checkpoint.save(tmp_path / "s.npz", ["w"])
+    with pytest.raises(TypeError, match="shared_vars must be a shared variable, its name.*int"):
+        checkpoint.load(tmp_path / "s.npz", [3])
+    forked(2)
+    f, w, per, gen = _model()
+    synk.distribute()
+    path = tmp_path / "c.npz"
+    checkpoint.save(path, ["w", gen], metadata={"k": 1})
+    for r in range(2):
+        synk.set_value(r, w, np.zeros(3, "float32"))
+    assert checkpoint.load(path, ["w", "gen"]) == {"k": 1}
+    np.testing.assert_array_equal(synk.gather(w), [np.linspace(-1, 1, 3).astype("float32")] * 2)
+    with pytest.raises(ValueError, match="load: no shared variable named 'W' is used"):
+        checkpoint.load(path, ["W"])
+    with pytest.raises(ValueError, match="appears twice"):
+        checkpoint.load(path, ["w", w])
+    with pytest.raises(ValueError, match="not used by any function given to distribute"):
+        checkpoint.load(path, [pytensor.shared(np.zeros(3, "float32"), name="w")])
+    assert checkpoint.load(path, [w, gen]) == {"k": 1}  # still usable
+
+
+def test_broken_file_in_a_run(forked, tmp_path):
+    forked(2)
+    f, w, per, gen = _model()
+    synk.distribute()
+    path = tmp_path / "c.npz"
+    checkpoint.save(path)
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ValueError, match="is not a synkhronos checkpoint"):
+        checkpoint.load(path)
+    checkpoint.save(path)  # replaces the broken file
+    checkpoint.load(path)

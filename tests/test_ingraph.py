@@ -6,6 +6,8 @@ and a call that leaves a rank without rows are included: that rank still
 joins every collective.
 """
 
+import functools
+
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
@@ -60,11 +62,63 @@ def built(request, runtime_keeper):
         "plain": synk.function([x], (x.sum(), "sum"), mode=MODE),
         # The default (Numba) backend runs the Op in object mode.
         "default": synk.function([x], [(ingraph.psum(x.sum(axis=0)), "max")]),
+        "every_grad": every_grad_function(),
     }
     synk.distribute()
     fns["s"] = s
     yield n, fns
     runtime_keeper.close()
+
+
+COLLECTIVES = ["psum", "pmean", "pmax", "pmin", "all_gather"]
+
+
+def rank_objectives(x, c):
+    """Per collective, one rank's objective mixing its own rows with the combined value.
+
+    ``x``: this rank's rows; ``c``: a weight per row of all ranks (broadcast).
+    """
+    t, s = x.sum(axis=0), pt.sqr(x).sum(axis=0)
+    objectives = {name: (getattr(ingraph, name)(s) * t).sum() for name in COLLECTIVES[:4]}
+    objectives["all_gather"] = (ingraph.all_gather(pt.sqr(x)) * c).sum() * x.sum()
+    return objectives
+
+
+def every_grad_function(mode=None, names=COLLECTIVES):
+    """The gradient of each collective's objective w.r.t. this rank's rows, gathered.
+
+    Mode None: the default (Numba) backend.
+    """
+    x, c = pt.dmatrix("x"), pt.dmatrix("c")
+    objectives = rank_objectives(x, c)
+    return synk.function([x], [(pytensor.grad(objectives[k], x), "gather") for k in names],
+                         bcast_inputs=[c], mode=mode, on_unused_input="ignore")
+
+
+@functools.lru_cache(maxsize=None)
+def serial_grads(n):
+    """Serial PyTensor: the gradients of the sum of every rank's objective w.r.t. all rows.
+
+    With ``bounds`` the ranks' row ranges, the collectives are written out
+    over the ranks' shares; each rank's gathered gradient must equal its rows
+    of these (jax.pmap's convention: grad(psum(x)) = psum(grad)).
+    """
+    x, c, bounds = pt.dmatrix("x"), pt.dmatrix("c"), pt.lvector("bounds")
+    shares = [x[bounds[q]:bounds[q + 1]] for q in range(n)]
+    s = pt.stack([pt.sqr(p).sum(axis=0) for p in shares])
+    combined = {"psum": s.sum(axis=0), "pmean": s.mean(axis=0), "pmax": s.max(axis=0),
+                "pmin": s.min(axis=0)}
+    totals = {k: sum((v * p.sum(axis=0)).sum() for p in shares) for k, v in combined.items()}
+    totals["all_gather"] = sum((pt.sqr(x) * c).sum() * p.sum() for p in shares)
+    fn = pytensor.function([x, c, bounds], [pytensor.grad(totals[k], x) for k in COLLECTIVES],
+                           mode=MODE)
+    return lambda xv, cv: fn(xv, cv, [0] + [split.rank_range(len(xv), n, r)[1]
+                                            for r in range(n)])
+
+
+def grad_data(rows, salt=0):
+    rng = np.random.default_rng(100 + rows + salt)  # no ties for pmax and pmin
+    return rng.standard_normal((rows, 3)), rng.standard_normal((rows, 3))
 
 
 def data(rows, salt=0):
@@ -114,6 +168,16 @@ def test_gradients_sum_over_ranks(built, rows):
     is_max = (x == x.max(axis=0)).astype("float32")
     np.testing.assert_allclose(g_max, n * is_max)
     np.testing.assert_allclose(g_gather, n * 2 * x, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_every_gradient_on_the_default_backend(built, rows):
+    n, fns = built
+    x, c = grad_data(rows)
+    got = fns["every_grad"](x, c)
+    want = serial_grads(n)(x, c)
+    for name, g, w in zip(COLLECTIVES, got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12, err_msg=name)
 
 
 def test_identity_outside_a_call(built):

@@ -2,18 +2,23 @@
 
 Every case runs on the default mode (Numba kernels), the Python linker (the
 Ops' ``perform``) and JAX on the CPU.  JAX cases run in a forked child of the
-pytest process (tests/helpers/child.py), which never starts JAX itself.
+pytest process (tests/helpers/child.py), which never starts JAX itself.  On
+the default mode, Numba falling back to an Op's ``perform`` in object mode
+is an error: every Op has a Numba implementation.
 """
 
+import contextlib
 import importlib.util
+import warnings
 
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from pytensor.graph.op import Op
 
 from helpers import child
-from synkhronos.extensions import bn_ops, ops
+from synkhronos.extensions import bn_ops, conv_ops, ops, pool_ops
 
 MODES = [None, "FAST_COMPILE", "JAX"]
 HAS_JAX = importlib.util.find_spec("jax") is not None
@@ -89,8 +94,22 @@ def from_layout(a, layout, weights=False):
     return a.transpose(3, 2, 0, 1) if weights else a.transpose(0, 3, 1, 2)
 
 
+@contextlib.contextmanager
+def no_object_mode():
+    """Make the Numba backend's fallback to an Op's ``perform`` (object mode) an error."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Numba will use object mode", category=UserWarning)
+        yield
+
+
 def in_mode(mode, fn, *args):
-    """Run ``fn(mode, *args)`` here, or for JAX in a forked child with float64 enabled."""
+    """Run ``fn(mode, *args)`` here, or for JAX in a forked child with float64 enabled.
+
+    On the default mode (None, Numba) an object-mode fallback raises.
+    """
+    if mode is None:
+        with no_object_mode():
+            return fn(mode, *args)
     if mode != "JAX":
         return fn(mode, *args)
     if not HAS_JAX:
@@ -233,3 +252,33 @@ def test_static_shapes_and_errors():
         ops.max_pool2d(x, 2, padding=2)
     with pytest.raises(ValueError, match="static"):
         pytensor.grad(ops.conv2d(pt.tensor4("d"), w).sum(), w)
+
+
+# ---- no object mode -------------------------------------------------------------------------
+
+def _op_classes():
+    """Every Op class the conv, pool and batch-norm modules define (their bases excluded)."""
+    return {cls for m in (conv_ops, pool_ops, bn_ops) for name, cls in vars(m).items()
+            if isinstance(cls, type) and issubclass(cls, Op) and cls.__module__ == m.__name__
+            and not name.startswith("_")}
+
+
+def test_default_mode_never_falls_back_to_object_mode():
+    x = pt.tensor("x", dtype="float64", shape=(None, 3, 8, 8))
+    w = pt.tensor("w", dtype="float64", shape=(4, 3, 3, 3))
+    g4, g8 = pt.dvector("g4"), pt.dvector("g8")
+    y = ops.conv2d(x, w, padding=1)
+    objective = (ops.max_pool2d(y, 2).sum() + ops.avg_pool2d(y, 3, 1, 1).sum()
+                 + (bn_ops.batch_norm_train(y, g4, g4 / 2, 1)[0] ** 2).sum()    # channels first
+                 + (bn_ops.batch_norm_train(x, g8, g8 / 2, -1)[0] ** 2).sum())  # features last
+    outs = [objective, *pytensor.grad(objective, [x, w, g4, g8])]
+    with no_object_mode():
+        fn = pytensor.function([x, w, g4, g8], outs)
+        rng = np.random.default_rng(3)
+        got = fn(rng.standard_normal((2, 3, 8, 8)), rng.standard_normal((4, 3, 3, 3)),
+                 rng.standard_normal(4), rng.standard_normal(8))
+    assert type(fn.maker.linker).__name__ == "NumbaLinker"
+    # Every Op of these modules was compiled here, so none has a fallback left untried.
+    assert _op_classes() <= {type(node.op) for node in fn.maker.fgraph.apply_nodes}
+    assert len(_op_classes()) == 9
+    assert all(np.all(np.isfinite(v)) for v in got)
