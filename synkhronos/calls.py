@@ -78,6 +78,11 @@ def run_call(f, args, kwargs, output_subset, batch, batch_s, num_slices, then):
                              "build it again after fork()")
     if not rt.distributed:
         raise SynkStateError("call distribute() before calling synkhronos functions")
+    if rt.in_call or not rt.is_master:
+        # Inside a graph Op of a running call: the ranks are busy in that call.
+        raise SynkStateError(f"{f._what}: no call inside a call; synkhronos functions run "
+                             f"from the master's program only (called in rank {rt.rank}"
+                             f"{' while it ran a call' if rt.in_call else ''})")
     prof = rt.profiler
     if prof is not None:
         # Checking the arguments is the master's control overhead too.
@@ -162,6 +167,7 @@ def prepare_call(f, rt, args, kwargs, output_subset, batch, batch_s, num_slices)
             raise ValueError(f"{f.name or 'function'}: batch_s needs sliceable_shareds "
                              "in function()")
         sel_s = split.normalize_batch_s(batch_s, rt.n_parallel)
+        _check_own_rows(f, rt, sel_s[rt.rank])
     subset = None
     if output_subset is not None:
         subset = _check_subset(f, output_subset)
@@ -170,14 +176,39 @@ def prepare_call(f, rt, args, kwargs, output_subset, batch, batch_s, num_slices)
                                    n_rows, sel_s, int(num_slices), subset, None))
 
 
+def _check_own_rows(f, rt, sel):
+    """Raise IndexError if ``batch_s`` selects rows the master's sliceable shareds lack.
+
+    Only the master's rows are known here; a worker with fewer rows raises in
+    that worker (WorkerError) before computing.
+    """
+    for s in f.spec.sliceable:
+        value = s.get_value(borrow=True)
+        if not np.ndim(value):
+            continue
+        n = len(value)
+        need = split.rows_needed(split.resolve(sel, n), n)
+        if need > n:
+            raise IndexError(f"{f.name or 'function'}: batch_s selects row {need - 1} but "
+                             f"shared variable {s} has {n} rows in rank {rt.rank}")
+
+
 def _check_subset(f, output_subset):
-    try:
-        subset = [int(i) for i in output_subset]
-    except (TypeError, ValueError):
-        subset = None
+    name = f.name or "function"
     n = len(f.spec.outputs)
-    if subset is None or any(not 0 <= i < n for i in subset) or len(set(subset)) != len(subset):
-        raise ValueError(f"{f.name or 'function'}: output_subset must list distinct "
+    items = output_subset.tolist() if isinstance(output_subset, np.ndarray) else output_subset
+    if not isinstance(items, (list, tuple)) or (isinstance(output_subset, np.ndarray)
+                                                and output_subset.ndim != 1):
+        raise TypeError(f"{name}: output_subset must be a list of output indices; "
+                        f"got {output_subset!r}")
+    for i in items:
+        # Not int(i): 0.7, "1" and True are no output indices.
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise TypeError(f"{name}: output_subset must hold ints (output indices); "
+                            f"got {i!r} in {output_subset!r}")
+    subset = [int(i) for i in items]
+    if any(not 0 <= i < n for i in subset) or len(set(subset)) != len(subset):
+        raise ValueError(f"{name}: output_subset must list distinct "
                          f"indices in range({n}); got {output_subset!r}")
     return subset
 

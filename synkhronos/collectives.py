@@ -18,6 +18,7 @@ arrays for variables that live on the device).
 """
 
 import logging
+import numbers
 from typing import NamedTuple
 
 import numpy as np
@@ -27,8 +28,8 @@ from . import split as rows
 from .control import Command, handler, run_command
 from .data_module import Data
 from .rank_values import get_lengths, get_shapes, get_value, set_value  # noqa: F401
-from .reductions import all_reduce, reduce  # noqa: F401
-from .runtime import require_distributed, serialized
+from .reductions import all_reduce, check_flags, reduce, require_collective  # noqa: F401
+from .runtime import serialized
 from .sharedvars import backend_values, transport
 
 logger = logging.getLogger(__name__)
@@ -52,13 +53,14 @@ def broadcast(shared_vars, values=None, nccl=True):
         nccl: use NCCL where available (GPU mode only).
 
     Raises:
-        SynkStateError: before distribute().
+        SynkStateError: before distribute(), or inside a call.
         TypeError: a value of the wrong dtype, or not a shared variable.
         ValueError: a variable no distributed function uses, or a value of
             the wrong ndim.
         WorkerError: a rank failed while receiving.
     """
-    rt = require_distributed("broadcast()")
+    rt = require_collective("broadcast()")
+    check_flags("broadcast", nccl=nccl)
     idx, single = sv.resolve(rt, shared_vars, "broadcast")
     items = None
     if values is not None:
@@ -129,14 +131,14 @@ def scatter(shared_vars, values, batch=None):
             (rows ``[:k]``), a slice, or a list / 1-d int array of indices.
 
     Raises:
-        SynkStateError: before distribute().
+        SynkStateError: before distribute(), or inside a call.
         TypeError: a value of the wrong dtype, or a malformed ``batch``.
         ValueError: a variable no distributed function uses, a value of the
             wrong ndim (0-d values cannot be split), or ``batch`` selecting
             rows a value does not have.
         WorkerError: a rank failed while receiving.
     """
-    rt = require_distributed("scatter()")
+    rt = require_collective("scatter()")
     idx, single = sv.resolve(rt, shared_vars, "scatter")
     values = sv.value_list(values, len(idx), single, "scatter")
     sel = None if batch is None else rows.normalize_batch(batch, "scatter: batch")
@@ -210,22 +212,23 @@ def gather(shared_vars, nd_up=1, nccl=True):
         One array, or a tuple of arrays for a list/tuple of variables.
 
     Raises:
-        SynkStateError: before distribute().
+        SynkStateError: before distribute(), or inside a call.
         ValueError: a variable no distributed function uses, ``nd_up`` not 0
             or 1, ``nd_up=0`` on a 0-d variable, or shapes across ranks that
             cannot be stacked (``nd_up=1``) or concatenated (``nd_up=0``).
         WorkerError: a rank failed while sending.
     """
-    rt = require_distributed("gather()")
+    rt = require_collective("gather()")
+    check_flags("gather", nccl=nccl)
     idx, single = sv.resolve(rt, shared_vars, "gather", unique=False)
-    if isinstance(nd_up, bool) or nd_up not in (0, 1):
+    if isinstance(nd_up, bool) or not isinstance(nd_up, numbers.Integral) or nd_up not in (0, 1):
         raise ValueError(f"gather: nd_up must be 0 or 1; got {nd_up!r}")
     if nd_up == 0:
         for i in idx:
             if rt.shareds[i].ndim == 0:
                 raise ValueError(f"gather: {rt.shareds[i]} is 0-d and cannot be concatenated; "
                                  "use nd_up=1")
-    msg = GatherMsg(idx, nd_up, bool(nccl))
+    msg = GatherMsg(idx, int(nd_up), bool(nccl))
     return sv.ret(run_command(rt, Command.GATHER, msg, lambda seq: _gather_local(rt, msg)),
                   single)
 
@@ -286,13 +289,14 @@ def all_gather(shared_vars, nccl=True):
         nccl: use NCCL where available (GPU mode only).
 
     Raises:
-        SynkStateError: before distribute().
+        SynkStateError: before distribute(), or inside a call.
         ValueError: a variable no distributed function uses, a 0-d variable,
             one whose type fixes its length, or values whose shapes beyond
             axis 0 differ between ranks (then no rank changes).
         WorkerError: a rank failed.
     """
-    rt = require_distributed("all_gather()")
+    rt = require_collective("all_gather()")
+    check_flags("all_gather", nccl=nccl)
     idx, single = sv.resolve(rt, shared_vars, "all_gather")
     for i in idx:
         var = rt.shareds[i]

@@ -1,4 +1,5 @@
-"""One rule for turning a user's value into an array of a given dtype and ndim.
+"""One rule for turning a user's value into an array of a given dtype and ndim, and the
+checks of the arguments that describe one (flags, shape, ndim, name, oversize).
 
 Used by ``data()`` and ``Data.set_value``, function inputs given as arrays,
 and collectives that take values.  It follows PyTensor's rule for shared
@@ -9,7 +10,64 @@ for ``floatX``); any other cast needs ``force_cast=True`` or raises
 ``TypeError``.  A wrong ndim is always a ``TypeError``, as in PyTensor.
 """
 
+import numbers
+
 import numpy as np
+
+
+def check_bool(value, where):
+    """Return ``value`` if it is a bool (Python or NumPy); raise TypeError naming ``where``.
+
+    Flags are not taken by truthiness: ``"no"`` would otherwise mean True.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{where} must be True or False; got {value!r}")
+
+
+def check_shape(shape, where, ndim=None):
+    """Return ``shape`` as a tuple of ints >= 0; raise naming ``where`` otherwise.
+
+    Entries must be integers (Python or NumPy), not bools or floats (``2.5``
+    would be truncated, ``nan`` cannot be a length).
+
+    Raises:
+        TypeError: not a list, tuple or 1-d array of ints.
+        ValueError: a negative entry, or not ``ndim`` entries.
+    """
+    if isinstance(shape, np.ndarray) and shape.ndim == 1:
+        shape = shape.tolist()
+    if not isinstance(shape, (list, tuple)):
+        raise TypeError(f"{where} must be a list or tuple of ints; got {shape!r}")
+    for s in shape:
+        if isinstance(s, (bool, np.bool_)) or not isinstance(s, (numbers.Integral, np.integer)):
+            raise TypeError(f"{where} must be a list or tuple of ints; got {shape!r}")
+    shape = tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"{where} entries must be >= 0; got {shape}")
+    if ndim is not None and len(shape) != ndim:
+        raise ValueError(f"{where} must have {ndim} entries (ndim); got {shape}")
+    return shape
+
+
+def check_ndim(ndim, where):
+    """Raise TypeError naming ``where`` unless ``ndim`` is an int >= 0 (not a bool)."""
+    if isinstance(ndim, (bool, np.bool_)) or not isinstance(ndim, (numbers.Integral, np.integer)) \
+            or ndim < 0:
+        raise TypeError(f"{where}: ndim must be an int >= 0; got {ndim!r}")
+
+
+def check_name(name, where):
+    """Raise TypeError naming ``where`` unless ``name`` is a str or None."""
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"{where}: name must be a str or None; got {type(name).__name__}")
+
+
+def check_oversize(oversize, where):
+    """Raise ValueError naming ``where`` unless ``oversize`` is a number in [1, 2]."""
+    if isinstance(oversize, (bool, np.bool_)) or not isinstance(oversize, numbers.Real) \
+            or not 1 <= oversize <= 2:
+        raise ValueError(f"{where}: oversize must be a number in [1, 2]; got {oversize!r}")
 
 
 def check_dtype(dtype, where):
@@ -42,6 +100,8 @@ def condition(value, dtype, ndim, where, what="value", force_cast=False):
             a value that does not convert, or the wrong ndim.
     """
     dtype = np.dtype(dtype)
+    if force_cast is not False:
+        force_cast = check_bool(force_cast, f"{where}: force_cast")
     if type(value) is np.ndarray or isinstance(value, np.ndarray):
         arr = value
         if arr.dtype != dtype:
@@ -55,6 +115,14 @@ def condition(value, dtype, ndim, where, what="value", force_cast=False):
         raise TypeError(f"{where}: {what} needs ndim {ndim}; got ndim {arr.ndim} "
                         f"(shape {arr.shape})")
     return arr
+
+
+def as_array(value, where):
+    """``numpy.asarray(value)``, or a TypeError naming ``where`` when it does not convert."""
+    try:
+        return np.asarray(value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise TypeError(f"{where}: value does not convert to an array: {exc}") from exc
 
 
 def _convert(value, dtype, where, what, force_cast):

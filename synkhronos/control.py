@@ -16,7 +16,8 @@ import time
 from typing import NamedTuple
 
 from .commands import COMMANDS, Command, decode, encode, handler
-from .errors import CommAborted, WorkerDiedError, describe_error, unpickle_exception, worker_error_type
+from .errors import (CommAborted, WorkerDiedError, describe_error, error_record, unpickle_exception,
+                     worker_error_type)
 from .liveness import spin_until, wait_until
 from .shmem import SharedArray
 
@@ -192,11 +193,8 @@ class Control:
         mv[self.slot(rank, DONE)] = seq
 
     def write_error(self, rank, header, exc):
-        """Store the traceback text and, if it pickles, the exception itself."""
-        text, exc_bytes = describe_error(header, exc)
-        raw = pickle.dumps((text, exc_bytes))
-        if len(raw) > ERR_BYTES:
-            raw = pickle.dumps((text[-(ERR_BYTES // 2):], None))
+        """Store the traceback text and, if it pickles, the exception itself (both cut to fit)."""
+        raw = error_record(header, exc, ERR_BYTES)
         self.errors.view(offset=rank * ERR_BYTES, shape=(len(raw),))[:] = memoryview(raw)
         self.mv[self.slot(rank, ERR_LEN)] = len(raw)
 

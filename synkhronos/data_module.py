@@ -48,35 +48,44 @@ def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=Fals
         SynkStateError: called before ``fork()``.
         TypeError: ``dtype`` or ``ndim`` cannot be determined, ``value``
             does not cast to ``dtype`` without loss and ``force_cast`` is
-            False, or ``value`` has the wrong ndim.
-        ValueError: ``shape`` disagrees with ``ndim``, or ``oversize`` is
-            outside [1, 2].
+            False, ``value`` has the wrong ndim, a flag is not a bool, or
+            ``shape`` is not a list or tuple of ints.
+        ValueError: ``shape`` has negative entries or disagrees with
+            ``ndim``, or ``oversize`` is outside [1, 2].
     """
     rt = require_forked("data()")
+    force_cast = conditioning.check_bool(force_cast, "data: force_cast")
+    minibatch = conditioning.check_bool(minibatch, "data: minibatch")
+    conditioning.check_name(name, "data")
+    if dtype is not None:
+        dtype = conditioning.check_dtype(dtype, "data: dtype")
+    if ndim is not None:
+        conditioning.check_ndim(ndim, "data")
     if var is not None:
         if not isinstance(var, Variable):
             raise TypeError(f"data: var must be a PyTensor variable; got {type(var).__name__}")
-        if dtype is not None and np.dtype(dtype) != np.dtype(var.dtype):
+        if dtype is not None and dtype != np.dtype(var.dtype):
             raise TypeError(f"data: dtype {dtype} disagrees with var's dtype {var.dtype}")
         if ndim is not None and ndim != var.ndim:
             raise TypeError(f"data: ndim {ndim} disagrees with var's ndim {var.ndim}")
         dtype, ndim = var.dtype, var.ndim
-    _check_oversize(oversize, "data")
+    conditioning.check_oversize(oversize, "data")
+    if shape is not None:
+        shape = conditioning.check_shape(shape, "data: shape", ndim)
     if value is not None:
-        if isinstance(value, Data):
-            value = value.data
-        arr = value if isinstance(value, np.ndarray) else np.asarray(value, dtype=dtype)
-        if dtype is None:
-            dtype = arr.dtype
-        if ndim is None:
-            ndim = arr.ndim
-    elif shape is not None:
-        if ndim is None:
-            ndim = len(tuple(shape))
+        value = value.data if isinstance(value, Data) else value
+        if dtype is None or ndim is None:
+            arr = value if isinstance(value, np.ndarray) else conditioning.as_array(value, "data")
+            dtype, ndim = (arr.dtype if dtype is None else dtype), (arr.ndim if ndim is None else ndim)
+    elif shape is not None and ndim is None:
+        ndim = len(shape)
     if dtype is None or ndim is None:
         raise TypeError("data: cannot tell dtype and ndim; give value, var, or dtype and ndim")
     dtype = conditioning.check_dtype(dtype, "data")
-    obj = Data(next(rt.counter), dtype, ndim, minibatch=minibatch, name=name)
+    ID = next(rt.counter)
+    while ID in rt.datas:  # taken by a Data(ID) made directly
+        ID = next(rt.counter)
+    obj = Data(ID, dtype, ndim, minibatch=minibatch, name=name)
     try:
         if value is not None:
             obj._store(obj.condition_data(value, force_cast, "data"), oversize)
@@ -87,12 +96,6 @@ def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=Fals
         rt.datas.pop(obj._ID, None)
         raise
     return obj
-
-
-def _check_oversize(oversize, where):
-    if isinstance(oversize, bool) or not isinstance(oversize, numbers.Real) \
-            or not 1 <= oversize <= 2:
-        raise ValueError(f"{where}: oversize must be a number in [1, 2]; got {oversize!r}")
 
 
 class Data:
@@ -108,14 +111,22 @@ class Data:
 
     def __init__(self, ID, dtype, ndim, minibatch=False, name=None):
         rt = require_forked("Data")
-        if isinstance(ndim, bool) or not isinstance(ndim, numbers.Integral) or ndim < 0:
-            raise TypeError(f"Data: ndim must be an int >= 0; got {ndim!r}")
+        if isinstance(ID, (bool, np.bool_)) or not isinstance(ID, (numbers.Integral, np.integer)):
+            raise TypeError(f"Data: ID must be an int; got {ID!r}")
+        ID = int(ID)
+        if ID in rt.datas:
+            # Two objects on one id would share, and then free, one memory in the ranks.
+            raise ValueError(f"Data: ID {ID} is in use by another Data of this run; "
+                             "make Data objects with synk.data()")
+        conditioning.check_ndim(ndim, "Data")
         if ndim > rt.max_dim:
             raise ValueError(f"Data: ndim {ndim} exceeds max_dim={rt.max_dim} given to fork()")
+        minibatch = conditioning.check_bool(minibatch, "Data: minibatch")
+        conditioning.check_name(name, "Data")
         self._ID = ID
         self._dtype = conditioning.check_dtype(dtype, "Data")
         self._ndim = int(ndim)
-        self._minibatch = bool(minibatch)
+        self._minibatch = minibatch
         self._name = name
         self._rt = rt
         self._seg = None
@@ -231,7 +242,8 @@ class Data:
             force_cast: cast to this Data's dtype instead of raising.
             oversize: headroom factor (1 to 2), used only if reallocating.
         """
-        _check_oversize(oversize, "set_value")
+        conditioning.check_oversize(oversize, "set_value")
+        force_cast = conditioning.check_bool(force_cast, "set_value: force_cast")
         self._store(self.condition_data(input_data, force_cast, "set_value"), oversize)
 
     def _store(self, arr, oversize):
@@ -273,15 +285,8 @@ class Data:
 
         The leading items that fit are kept, also across a reallocation.
         """
-        _check_oversize(oversize, "set_shape")
-        try:
-            shape = tuple(int(s) for s in shape)
-        except TypeError as exc:
-            raise TypeError(f"set_shape: shape must be a list or tuple of ints; got {shape!r}") from exc
-        if len(shape) != self._ndim:
-            raise ValueError(f"set_shape: shape must have {self._ndim} entries; got {shape}")
-        if any(s < 0 for s in shape):
-            raise ValueError(f"set_shape: shape entries must be >= 0; got {shape}")
+        conditioning.check_oversize(oversize, "set_shape")
+        shape = conditioning.check_shape(shape, "set_shape: shape", self._ndim)
         self._reshape(shape, oversize, keep=True)
 
     @serialized

@@ -1,5 +1,6 @@
 """The exceptions synkhronos raises, and how they cross between processes."""
 
+import copy
 import pickle
 import traceback
 
@@ -122,3 +123,43 @@ def describe_error(header, exc):
     """Return (traceback text under ``header``, the pickled exception or None)."""
     text = header + "\n" + "".join(traceback.format_exception(exc))
     return text, pickle_exception(exc)
+
+
+def error_record(header, exc, max_bytes):
+    """Return the pickled ``(text, pickled exception)`` of a failure, in at most ``max_bytes``.
+
+    A record too long for its slot is cut, not dropped: the text keeps its
+    head (``header``, the start of the traceback) and its tail (the end of the
+    message, PyTensor's notes), and the exception's long strings are cut the
+    same way, so the master still sees its type.
+    """
+    text, exc_bytes = describe_error(header, exc)
+    raw = pickle.dumps((text, exc_bytes))
+    if len(raw) <= max_bytes:
+        return raw
+    budget = max_bytes // 16  # characters: UTF-8 takes up to 4 bytes each, text and exception
+    raw = pickle.dumps((_cut(text, budget), pickle_exception(_shortened(exc, budget))))
+    if len(raw) > max_bytes:
+        raw = pickle.dumps((_cut(text, budget), None))
+    return raw
+
+
+def _cut(s, n):
+    """``s`` with its middle cut out if it is longer than ``n`` characters."""
+    if len(s) <= n:
+        return s
+    head = n // 2
+    return f"{s[:head]}\n... [{len(s) - n} characters cut] ...\n{s[len(s) - (n - head):]}"
+
+
+def _shortened(exc, n):
+    """A copy of ``exc`` whose string arguments and notes are cut to ``n`` characters."""
+    try:
+        short = copy.copy(exc)
+        short.args = tuple(_cut(a, n) if isinstance(a, str) else a for a in exc.args)
+        notes = getattr(exc, "__notes__", None)
+        if isinstance(notes, list):
+            short.__notes__ = [_cut(x, n) if isinstance(x, str) else x for x in notes]
+    except Exception:  # noqa: BLE001 - a type that does not copy is sent as text only
+        return None
+    return short

@@ -37,14 +37,27 @@ class FunctionSpec:
 
     def __post_init__(self):
         self.simple = len(self.outputs) == 1 and self.output_ops[0] in reducers.COLLECTIVE_OPS
-        self.collective = any(getattr(node.op, "synk_collective", False)
-                              for node in self.fn.maker.fgraph.apply_nodes)
+        self.collective = _holds_collective(self.fn.maker.fgraph, set())
         self.jax = gpu.uses_jax(self.fn)
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state["variants"] = {}  # compiled again where needed
         return state
+
+
+def _holds_collective(fgraph, seen):
+    """Whether a graph holds an in-graph collective, also inside inner graphs (Scan, OpFromGraph)."""
+    for node in fgraph.apply_nodes:
+        op = node.op
+        if getattr(op, "synk_collective", False):
+            return True
+        inner = getattr(op, "fgraph", None)
+        if hasattr(inner, "apply_nodes") and id(inner) not in seen:
+            seen.add(id(inner))
+            if _holds_collective(inner, seen):
+                return True
+    return False
 
 
 def execute(spec, rt, msg):
@@ -103,14 +116,23 @@ def run_share(spec, rt, msg):
             results = None
     elif rows == 0 and not whole_empty:
         results = None
-    elif shared_sel is None and (num_slices == 1 or not msg.n_scattered):
-        results = spec.fn(*arrays) if subset is None else compat.call_subset(spec.fn, arrays,
-                                                                            subset)
     else:
-        out_idx = list(range(len(spec.outputs))) if subset is None else subset
-        # More slices than rows would only add empty calls: cost stays that of the unsliced call.
-        num_slices = max(1, min(num_slices, rows))
-        results = run_slices(spec, rt, arrays, msg.n_scattered, shared_sel, num_slices, out_idx)
+        # A graph without in-graph collectives has none to combine; the flag
+        # makes a collective or call from inside one of its Ops raise at once.
+        rt.in_call = True
+        try:
+            if shared_sel is None and (num_slices == 1 or not msg.n_scattered):
+                results = spec.fn(*arrays) if subset is None else \
+                    compat.call_subset(spec.fn, arrays, subset)
+            else:
+                out_idx = list(range(len(spec.outputs))) if subset is None else subset
+                # More slices than rows would only add empty calls: cost stays that of
+                # the unsliced call.
+                num_slices = max(1, min(num_slices, rows))
+                results = run_slices(spec, rt, arrays, msg.n_scattered, shared_sel, num_slices,
+                                     out_idx)
+        finally:
+            rt.in_call = False
     if (rows != 0 or spec.collective) and spec.updates:
         _wait_device(spec)
     if prof is not None:
@@ -161,7 +183,12 @@ def run_then(rt, then):
     if prof is not None:
         prof.lap("collective")
     follow = rt.functions[then.function_id].spec
-    follow.fn()
+    # in_call only where it changes no in-graph collective (those act alone in a follow-up).
+    rt.in_call = not follow.collective
+    try:
+        follow.fn()
+    finally:
+        rt.in_call = False
     if follow.updates:
         _wait_device(follow)
     if prof is not None:
@@ -294,12 +321,16 @@ def collect(spec, rt, mine, subset, name):
 
 def _fold(op, acc, value, w_acc, w):
     if op == "gather":
+        if np.ndim(value) == 0:
+            # A rank's 0-d result has no rows to concatenate: its slices add up,
+            # so the master still gets one value per rank.
+            return reducers.accumulate("sum", acc, value)
         return (acc or []) + [np.asarray(value)]
     return reducers.accumulate(op, acc, value, w_acc, w)
 
 
 def _finish_fold(op, acc):
-    if op == "gather":
+    if op == "gather" and isinstance(acc, list):
         return _concat(acc)
     return acc
 

@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import pytensor
 
-from . import data_module, execution, gpu, reducers
+from . import conditioning, data_module, execution, gpu, reducers
 from .calls import FusedCall, run_call
 from .comm import compressed
 from .errors import SynkStateError
@@ -158,6 +158,8 @@ class Function:
         Returns:
             One Data, or a list of them in input order (inputs, then bcast_inputs).
         """
+        conditioning.check_bool(force_cast, "build_inputs: force_cast")
+        conditioning.check_bool(minibatch, "build_inputs: minibatch")
         values = self._bind(args, kwargs, "build_inputs")
         out = [data_module.data(value=v, var=var, force_cast=force_cast, oversize=oversize,
                                 minibatch=minibatch)
@@ -170,15 +172,22 @@ class Function:
         if len(args) > len(allvars):
             raise TypeError(f"{where}: takes {len(allvars)} inputs; got {len(args)}")
         values = list(args) + [None] * (len(allvars) - len(args))
-        names = {v.name: i for i, v in enumerate(allvars) if v.name}
+        names = {}
+        for i, v in enumerate(allvars):
+            if v.name:
+                names.setdefault(v.name, []).append(i)
         for key, value in kwargs.items():
             if key not in names:
                 raise TypeError(f"{where}: no input named {key!r}")
-            i = names[key]
+            if len(names[key]) > 1:
+                raise TypeError(f"{where}: inputs {', '.join(map(str, names[key]))} are all "
+                                f"named {key!r}, so {key}= is ambiguous; pass them by position")
+            i = names[key][0]
             if i < len(args):
                 raise TypeError(f"{where}: input {key!r} given twice")
             values[i] = value
-        missing = [str(allvars[i]) for i, v in enumerate(values) if v is None]
+        missing = [f"{allvars[i]} (input {i})" if len(names.get(allvars[i].name, ())) > 1
+                   else str(allvars[i]) for i, v in enumerate(values) if v is None]
         if missing:
             raise TypeError(f"{where}: missing inputs: {', '.join(missing)}")
         return values
@@ -209,7 +218,8 @@ class Function:
                 them one after another and accumulate outputs and updates
                 (every slice sees the original values; updates apply once).
                 A rank never runs more slices than it has rows, so slicing
-                never costs more calls than rows.
+                never costs more calls than rows.  A 0-d output under
+                "gather" adds up its slices: still one value per rank.
 
         Returns:
             The outputs, reduced by their ops: one value, or a list as
@@ -220,8 +230,11 @@ class Function:
             (0 for a sum; a max raises, as it does in PyTensor).
 
         Raises:
-            SynkStateError: before ``distribute()``, or after ``close()``.
+            SynkStateError: before ``distribute()``, after ``close()``, or
+                from inside a running call (a graph Op).
             TypeError, ValueError: bad inputs or call options (nothing runs).
+            IndexError: ``batch`` indices past 2**63, or ``batch_s`` rows
+                beyond the master's sliceable shareds (nothing runs).
             WorkerError: a rank raised; the runtime stays usable.
         """
         return run_call(self, args, kwargs, output_subset, batch, batch_s, num_slices, None)

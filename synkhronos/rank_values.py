@@ -10,7 +10,8 @@ import numpy as np
 from . import sharedvars as sv
 from .control import Command, handler, run_command
 from .data_module import Data
-from .runtime import require_distributed, serialized
+from .reductions import require_collective
+from .runtime import serialized
 from .sharedvars import rows
 
 
@@ -25,7 +26,7 @@ def set_value(rank, shared_vars, values, batch=None):
         batch: rows of each value to use (as in ``scatter``).
 
     Raises:
-        SynkStateError: before distribute().
+        SynkStateError: before distribute(), or inside a call.
         TypeError: a value of the wrong dtype, a non-int rank, or a malformed
             ``batch``.
         ValueError: a rank out of range, a variable no distributed function
@@ -33,7 +34,7 @@ def set_value(rank, shared_vars, values, batch=None):
             value does not have (or given for a 0-d value).
         WorkerError: the rank failed while storing.
     """
-    rt = require_distributed("set_value()")
+    rt = require_collective("set_value()")
     rank = sv.check_rank(rt, rank, "set_value")
     idx, single = sv.resolve(rt, shared_vars, "set_value")
     values = sv.value_list(values, len(idx), single, "set_value")
@@ -115,13 +116,13 @@ def get_value(rank, shared_vars):
         One array, or a tuple of arrays for a list/tuple of variables.
 
     Raises:
-        SynkStateError: before distribute().
+        SynkStateError: before distribute(), or inside a call.
         TypeError: a non-int rank.
         ValueError: a rank out of range, or a variable no distributed
             function uses.
         WorkerError: the rank failed while sending.
     """
-    rt = require_distributed("get_value()")
+    rt = require_collective("get_value()")
     rank = sv.check_rank(rt, rank, "get_value")
     idx, single = sv.resolve(rt, shared_vars, "get_value", unique=False)
     if rank == rt.rank:
@@ -158,11 +159,11 @@ def get_shapes(shared_vars):
         list/tuple of variables, a tuple of such lists.
 
     Raises:
-        SynkStateError: before distribute().
+        SynkStateError: before distribute(), or inside a call.
         ValueError: a variable no distributed function uses.
         WorkerError: a rank failed.
     """
-    rt = require_distributed("get_shapes()")
+    rt = require_collective("get_shapes()")
     idx, single = sv.resolve(rt, shared_vars, "get_shapes", unique=False)
     return sv.ret(_shapes(rt, idx), single)
 
@@ -179,11 +180,11 @@ def get_lengths(shared_vars):
         variables, a tuple of such lists.
 
     Raises:
-        SynkStateError: before distribute().
+        SynkStateError: before distribute(), or inside a call.
         ValueError: a variable no distributed function uses, or a 0-d one.
         WorkerError: a rank failed.
     """
-    rt = require_distributed("get_lengths()")
+    rt = require_collective("get_lengths()")
     idx, single = sv.resolve(rt, shared_vars, "get_lengths", unique=False)
     for i in idx:
         if rt.shareds[i].ndim == 0:

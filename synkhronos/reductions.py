@@ -10,16 +10,41 @@ from typing import NamedTuple
 import numpy as np
 from pytensor.tensor.sharedvar import TensorSharedVariable
 
-from . import reducers
+from . import conditioning, reducers
 from . import sharedvars as sv
 from .comm import compressed
 from .control import Command, handler, run_command
+from .errors import SynkStateError
 from .runtime import require_distributed, serialized
 from .sharedvars import backend_values, transport
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["reduce", "all_reduce"]
+
+
+def require_collective(what):
+    """Return the Runtime where collective ``what`` may start: the master, outside a call.
+
+    A graph Op calling one while its call runs would wait for ranks that are
+    busy in that very call (in-graph collectives: ``synkhronos.ingraph``).
+
+    Raises:
+        SynkStateError: before distribute(), inside a call, or in a worker.
+    """
+    rt = require_distributed(what)
+    if rt.in_call or not rt.is_master:
+        raise SynkStateError(
+            f"{what}: no collective inside a call; collectives run from the master's program, "
+            f"between calls (called in rank {rt.rank}{' while it ran a call' if rt.in_call else ''}"
+            "); inside a graph use synkhronos.ingraph")
+    return rt
+
+
+def check_flags(where, **flags):
+    """Raise TypeError unless each flag is a bool ("no" would otherwise count as True)."""
+    for name, value in flags.items():
+        conditioning.check_bool(value, f"{where}: {name}")
 
 
 def _check_reduce(rt, shared_vars, op, in_place, where):
@@ -52,13 +77,15 @@ def reduce(shared_vars, op="avg", in_place=True, nccl=True):
         list/tuple of variables.
 
     Raises:
-        SynkStateError: before distribute().
-        TypeError: ``op="avg"`` in place on an integer variable.
+        SynkStateError: before distribute(), or inside a call.
+        TypeError: ``op="avg"`` in place on an integer variable, or a flag
+            that is not a bool.
         ValueError: unknown op, a variable no distributed function uses, or
             values whose shapes differ between ranks (nothing changes then).
         WorkerError: a rank failed while reducing.
     """
-    rt = require_distributed("reduce()")
+    rt = require_collective("reduce()")
+    check_flags("reduce", in_place=in_place, nccl=nccl)
     idx, single = _check_reduce(rt, shared_vars, op, in_place, "reduce")
     msg = ReduceMsg(idx, op, bool(in_place), bool(nccl))
     result = run_command(rt, Command.REDUCE, msg, lambda seq: _reduce_local(rt, msg))
@@ -112,13 +139,13 @@ def all_reduce(shared_vars, op="avg", nccl=True, dtype=None):
             variables' dtypes, at the small type's precision.
 
     Raises:
-        SynkStateError: before distribute().
-        TypeError: ``op="avg"`` on an integer variable.
+        SynkStateError: before distribute(), or inside a call.
+        TypeError: ``op="avg"`` on an integer variable, or ``nccl`` not a bool.
         ValueError: unknown op, a variable no distributed function uses, or
             values whose shapes differ between ranks (nothing changes then).
         WorkerError: a rank failed while reducing.
     """
-    rt = require_distributed("all_reduce()")
+    rt = require_collective("all_reduce()")
     # A loop all-reducing one variable sends the same message each time: it
     # is checked and pickled once (the arguments are the key).
     key = None
@@ -131,6 +158,7 @@ def all_reduce(shared_vars, op="avg", nccl=True, dtype=None):
             run_command(rt, Command.ALL_REDUCE, msg, lambda seq: all_reduce_local(rt, msg),
                         wire=hit[1])
             return
+    check_flags("all_reduce", nccl=nccl)
     idx, _ = _check_reduce(rt, shared_vars, op, True, "all_reduce")
     if dtype is not None:
         compressed.check(dtype, op, [(rt.shareds[i], rt.shareds[i].dtype) for i in idx],

@@ -27,6 +27,9 @@ def rank_range(n, n_parallel, rank):
     return lo, lo + base + (1 if rank < extra else 0)
 
 
+INDEX_MAX = np.iinfo(np.int64).max
+
+
 def _is_int(x):
     return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, (bool, np.bool_))
 
@@ -55,7 +58,14 @@ def normalize_batch(batch, where="batch"):
             raise ValueError(f"{where}: slice stop must be >= start; got {batch!r}")
         return ("range", int(start), None if stop is None else int(stop))
     if isinstance(batch, (list, tuple, np.ndarray)):
-        arr = np.asarray(batch)
+        if not isinstance(batch, np.ndarray) and any(isinstance(b, (bool, np.bool_))
+                                                     for b in batch):
+            # NumPy would read [0, True] as the rows 0 and 1.
+            raise TypeError(f"{where}: an index list must hold ints, not bools; got {batch!r}")
+        try:
+            arr = np.asarray(batch)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"{where}: an index list must be 1-d integers; {exc}") from None
         if arr.size == 0:
             arr = arr.astype(np.int64)
         if arr.ndim != 1 or arr.dtype.kind not in "iu":
@@ -63,6 +73,10 @@ def normalize_batch(batch, where="batch"):
                             f"{'ndim %d ' % arr.ndim if arr.ndim != 1 else ''}dtype {arr.dtype}")
         if arr.size and arr.min() < 0:
             raise ValueError(f"{where}: indices must be >= 0; got {int(arr.min())}")
+        if arr.dtype.kind == "u" and arr.size and arr.max() > INDEX_MAX:
+            # Cast to int64 it would wrap around to a negative row.
+            raise IndexError(f"{where}: index {int(arr.max())} is out of range "
+                             f"(indices must be below 2**63)")
         return ("index", np.ascontiguousarray(arr, dtype=np.int64))
     raise TypeError(f"{where}: must be an int, a slice, a list or a 1-d int array; "
                     f"got {type(batch).__name__}")

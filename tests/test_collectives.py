@@ -11,6 +11,8 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from pytensor.graph.basic import Apply
+from pytensor.graph.op import Op
 
 import synkhronos as synk
 from synkhronos.runtime import get_runtime
@@ -317,6 +319,16 @@ def test_misuse_raises_in_the_master_before_any_worker_moves(forked):
         (lambda: synk.all_gather(fixed), ValueError, "fixed length"),
         (lambda: synk.broadcast(fixed, np.zeros(4, "float32")), ValueError, "fixed length"),
         (lambda: synk.scatter(fixed, np.zeros(5, "float32")), ValueError, "fixed length"),
+        # flags are bools: the string "no" is no False
+        (lambda: synk.reduce(v, in_place="no"), TypeError, "reduce: in_place"),
+        (lambda: synk.reduce(v, in_place=0), TypeError, "in_place"),
+        (lambda: synk.reduce(v, nccl="no"), TypeError, "reduce: nccl"),
+        (lambda: synk.all_reduce(v, nccl="no"), TypeError, "all_reduce: nccl"),
+        (lambda: synk.broadcast(v, nccl="no"), TypeError, "broadcast: nccl"),
+        (lambda: synk.gather(v, nccl="no"), TypeError, "gather: nccl"),
+        (lambda: synk.all_gather(v, nccl=None), TypeError, "all_gather: nccl"),
+        (lambda: synk.gather(v, nd_up=1.0), ValueError, "nd_up"),
+        (lambda: synk.get_value(1.0, v), TypeError, "rank"),
     ]
     rt = get_runtime()
     for call, exc, match in cases:
@@ -330,3 +342,49 @@ def test_misuse_raises_in_the_master_before_any_worker_moves(forked):
         synk.set_value(r, v, np.full(5, r + 1, "float32"))
     synk.all_reduce(v, op="sum")
     _check_ranks(v, [np.full(5, 3, "float32")] * 2)
+
+
+# ---- no collective inside a call --------------------------------------------------
+
+_FROM_AN_OP = {
+    "all_reduce": lambda: synk.all_reduce("s"),
+    "broadcast": lambda: synk.broadcast("s"),
+    "gather": lambda: synk.gather("s"),
+    "get_value": lambda: synk.get_value(0, "s"),
+    "call": lambda: get_runtime().functions[0](),     # a synkhronos function, without inputs
+}
+
+
+class CollectiveInOp(Op):
+    """Return x; first run ``what`` from inside the graph, as a user Op might."""
+
+    __props__ = ("what",)
+
+    def __init__(self, what):
+        self.what = what
+
+    def make_node(self, x):
+        x = pt.as_tensor_variable(x)
+        return Apply(self, [x], [x.type()])
+
+    def perform(self, node, inputs, outputs):
+        _FROM_AN_OP[self.what]()
+        outputs[0][0] = inputs[0].copy()
+
+
+@pytest.mark.parametrize("what", list(_FROM_AN_OP))
+def test_a_collective_inside_a_call_raises_in_every_rank_at_once(forked, what):
+    """It would wait for ranks busy in the very call: SynkStateError instead of a hang."""
+    forked(2)
+    s = pytensor.shared(np.ones(3, "float32"), name="s")
+    synk.function([], [pt.sum(s)], mode=MODE)            # function 0, what "call" runs
+    x = pt.dvector("x")
+    f = synk.function([x], (CollectiveInOp(what)(x).sum(), "sum"), mode="FAST_COMPILE")
+    plain = synk.function([x], (x.sum(), "sum"))
+    synk.distribute()
+    with pytest.raises(synk.SynkStateError, match="inside a call") as info:
+        f(np.ones(4))
+    assert set(info.value.failures) == {0, 1}            # the master and the worker alike
+    assert plain(np.ones(4)) == 4.0                      # the run goes on
+    synk.all_reduce(s, op="sum")
+    np.testing.assert_array_equal(synk.get_value(1, s), np.full(3, 2.0))

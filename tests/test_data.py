@@ -133,6 +133,69 @@ def test_construction_errors(forked):
     assert list(rt.datas.values()) == [d]
 
 
+@pytest.mark.parametrize("kwargs, exc, words", [
+    (dict(shape=(2.5, 3)), TypeError, "data: shape must be a list or tuple of ints"),
+    (dict(shape=(3.0, 3)), TypeError, "data: shape"),
+    (dict(shape="ab"), TypeError, "data: shape"),
+    (dict(shape=[float("nan"), 3]), TypeError, "data: shape"),
+    (dict(shape=(True, 3)), TypeError, "data: shape"),
+    (dict(shape=5), TypeError, "data: shape"),
+    (dict(shape=(2, -1)), ValueError, "data: shape entries must be >= 0"),
+    (dict(shape=(2, 3), ndim=3), ValueError, "data: shape must have 3 entries"),
+    (dict(shape=(2,), var=pt.fmatrix()), ValueError, "data: shape must have 2 entries"),
+    (dict(value=[[1.5]], force_cast="no"), TypeError, "data: force_cast"),
+    (dict(value=[[1.5]], force_cast=1), TypeError, "data: force_cast"),
+    (dict(value=[[1.5]], minibatch="no"), TypeError, "data: minibatch"),
+    (dict(value=[[1.5]], name=7), TypeError, "data: name"),
+    (dict(shape=(2,), ndim=1.0), TypeError, "data: ndim"),
+    (dict(shape=(2,), ndim=True), TypeError, "data: ndim"),
+    (dict(shape=(2,), dtype="nope"), TypeError, "data: dtype"),
+    (dict(value=[[1, 2], [3]]), TypeError, "data: value does not convert"),
+])
+def test_data_arguments_are_checked_by_name(forked, kwargs, exc, words):
+    forked(1)
+    rt = get_runtime()
+    kwargs.setdefault("dtype", "float32")
+    with pytest.raises(exc, match=words):
+        synk.data(**kwargs)
+    assert len(rt.datas) == 0
+    assert synk.data(shape=np.array([2, 3]), dtype="float32").shape == (2, 3)
+
+
+def test_flags_of_set_value_are_bools(forked):
+    forked(1)
+    d = synk.data(np.zeros(3, "int64"))
+    with pytest.raises(TypeError, match="set_value: force_cast"):
+        d.set_value(np.full(3, 1.5), force_cast="no")
+    with pytest.raises(TypeError, match="condition_data: force_cast"):
+        d.condition_data(np.ones(3), force_cast="yes")
+    np.testing.assert_array_equal(d.data, np.zeros(3))
+    d.set_value(np.full(3, 1.5), force_cast=np.True_)
+    np.testing.assert_array_equal(d.data, np.ones(3))
+
+
+def test_a_data_id_in_use_is_refused(forked):
+    forked(2)
+    x = pt.dvector("x")
+    f = synk.function([x], (x.sum(), "sum"))
+    synk.distribute()
+    d = synk.data(np.arange(4.0))
+    with pytest.raises(ValueError, match=f"Data: ID {d._ID} is in use"):
+        synk.Data(d._ID, "float64", 1)
+    with pytest.raises(TypeError, match="Data: ID must be an int"):
+        synk.Data(1.0, "float64", 1)
+    with pytest.raises(TypeError, match="Data: minibatch"):
+        synk.Data(10 ** 6, "float64", 1, minibatch="no")
+    assert f(d) == 6.0                               # the original still works everywhere
+    # A Data made directly on a fresh id works, and data() skips the ids it takes.
+    rt = get_runtime()
+    mine = synk.Data(next(rt.counter) + 1, "float64", 1)   # the id data() draws next
+    mine.set_value(np.ones(3))
+    e = synk.data(np.full(2, 5.0))
+    assert e._ID != mine._ID
+    assert (f(mine), f(e), f(d)) == (3.0, 10.0, 6.0)
+
+
 def test_set_value_length_shape_and_free_memory_in_the_master(forked, rng):
     forked(2)
     x = rng.standard_normal((6, 2))

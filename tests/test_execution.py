@@ -13,8 +13,10 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from pytensor.compile.builders import OpFromGraph
 
 import synkhronos as synk
+from synkhronos import ingraph
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,6 +63,9 @@ def _build_env(n):
     e.f_sum_max = synk.function([x], [(x.sum(axis=0), "sum"), (x.max(axis=0), "max")])
     e.f_empty = synk.function([x], [(x.sum(axis=0), "sum"), (x.sum(), "avg")])
     e.serial_empty = pytensor.function([x], [x.sum(axis=0), x.sum()])
+    # An in-graph collective inside an inner graph: every rank must still run it.
+    v = pt.dvector("v")
+    e.f_nested = synk.function([x], (OpFromGraph([v], [ingraph.psum(v)])(x.sum(axis=0)), "avg"))
     synk.distribute()
     return e
 
@@ -134,15 +139,27 @@ def test_gather_of_a_scalar_is_one_value_per_rank(env, rng):
     np.testing.assert_allclose(per_row, x.sum(axis=1), rtol=1e-12)
 
 
-@pytest.mark.xfail(strict=True, reason="a scalar gathered over num_slices gives one value per "
-                                       "slice, not per rank (execution.run_slices folds 'gather' "
-                                       "per slice)")
-def test_gather_of_a_scalar_does_not_depend_on_num_slices(env, rng):
-    x = _data(rng, "float64", 11)
+@pytest.mark.parametrize("rows, num_slices", [(11, 3), (7, 2), (2, 5)])
+def test_gather_of_a_scalar_does_not_depend_on_num_slices(env, rng, rows, num_slices):
+    """A rank's 0-d result has no rows to concatenate: its slices add up to one value."""
+    x = _data(rng, "float64", rows)
     d = synk.data(x)
-    per_rank, per_row = env.f_gather(d, num_slices=3)
+    per_rank, per_row = env.f_gather(d, num_slices=num_slices)
     np.testing.assert_allclose(per_row, x.sum(axis=1), rtol=1e-12)
-    np.testing.assert_allclose(per_rank, [p.sum() for p in np.array_split(x, env.n)], rtol=1e-12)
+    want = [p.sum() for p in np.array_split(x, env.n) if len(p)]   # ranks with rows
+    assert np.shape(per_rank) == (len(want),)
+    np.testing.assert_allclose(per_rank, want, rtol=1e-12)
+    # 2 ranks, 7 rows of 0..13 in 2 slices: [28, 63], not one value per slice ([6, 22, 38, 25])
+    if env.n == 2:
+        got = env.f_gather(synk.data(np.arange(14.0).reshape(7, 2)), num_slices=2)[0]
+        np.testing.assert_array_equal(got, [28.0, 63.0])
+
+
+def test_an_in_graph_collective_inside_an_inner_graph_runs_on_every_rank(env, rng):
+    assert env.f_nested.spec.collective
+    for rows in (11, 1):                            # with 1 row, the other ranks have none
+        x = _data(rng, "float64", rows)
+        _assert_equal(env.f_nested(synk.data(x)), x.sum(axis=0), f"psum of {rows} rows")
 
 
 # ---- output_subset, with batch and slices ---------------------------------------------------

@@ -237,6 +237,38 @@ def test_rule_errors():
 
 # ---- make_train_function ------------------------------------------------------
 
+@pytest.mark.parametrize("kwargs, exc, words", [
+    (dict(all_reduce_op="max"), ValueError, "all_reduce_op must be 'sum' or 'avg'"),
+    (dict(all_reduce_op="prod"), ValueError, "all_reduce_op"),
+    (dict(all_reduce_op=None), ValueError, "all_reduce_op"),
+    (dict(weighted="no"), TypeError, "weighted"),
+    (dict(overlap="no"), TypeError, "overlap"),
+])
+def test_train_function_options_are_checked_before_building(forked, kwargs, exc, words):
+    forked(2)
+    x, y, W, b, loss = linreg(np.zeros((N_IN, N_OUT), "float32"), np.zeros(N_OUT, "float32"),
+                              "opts")
+    for make in (train.make_train_function, train.make_serial_train_function):
+        with pytest.raises(exc, match=f"{make.__name__}: {words}"):
+            make(loss, [W, b], x, y, update_rule="sgd", update_kwargs=HYPER["sgd"], **kwargs)
+    assert get_runtime().functions == []            # nothing was built
+
+
+def test_serial_twin_checks_batch_like_the_data_parallel_step(problem):
+    X, Y, W0, b0, _ = problem
+    x, y, W, b, loss = linreg(W0, b0, "serial_batch")
+    step = train.make_serial_train_function(loss, [W, b], x, y, update_rule="sgd",
+                                            update_kwargs=HYPER["sgd"])
+    for batch, exc in [(True, TypeError), (2.0, TypeError), ([0, True], TypeError),
+                       (-1, ValueError)]:
+        with pytest.raises(exc, match="serial train function: batch"):
+            step(X, Y, batch=batch)
+    with pytest.raises(ValueError, match="num_slices"):
+        step(X, Y, num_slices=True)
+    np.testing.assert_array_equal(W.get_value(), W0)   # no step ran
+    # an int k is rows [:k], as in the data-parallel step
+    assert np.isclose(step(X, Y, batch=5), np.mean((X[:5] @ W0 + b0 - Y[:5]) ** 2), rtol=1e-5)
+
 def test_train_function_batch_and_slices(forked, problem):
     """The one-call step equals its serial twin, with batch= and with num_slices."""
     X, Y, W0, b0, batches = problem

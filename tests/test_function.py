@@ -95,6 +95,9 @@ def _build_env(n):
     mb_outputs = [((x * m).sum(axis=0), "sum"), (x * m, "gather")]
     e.f_mb = synk.function([x, m], outputs=mb_outputs)
     e.serial_mb = pytensor.function([x, m], [o for o, _ in mb_outputs])
+    # Two inputs of one name: x= cannot say which.
+    x2 = pt.dmatrix("x")
+    e.f_dup = synk.function([x], bcast_inputs=[x2], outputs=((x.sum() + x2.sum()), "sum"))
 
     # Data-parallel data held in a shared variable: S gets each rank's rows.
     S = pytensor.shared(np.zeros((1, 3)), name="S")
@@ -448,8 +451,21 @@ def test_sliceable_shareds_with_num_slices(env, rng):
 
 def test_batch_s_beyond_the_shared_rows_raises_and_recovers(env, rng):
     parts = _scatter_S(env, rng)
-    with pytest.raises((IndexError, synk.WorkerError), match="batch_s"):
-        env.f_S(batch_s=slice(0, 50))
+    rt = get_runtime()
+    seq = rt.control.seq
+    # Beyond the master's own rows: the master sees it before posting anything.
+    for batch_s in (slice(0, 50), [0, 49], [slice(0, 50)] * env.n):
+        with pytest.raises(IndexError, match="batch_s selects row 49") as info:
+            env.f_S(batch_s=batch_s)
+        assert not isinstance(info.value, synk.WorkerError)
+    assert rt.control.seq == seq
+    if env.n > 1:
+        # Beyond a worker's rows only (the master has 4 or 6, the last rank 3 or 5):
+        # that worker finds it, before computing anything.
+        last = len(parts[-1])
+        with pytest.raises(IndexError, match=f"batch_s selects row {last}") as info:
+            env.f_S(batch_s=slice(0, last + 1))
+        assert isinstance(info.value, synk.WorkerError)
     total = env.f_S(batch_s=[0])[0]
     np.testing.assert_allclose(total, sum(p[0] for p in parts), rtol=1e-12)
 
@@ -559,6 +575,27 @@ MISUSE = {
     "subset range": (ValueError, "output_subset", lambda e, d: e.f_ops(d, output_subset=[8])),
     "subset repeat": (ValueError, "output_subset",
                       lambda e, d: e.f_ops(d, output_subset=[0, 0])),
+    # output indices are ints: not truncated floats, digits or bools
+    "subset float": (TypeError, "output_subset", lambda e, d: e.f_ops(d, output_subset=[0.7])),
+    "subset digit": (TypeError, "output_subset", lambda e, d: e.f_ops(d, output_subset="1")),
+    "subset digits": (TypeError, "output_subset", lambda e, d: e.f_ops(d, output_subset=["1"])),
+    "subset bool": (TypeError, "output_subset", lambda e, d: e.f_ops(d, output_subset=[True])),
+    "subset bools": (TypeError, "output_subset",
+                     lambda e, d: e.f_ops(d, output_subset=np.array([True, False]))),
+    "subset int": (TypeError, "output_subset", lambda e, d: e.f_ops(d, output_subset=1)),
+    "batch uint64 wraps": (IndexError, "batch",
+                           lambda e, d: e.f_ops(d, batch=np.array([2**64 - 1], "uint64"))),
+    "batch bool index": (TypeError, "batch", lambda e, d: e.f_ops(d, batch=[0, True])),
+    "ambiguous name": (TypeError, "named 'x'.*ambiguous",
+                       lambda e, d: e.f_dup(x=d)),
+    "ambiguous name missing": (TypeError, r"missing inputs: x \(input 1\)",
+                               lambda e, d: e.f_dup(d)),
+    "build_inputs force_cast str": (TypeError, "build_inputs: force_cast",
+                                    lambda e, d: e.f_single.build_inputs(d.data,
+                                                                         force_cast="no")),
+    "build_inputs minibatch str": (TypeError, "build_inputs: minibatch",
+                                   lambda e, d: e.f_single.build_inputs(d.data,
+                                                                        minibatch="no")),
     "batch_s unsliceable": (ValueError, "batch_s",
                             lambda e, d: e.f_ops(d, batch_s=slice(0, 2))),
     "batch_s count": (ValueError, "batch_s",

@@ -45,6 +45,8 @@ class RaiseIn(Op):
                 raise KeyboardInterrupt(f"interrupt in rank {rank}")
             if self.kind == "huge":
                 raise LookupError("x" * (1 << 20) + " END OF MESSAGE")
+            if self.kind == "huge value":
+                raise ValueError("v" * (1 << 20) + " END OF MESSAGE")
             raise KeyError(f"key in rank {rank}")
         outputs[0][0] = x.copy()
 
@@ -102,17 +104,24 @@ def test_a_base_exception_in_a_worker_is_reported_not_fatal(forked, rng, kind, b
     assert _pids() == pids
 
 
-def test_an_error_too_big_for_its_slot_still_arrives(forked, rng):
+@pytest.mark.parametrize("kind, base", [("huge", LookupError), ("huge value", ValueError)])
+def test_an_error_too_big_for_its_slot_keeps_its_type_and_header(forked, rng, kind, base):
     forked(2)
-    f = _build("huge")
+    f = _build(kind)
     synk.distribute()
+    pids = _pids()
     x = rng.standard_normal((4, 2))
     d = synk.data(x)
-    with pytest.raises(synk.WorkerError) as info:
+    with pytest.raises(base) as info:
         f(d, _ranks(1))
-    assert info.value.rank == 1
-    text = info.value.failures[1]
-    # Its tail is kept (PyTensor's notes may follow the message); the slot bounds the size.
+    err = info.value
+    assert isinstance(err, synk.WorkerError) and err.rank == 1
+    assert type(err.__cause__) is base                  # cut to fit, not dropped
+    assert str(err.__cause__).endswith(" END OF MESSAGE")
+    text = err.failures[1]
+    # The header stays on top, the tail (PyTensor's notes follow the message) is kept,
+    # the slot bounds the size.
+    assert text.splitlines()[0] == f"rank 1 of 2 (pid {pids[1]})"
     assert "END OF MESSAGE" in text and len(text) < (1 << 20)
     np.testing.assert_allclose(f(d, _ranks()), x.sum(axis=0), rtol=1e-12)
 

@@ -9,6 +9,7 @@ from pytensor.compile import SharedVariable
 
 import synkhronos as synk
 
+from .. import conditioning, split
 from .. import overlap as _overlap_mod
 from ..calls import prepare_call
 from ..comm import compressed
@@ -35,6 +36,19 @@ def _rule(update_rule):
                          f"{', '.join(_updates.RULES)} (a name or the function); "
                          f"got {update_rule!r}")
     return apply
+
+
+# Gradients add up over ranks: "sum" gives the full batch's gradient (its parts
+# weighted by rows), "avg" the same scaled; max, min or prod of gradients mean nothing.
+GRAD_OPS = ("sum", "avg")
+
+
+def _check_options(where, all_reduce_op, weighted, overlap):
+    if all_reduce_op not in GRAD_OPS or not isinstance(all_reduce_op, str):
+        raise ValueError(f"{where}: all_reduce_op must be 'sum' or 'avg' (the ops that "
+                         f"combine gradients); got {all_reduce_op!r}")
+    conditioning.check_bool(weighted, f"{where}: weighted")
+    conditioning.check_bool(overlap, f"{where}: overlap")
 
 
 def _output_list(outputs):
@@ -176,9 +190,14 @@ def make_train_function(loss, params, x, y, update_rule="sgd", update_kwargs=Non
         TrainFunction
 
     Raises:
-        ValueError: unknown update rule, or hyper-parameters missing.
-        TypeError: one of x and y is shared and the other is not.
+        ValueError: unknown update rule, hyper-parameters missing, or an
+            ``all_reduce_op`` other than "sum" and "avg".
+        TypeError: one of x and y is shared and the other is not, or
+            ``weighted`` or ``overlap`` is not a bool.
     """
+    _check_options("make_train_function", all_reduce_op, weighted, overlap)
+    if all_reduce_dtype is not None:
+        compressed.check(all_reduce_dtype, all_reduce_op, [], "make_train_function")
     apply = _rule(update_rule)
     inputs, shared = _data_vars(x, y)
     params = _updates.check_params(params, "make_train_function")
@@ -202,8 +221,6 @@ def make_train_function(loss, params, x, y, update_rule="sgd", update_kwargs=Non
     f_update = synk.function([], updates=param_updates, **kwargs)
     logger.info("training step built: rule %s, %d parameters (%d values)",
                 apply.__name__[len("apply_"):], len(params), _updates.flat_size(params))
-    if all_reduce_dtype is not None:
-        compressed.check(all_reduce_dtype, all_reduce_op, [], "make_train_function")
     return TrainFunction(f_grad, f_update, grad_shared, all_reduce_op, all_reduce_dtype,
                          grad_prev)
 
@@ -248,8 +265,8 @@ class SerialTrainFunction:
             batch_s: rows of the shared data to use (slice or index list).
             num_slices: only 1 (serial steps are not sliced).
         """
-        if num_slices != 1:
-            raise ValueError("serial train function: num_slices must be 1")
+        if isinstance(num_slices, bool) or num_slices != 1:
+            raise ValueError(f"serial train function: num_slices must be 1; got {num_slices!r}")
         if self._shared:
             if data:
                 raise TypeError("serial train function: x and y are shared variables; "
@@ -262,8 +279,9 @@ class SerialTrainFunction:
         else:
             arrays = [d.data if isinstance(d, Data) else np.asarray(d) for d in data]
             if batch is not None:
-                batch = slice(0, batch) if isinstance(batch, (int, np.integer)) else batch
-                arrays = [a[batch] for a in arrays]
+                # The rows a data-parallel step would use (an int k: rows [:k]).
+                sel = split.normalize_batch(batch, "serial train function: batch")
+                arrays = [a[sel[1]:sel[2]] if sel[0] == "range" else a[sel[1]] for a in arrays]
             out = self.fn(*arrays)
         return out if self._return_list else out[0]
 
@@ -275,12 +293,13 @@ def make_serial_train_function(loss, params, x, y, update_rule="sgd", update_kwa
     """Build the serial twin of ``make_train_function``: plain PyTensor, no fork needed.
 
     Same arguments (``weighted``, ``all_reduce_op``, ``all_reduce_dtype`` and
-    ``overlap`` are accepted and ignored), same rule code applied to the full batch's gradient, so the two
+    ``overlap`` are checked and ignored), same rule code applied to the full batch's gradient, so the two
     give the same parameter trajectory.  Use it for baselines and speedups.
 
     Returns:
         SerialTrainFunction
     """
+    _check_options("make_serial_train_function", all_reduce_op, weighted, overlap)
     apply = _rule(update_rule)
     inputs, shared = _data_vars(x, y)
     params = _updates.check_params(params, "make_serial_train_function")

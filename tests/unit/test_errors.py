@@ -54,3 +54,47 @@ def test_public_names():
 def test_plain_errors_pickle():
     err = pickle.loads(pickle.dumps(synk.SynkStateError("x")))
     assert type(err) is synk.SynkStateError and str(err) == "x"
+
+
+def _record(exc, max_bytes):
+    raw = errors.error_record("rank 1 of 2 (pid 42)", exc, max_bytes)
+    assert len(raw) <= max_bytes
+    text, exc_bytes = pickle.loads(raw)
+    return text, errors.unpickle_exception(exc_bytes)
+
+
+def _raised(exc):
+    try:
+        raise exc
+    except Exception as caught:  # noqa: BLE001 - the traceback is the point
+        return caught
+
+
+def test_an_error_too_big_for_its_slot_keeps_its_type_header_and_tail():
+    exc = _raised(ValueError("x" * (1 << 20) + " END OF MESSAGE"))
+    exc.add_note("a note " + "n" * (1 << 20) + " END OF NOTE")
+    text, back = _record(exc, 64 * 1024)
+    assert text.splitlines()[0] == "rank 1 of 2 (pid 42)"
+    assert "ValueError" in text and text.rstrip().endswith("END OF NOTE")
+    assert "characters cut" in text
+    assert type(back) is ValueError
+    assert str(back).startswith("xxx") and str(back).endswith(" END OF MESSAGE")
+    assert back.__notes__[0].endswith("END OF NOTE")
+    assert type(exc.args[0]) is str and len(exc.args[0]) > (1 << 20)  # the original is intact
+
+
+def test_a_small_error_is_recorded_whole():
+    exc = _raised(KeyError("k"))
+    text, back = _record(exc, 64 * 1024)
+    assert text.splitlines()[0] == "rank 1 of 2 (pid 42)" and "characters cut" not in text
+    assert type(back) is KeyError and back.args == ("k",)
+
+
+def test_a_big_error_that_will_not_copy_or_pickle_arrives_as_text():
+    class Odd(Exception):
+        def __init__(self, a, b):
+            super().__init__(a + b)
+
+    text, back = _record(_raised(Odd("y" * (1 << 20), " END")), 64 * 1024)
+    assert back is None
+    assert text.splitlines()[0] == "rank 1 of 2 (pid 42)" and text.rstrip().endswith("END")

@@ -39,7 +39,8 @@ def test_normalize_batch_ranges(batch, expected):
 
 
 @pytest.mark.parametrize("batch", [[3, 0, 2], (1, 1, 4), np.array([5, 2], dtype=np.int32),
-                                   np.array([7, 1, 0], dtype=np.uint8), []])
+                                   np.array([7, 1, 0], dtype=np.uint8), [],
+                                   np.array([2**63 - 1, 3], dtype=np.uint64)])
 def test_normalize_batch_index_lists(batch):
     kind, idx = split.normalize_batch(batch)
     assert kind == "index"
@@ -61,6 +62,15 @@ def test_normalize_batch_index_lists(batch):
     ("3", TypeError, "must be an int"),
     (True, TypeError, "must be an int"),
     (None, TypeError, "must be an int"),
+    # uint64 indices past int64 would wrap to negative rows when cast
+    (np.array([2**64 - 1], "uint64"), IndexError, "out of range"),
+    ([2**64 - 1], IndexError, "out of range"),
+    (np.array([0, 2**63], "uint64"), IndexError, "below 2**63"),
+    ([2**70], TypeError, "1-d integers"),
+    ([0, True], TypeError, "not bools"),
+    ([np.True_], TypeError, "not bools"),
+    (np.array([True, False]), TypeError, "1-d integers"),
+    ([[0], [1, 2]], TypeError, "1-d integers"),
 ])
 def test_normalize_batch_rejects(batch, exc, words):
     with pytest.raises(exc, match="batch") as info:
