@@ -287,6 +287,8 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None, wire=None):
             failures[rt.rank] = (text, local_exc)
         if remote:
             failures.update(remote)
+        if prof is not None:
+            prof.end("reduce")  # a failed command is still one record, and the next one starts clean
         raise _worker_error(cmd, failures)
     if after is not None:
         result = after(result)

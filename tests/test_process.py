@@ -273,3 +273,36 @@ def test_a_bad_setting_leaves_nothing_and_fork_works_after(forked, monkeypatch):
     monkeypatch.delenv("SYNK_SPIN_S")
     assert forked(2) == 2
     assert [r[0] for r in _process_info(2)] == [0, 1]
+
+
+class _FailIn(Op):
+    """Return x; raise ValueError in rank 1."""
+
+    __props__ = ()
+
+    def make_node(self, x):
+        x = pt.as_tensor_variable(x)
+        return Apply(self, [x], [x.type()])
+
+    def perform(self, node, inputs, outputs):
+        if get_runtime().rank == 1:
+            raise ValueError("planted")
+        outputs[0][0] = inputs[0]
+
+
+def test_profile_goes_on_recording_after_a_failed_call(forked):
+    forked(2)
+    x = pt.dmatrix("x")
+    f = synk.function([x], x.sum())
+    bad = synk.function([x], _FailIn()(x).sum())
+    synk.distribute()
+    d = synk.data(np.ones((4, 2)))
+    with synk.profile() as prof:
+        f(d)
+        with pytest.raises(ValueError, match="planted"):
+            bad(d)
+        f(d)
+        f(d)
+    totals = prof.totals()
+    assert totals[0]["call of function"]["calls"] == 4      # as many as rank 1 ran
+    assert totals[1]["call of function"]["calls"] == 4

@@ -12,13 +12,11 @@ core, so on 2 cores the ranks at best tied it (0.70-1.06x in issue 14's
 runs).  Here most of a step is the convolution Ops' Numba kernels (im2col,
 pooling) and elementwise work, which run on one thread however many BLAS
 threads there are, and the gradient to all-reduce is small (0.3 M values).
-Why 512 rows: a serial step on one thread took about 2.3-2.8x as long at 512
-rows as at 256 (probably the im2col matrices outgrowing the caches), and each
-rank computes 256; at batch 256 the ranks did not beat one thread in two
-runs on a loaded machine.  The functions compile with ``FAST_COMPILE`` (both
-twins): the Ops run the same Numba kernels, compiled once and cached, while
-PyTensor's default mode also compiles the whole graph with Numba, minutes on
-a cold cache.  bench/RESULTS.md (issue 14) has the figures.
+Why 512 rows: at batch 256 the ranks did not beat one thread in two runs on
+a loaded machine, where batch 512 beat it.  The functions compile with
+``FAST_COMPILE`` (both twins): the Ops run the same Numba kernels, compiled
+once and cached, while PyTensor's default mode also compiles the whole graph
+with Numba, minutes on a cold cache.  bench/RESULTS.md (issue 14) has the figures.
 
 The training set lives in ``synk.Data`` objects (POSIX shared memory).  Each
 step passes the whole set with ``batch=`` a shuffled list of row indices:
