@@ -60,7 +60,7 @@ class CallMsg(NamedTuple):
 class ThenMsg(NamedTuple):
     """What every rank does after its share of a fused call: all-reduce, then a call."""
 
-    idx: list                   # shared variables to all-reduce, by index in rt.shareds
+    idx: list                   # shared variables to all-reduce, by index in rt.registry.shareds
     op: str
     function_id: int            # the function to call next, without inputs
     dtype: object = None        # a 16-bit transport type ("bfloat16", "float16"), or None
@@ -76,12 +76,12 @@ def run_call(f, args, kwargs, output_subset, batch, batch_s, num_slices, then):
     if rt is None or rt.closed:
         raise SynkStateError("this function belongs to a closed synkhronos run; "
                              "build it again after fork()")
-    if not rt.distributed:
+    if not rt.registry.distributed:
         raise SynkStateError("call distribute() before calling synkhronos functions")
     if rt.in_call or not rt.is_master:
         # Inside a graph Op of a running call: the ranks are busy in that call.
         raise SynkStateError(f"{f._what}: no call inside a call; synkhronos functions run "
-                             f"from the master's program only (called in rank {rt.rank}"
+                             f"from the master's program only (called in rank {rt.place.rank}"
                              f"{' while it ran a call' if rt.in_call else ''})")
     prof = rt.profiler
     if prof is not None:
@@ -166,8 +166,8 @@ def prepare_call(f, rt, args, kwargs, output_subset, batch, batch_s, num_slices)
         if not f.spec.sliceable:
             raise ValueError(f"{f.name or 'function'}: batch_s needs sliceable_shareds "
                              "in function()")
-        sel_s = split.normalize_batch_s(batch_s, rt.n_parallel)
-        _check_own_rows(f, rt, sel_s[rt.rank])
+        sel_s = split.normalize_batch_s(batch_s, rt.place.n_parallel)
+        _check_own_rows(f, rt, sel_s[rt.place.rank])
     subset = None
     if output_subset is not None:
         subset = _check_subset(f, output_subset)
@@ -190,7 +190,7 @@ def _check_own_rows(f, rt, sel):
         need = split.rows_needed(split.resolve(sel, n), n)
         if need > n:
             raise IndexError(f"{f.name or 'function'}: batch_s selects row {need - 1} but "
-                             f"shared variable {s} has {n} rows in rank {rt.rank}")
+                             f"shared variable {s} has {n} rows in rank {rt.place.rank}")
 
 
 def _check_subset(f, output_subset):
@@ -262,7 +262,7 @@ class FusedCall:
         idx, _ = sharedvars.resolve(rt, self.shared_vars, "then_all_reduce")
         if self.dtype is not None:
             compressed.check(self.dtype, self.op,
-                             [(rt.shareds[i], rt.shareds[i].dtype) for i in idx],
+                             [(rt.registry.shareds[i], rt.registry.shareds[i].dtype) for i in idx],
                              "then_all_reduce")
         return ThenMsg(idx, self.op, self.then._ID, self.dtype)
 
@@ -275,6 +275,6 @@ class FusedCall:
 
 
 @handler(Command.CALL, CallMsg, collected=True,
-         label=lambda rt, msg: f"call of {rt.functions[msg.function_id].name or 'function'}")
+         label=lambda rt, msg: f"call of {rt.registry.functions[msg.function_id].name or 'function'}")
 def _call_worker(rt, msg):
-    execution.execute(rt.functions[msg.function_id].spec, rt, msg)
+    execution.execute(rt.registry.functions[msg.function_id].spec, rt, msg)

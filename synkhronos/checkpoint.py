@@ -57,7 +57,7 @@ def save(path, shared_vars=None, metadata=None):
     if rt is None:
         per_rank = [_local_values(shareds)]
     else:
-        idx = [rt.shared_ids[id(v)] for v in shareds]
+        idx = [rt.registry.shared_ids[id(v)] for v in shareds]
         msg = SaveMsg(idx)
         per_rank = run_command(rt, Command.SAVE_STATE, msg, lambda seq: _save_local(rt, msg))
     entries, arrays = [], {}
@@ -121,7 +121,7 @@ def load(path, shared_vars=None):
     if len(entries) != len(shareds):
         raise ValueError(f"load: {path} holds {len(entries)} variables; this run has "
                          f"{len(shareds)}")
-    n = 1 if rt is None else rt.n_parallel
+    n = 1 if rt is None else rt.place.n_parallel
     shapes = _current_shapes(rt, shareds)
     per_rank = [[] for _ in range(n)]
     for entry, var, have in zip(entries, shareds, shapes):
@@ -131,7 +131,7 @@ def load(path, shared_vars=None):
     if rt is None:
         _restore_local(None, shareds, per_rank[0])
     else:
-        idx = [rt.shared_ids[id(v)] for v in shareds]
+        idx = [rt.registry.shared_ids[id(v)] for v in shareds]
         blobs = [np.frombuffer(pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
                  for v in per_rank]
         msg = LoadMsg(idx)
@@ -155,14 +155,14 @@ class LoadMsg(NamedTuple):
 
 
 def _save_local(rt, msg):
-    values = _local_values([rt.shareds[i] for i in msg.idx])
+    values = _local_values([rt.registry.shareds[i] for i in msg.idx])
     blob = np.frombuffer(pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-    got = rt.backend.host.gather([blob], rt.master_rank)
-    if rt.rank != rt.master_rank:
+    got = rt.backend.host.gather([blob], rt.place.master_rank)
+    if rt.place.rank != rt.place.master_rank:
         return None
     # Unpickled at once: the arrays are views into communication buffers.
-    return [values if q == rt.rank else pickle.loads(got[q][0].tobytes())
-            for q in range(rt.n_parallel)]
+    return [values if q == rt.place.rank else pickle.loads(got[q][0].tobytes())
+            for q in range(rt.place.n_parallel)]
 
 
 @handler(Command.SAVE_STATE, SaveMsg)
@@ -172,8 +172,8 @@ def _save_worker(rt, msg):
 
 def _load_local(rt, msg, blobs=None):
     per_rank = None if blobs is None else [[b] for b in blobs]
-    mine = rt.backend.host.scatter(per_rank, rt.master_rank)[0]
-    _restore_local(rt, [rt.shareds[i] for i in msg.idx], pickle.loads(np.asarray(mine).tobytes()))
+    mine = rt.backend.host.scatter(per_rank, rt.place.master_rank)[0]
+    _restore_local(rt, [rt.registry.shareds[i] for i in msg.idx], pickle.loads(np.asarray(mine).tobytes()))
 
 
 @handler(Command.LOAD_STATE, LoadMsg)
@@ -187,7 +187,7 @@ def _run():
     rt = get_runtime()
     if rt is None or rt.closed:
         return None
-    if not rt.distributed:
+    if not rt.registry.distributed:
         return None
     return rt
 
@@ -197,7 +197,7 @@ def _variables(rt, shared_vars, where):
     if shared_vars is None:
         if rt is None:
             raise ValueError(f"{where}: without a distributed run, name the shared_vars")
-        return list(rt.shareds)
+        return list(rt.registry.shareds)
     items = list(shared_vars) if isinstance(shared_vars, (list, tuple)) else [shared_vars]
     if not items:
         raise ValueError(f"{where}: shared_vars is empty")
@@ -207,7 +207,7 @@ def _variables(rt, shared_vars, where):
             if rt is None:
                 raise TypeError(f"{where}: shared_vars names {item!r}; without a distributed "
                                 "run, pass the shared variables themselves")
-            hits = [v for v in rt.shareds if v.name == item]
+            hits = [v for v in rt.registry.shareds if v.name == item]
             if not hits:
                 raise ValueError(f"{where}: no shared variable named {item!r} is used by a "
                                  "function given to distribute()")
@@ -218,8 +218,8 @@ def _variables(rt, shared_vars, where):
         elif not isinstance(item, SharedVariable):
             raise TypeError(f"{where}: shared_vars must be a shared variable, its name, or a "
                             f"list/tuple of them; got {type(item).__name__}")
-        elif rt is not None and (id(item) not in rt.shared_ids
-                                 or rt.shareds[rt.shared_ids[id(item)]] is not item):
+        elif rt is not None and (id(item) not in rt.registry.shared_ids
+                                 or rt.registry.shareds[rt.registry.shared_ids[id(item)]] is not item):
             raise ValueError(f"{where}: shared variable {item} is not used by any function "
                              "given to distribute()")
         out.append(item)
@@ -236,7 +236,7 @@ def _current_shapes(rt, shareds):
         found = [[tuple(sv.raw(shareds[k]).shape)] for k in tensors]
     elif tensors:
         # A query only: every rank reports, none changes anything.
-        found = rank_values._shapes(rt, [rt.shared_ids[id(shareds[k])] for k in tensors])
+        found = rank_values._shapes(rt, [rt.registry.shared_ids[id(shareds[k])] for k in tensors])
     else:
         found = []
     for k, shapes in zip(tensors, found):

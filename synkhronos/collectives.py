@@ -5,7 +5,7 @@ Also the home of the whole public set: reduce and all_reduce come from
 ``rank_values``.
 
 Each collective checks its arguments in the master, posts one command whose
-message names the variables by their index in ``rt.shareds``, and runs the
+message names the variables by their index in ``rt.registry.shareds``, and runs the
 same local function on every rank, the master included.  All variables of
 one call go through the backend together: one pack, one set of barriers.
 
@@ -65,7 +65,7 @@ def broadcast(shared_vars, values=None, nccl=True):
     items = None
     if values is not None:
         values = sv.value_list(values, len(idx), single, "broadcast")
-        items = [sv.condition(rt, rt.shareds[i], v, "broadcast") for i, v in zip(idx, values)]
+        items = [sv.condition(rt, rt.registry.shareds[i], v, "broadcast") for i, v in zip(idx, values)]
     # Given values are host data: only the variables' own values go through NCCL.
     msg = BroadcastMsg(idx, None if items is None else sv.descs(items),
                        items is None and bool(nccl))
@@ -81,13 +81,13 @@ class BroadcastMsg(NamedTuple):
 
 
 def _broadcast_local(rt, msg, items=None):
-    shareds = [rt.shareds[i] for i in msg.idx]
+    shareds = [rt.registry.shareds[i] for i in msg.idx]
     descs = msg.descs or [None] * len(shareds)
     via = [k for k, d in enumerate(descs) if d is None]
-    root = rt.master_rank
+    root = rt.place.master_rank
     be = transport(rt, msg.nccl)
     keys = [msg.idx[k] for k in via]
-    if rt.rank == root:
+    if rt.place.rank == root:
         if via:
             arrays = (backend_values(be, [shareds[k] for k in via]) if items is None
                       else [items[k] for k in via])
@@ -142,11 +142,11 @@ def scatter(shared_vars, values, batch=None):
     idx, single = sv.resolve(rt, shared_vars, "scatter")
     values = sv.value_list(values, len(idx), single, "scatter")
     sel = None if batch is None else rows.normalize_batch(batch, "scatter: batch")
-    n = rt.n_parallel
+    n = rt.place.n_parallel
     items, sels = [], []
     per_rank = [[] for _ in range(n)]
     for i, value in zip(idx, values):
-        var = rt.shareds[i]
+        var = rt.registry.shareds[i]
         item = sv.condition(rt, var, value, "scatter", whole=False)
         arr = item.data if isinstance(item, Data) else item
         if arr.ndim == 0:
@@ -174,17 +174,17 @@ class ScatterMsg(NamedTuple):
 
 
 def _scatter_local(rt, msg, per_rank=None):
-    shareds = [rt.shareds[i] for i in msg.idx]
+    shareds = [rt.registry.shareds[i] for i in msg.idx]
     via = [k for k, d in enumerate(msg.descs) if d is None]
-    root = rt.master_rank
+    root = rt.place.master_rank
     if via:
-        got = rt.backend.scatter(per_rank if rt.rank == root else None, root)
+        got = rt.backend.scatter(per_rank if rt.place.rank == root else None, root)
         for k, value in zip(via, got):
             sv.store(rt, shareds[k], value)
     for var, desc, s in zip(shareds, msg.descs, msg.sels):
         if desc is not None:
             view = sv.data_view(rt, desc)
-            lo, hi = rows.rank_range(rows.selection_length(s, len(view)), rt.n_parallel, rt.rank)
+            lo, hi = rows.rank_range(rows.selection_length(s, len(view)), rt.place.n_parallel, rt.place.rank)
             sv.store(rt, var, rows.take(view, s, lo, hi))
 
 
@@ -225,8 +225,8 @@ def gather(shared_vars, nd_up=1, nccl=True):
         raise ValueError(f"gather: nd_up must be 0 or 1; got {nd_up!r}")
     if nd_up == 0:
         for i in idx:
-            if rt.shareds[i].ndim == 0:
-                raise ValueError(f"gather: {rt.shareds[i]} is 0-d and cannot be concatenated; "
+            if rt.registry.shareds[i].ndim == 0:
+                raise ValueError(f"gather: {rt.registry.shareds[i]} is 0-d and cannot be concatenated; "
                                  "use nd_up=1")
     msg = GatherMsg(idx, int(nd_up), bool(nccl))
     return sv.ret(run_command(rt, Command.GATHER, msg, lambda seq: _gather_local(rt, msg)),
@@ -242,16 +242,16 @@ class GatherMsg(NamedTuple):
 
 
 def _gather_local(rt, msg):
-    shareds = [rt.shareds[i] for i in msg.idx]
+    shareds = [rt.registry.shareds[i] for i in msg.idx]
     be = transport(rt, msg.nccl)
-    got = be.gather(backend_values(be, shareds), rt.master_rank, keys=msg.idx)
-    if rt.rank != rt.master_rank:
+    got = be.gather(backend_values(be, shareds), rt.place.master_rank, keys=msg.idx)
+    if rt.place.rank != rt.place.master_rank:
         if got is not None:
             for var, value in zip(shareds, got):
                 sv.keep(rt, var, value)
         return None
     join = np.stack if msg.nd_up else np.concatenate
-    out = [_join(join, [got[q][k] for q in range(rt.n_parallel)], var, "gather")
+    out = [_join(join, [got[q][k] for q in range(rt.place.n_parallel)], var, "gather")
            for k, var in enumerate(shareds)]
     if be.device_arrays:
         out = [sv.like(rt, var, value) for var, value in zip(shareds, out)]
@@ -299,10 +299,10 @@ def all_gather(shared_vars, nccl=True):
     check_flags("all_gather", nccl=nccl)
     idx, single = sv.resolve(rt, shared_vars, "all_gather")
     for i in idx:
-        var = rt.shareds[i]
+        var = rt.registry.shareds[i]
         if var.ndim == 0:
             raise ValueError(f"all_gather: {var} is 0-d and cannot be concatenated")
-        if rt.n_parallel > 1 and var.type.shape[0] is not None:
+        if rt.place.n_parallel > 1 and var.type.shape[0] is not None:
             raise ValueError(f"all_gather: {var} has a fixed length {var.type.shape[0]}, "
                              "which the concatenation would change")
     msg = AllGatherMsg(idx, bool(nccl))
@@ -317,10 +317,10 @@ class AllGatherMsg(NamedTuple):
 
 
 def _all_gather_local(rt, msg):
-    shareds = [rt.shareds[i] for i in msg.idx]
+    shareds = [rt.registry.shareds[i] for i in msg.idx]
     be = transport(rt, msg.nccl)
     got = be.all_gather(backend_values(be, shareds))
-    joined = [_join(np.concatenate, [got[q][k] for q in range(rt.n_parallel)], var, "all_gather")
+    joined = [_join(np.concatenate, [got[q][k] for q in range(rt.place.n_parallel)], var, "all_gather")
               for k, var in enumerate(shareds)]
     for var, value in zip(shareds, joined):
         sv.adopt(rt, var, value)

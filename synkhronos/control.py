@@ -50,7 +50,7 @@ class Control:
         # Slots are indexed by local index: the ranks of this machine.
         self.rt = rt
         self.spin_s = spin_s
-        n_local = rt.n_local
+        n_local = rt.place.n_local
         n_slots = RANK_BASE + RANK_STRIDE * n_local
         self.block = SharedArray(rt.segment_name("ctrl"), 8 * n_slots)
         self.mv = memoryview(self.block.buffer).cast("q")
@@ -74,7 +74,7 @@ class Control:
         message as an earlier post pickled it (``last_plain``): a loop that
         repeats a collective skips the pickling.
         """
-        freed = rt.freed
+        freed = rt.registry.freed
         if wire is not None and not freed:
             data = wire
         else:
@@ -134,7 +134,7 @@ class Control:
         out = {}
         for r in self.workers:
             if self.mv[self.slot(r, STATUS)] == FAILED:
-                out[self.rt.rank_offset + r] = self._read_error(r)
+                out[self.rt.place.rank_offset + r] = self._read_error(r)
         return out
 
     def _read_error(self, rank):
@@ -246,7 +246,7 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None, wire=None):
     cluster = rt.cluster  # the controller's link to the other machines (None elsewhere)
     if cluster is not None and not COMMANDS[cmd].local:
         cluster.forward(cmd, control.last)
-    rt.monitor.begin(what or cmd)  # a Command is named only if a rank stalls
+    rt.processes.monitor.begin(what or cmd)  # a Command is named only if a rank stalls
     if prof is not None:
         prof.lap("control")
     rt.backend.begin(seq)
@@ -283,8 +283,8 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None, wire=None):
     if local_exc is not None or control.any_failed() or remote:
         failures = control.failures()
         if local_exc is not None:
-            text, _ = describe_error(rank_header(rt.rank, rt.n_parallel), local_exc)
-            failures[rt.rank] = (text, local_exc)
+            text, _ = describe_error(rank_header(rt.place.rank, rt.place.n_parallel), local_exc)
+            failures[rt.place.rank] = (text, local_exc)
         if remote:
             failures.update(remote)
         if prof is not None:

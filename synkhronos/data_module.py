@@ -83,7 +83,7 @@ def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=Fals
         raise TypeError("data: cannot tell dtype and ndim; give value, var, or dtype and ndim")
     dtype = conditioning.check_dtype(dtype, "data")
     ID = next(rt.counter)
-    while ID in rt.datas:  # taken by a Data(ID) made directly
+    while ID in rt.registry.datas:  # taken by a Data(ID) made directly
         ID = next(rt.counter)
     obj = Data(ID, dtype, ndim, minibatch=minibatch, name=name)
     try:
@@ -93,7 +93,7 @@ def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=Fals
             obj.set_shape(shape, oversize=oversize)
     except BaseException:
         # A rejected value leaves no half-made Data registered in the run.
-        rt.datas.pop(obj._ID, None)
+        rt.registry.datas.pop(obj._ID, None)
         raise
     return obj
 
@@ -114,13 +114,13 @@ class Data:
         if isinstance(ID, (bool, np.bool_)) or not isinstance(ID, (numbers.Integral, np.integer)):
             raise TypeError(f"Data: ID must be an int; got {ID!r}")
         ID = int(ID)
-        if ID in rt.datas:
+        if ID in rt.registry.datas:
             # Two objects on one id would share, and then free, one memory in the ranks.
             raise ValueError(f"Data: ID {ID} is in use by another Data of this run; "
                              "make Data objects with synk.data()")
         conditioning.check_ndim(ndim, "Data")
-        if ndim > rt.max_dim:
-            raise ValueError(f"Data: ndim {ndim} exceeds max_dim={rt.max_dim} given to fork()")
+        if ndim > rt.config.max_dim:
+            raise ValueError(f"Data: ndim {ndim} exceeds max_dim={rt.config.max_dim} given to fork()")
         minibatch = conditioning.check_bool(minibatch, "Data: minibatch")
         conditioning.check_name(name, "Data")
         self._ID = ID
@@ -136,7 +136,7 @@ class Data:
         # The finalizer sees the current segment through this box, not through self.
         self._box = [None]
         weakref.finalize(self, _dropped, rt, ID, self._box)
-        rt.datas[ID] = self
+        rt.registry.datas[ID] = self
 
     @property
     def data(self):
@@ -359,7 +359,7 @@ def _dropped(rt, data_id, box):
     seg.unlink()
     seg.close()
     if not rt.closed:
-        rt.freed.append(data_id)
+        rt.registry.freed.append(data_id)
 
 
 def check_data(value, rt, dtype, ndim, where, what):

@@ -62,22 +62,22 @@ register(Command.DATA_SYNC, None, DataSyncMsg, node=_sync_on_machine)
 
 @handler(Command.DATA_ALLOC, DataAllocMsg, node=_alloc_on_machine)
 def _alloc_worker(rt, msg):
-    old = rt.datas.pop(msg.data_id, None)
+    old = rt.registry.datas.pop(msg.data_id, None)
     if old is not None:
         old.close()
-    rt.datas[msg.data_id] = SharedArray.attach(msg.name, msg.nbytes)
+    rt.registry.datas[msg.data_id] = SharedArray.attach(msg.name, msg.nbytes)
 
 
 @handler(Command.DATA_FREE, DataFreeMsg, node=_free_on_machine)
 def _free_worker(rt, msg):
-    old = rt.datas.pop(msg.data_id, None)
+    old = rt.registry.datas.pop(msg.data_id, None)
     if old is not None:
         old.close()
 
 
 def view(rt, desc):
     """Return this rank's NumPy view of the Data a ``DataDesc`` names."""
-    seg = rt.datas[desc.data_id]
+    seg = rt.registry.datas[desc.data_id]
     if rt.is_master:
         return seg._data
     return seg.cached_view(desc.dtype, desc.shape)

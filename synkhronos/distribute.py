@@ -26,15 +26,15 @@ def distribute():
         SynkStateError: not forked, or already distributed (a ``RuntimeError``).
     """
     rt = require_forked("distribute()")
-    if rt.distributed:
+    if rt.registry.distributed:
         raise SynkStateError("distribute() can be called only once per fork()")
     t0 = time.perf_counter()
-    shareds = _collect_shareds(rt.functions)
-    blob = pickle.dumps((rt.functions, shareds), protocol=pickle.HIGHEST_PROTOCOL)
+    shareds = _collect_shareds(rt.registry.functions)
+    blob = pickle.dumps((rt.registry.functions, shareds), protocol=pickle.HIGHEST_PROTOCOL)
     run_command(rt, Command.DISTRIBUTE, DistributeMsg(blob))
-    _install(rt, rt.functions, shareds)
+    _install(rt, rt.registry.functions, shareds)
     logger.info("distributed %d functions (%d shared variables, %.1f MB) in %.2f s",
-                len(rt.functions), len(shareds), len(blob) / 1e6, time.perf_counter() - t0)
+                len(rt.registry.functions), len(shareds), len(blob) / 1e6, time.perf_counter() - t0)
 
 
 def _collect_shareds(functions):
@@ -47,17 +47,17 @@ def _collect_shareds(functions):
 
 
 def _install(rt, functions, shareds):
-    rt.functions = list(functions)
-    rt.shareds = list(shareds)
-    rt.shared_ids = {id(s): i for i, s in enumerate(shareds)}
+    rt.registry.functions = list(functions)
+    rt.registry.shareds = list(shareds)
+    rt.registry.shared_ids = {id(s): i for i, s in enumerate(shareds)}
     # Collectives keep the values of JAX functions' shared variables on the device.
-    rt.device_shareds = {id(s) for f in functions if gpu.uses_jax(f.spec.fn)
+    rt.registry.device_shareds = {id(s) for f in functions if gpu.uses_jax(f.spec.fn)
                          for s in f.spec.fn.get_shared()}
     for s in shareds:
         # Their values go to the device once, here, rather than from the host
         # at every call until their first update.
         sv.place(rt, s)
-    rt.distributed = True
+    rt.registry.distributed = True
 
 
 class DistributeMsg(NamedTuple):

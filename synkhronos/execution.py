@@ -70,18 +70,18 @@ def execute(spec, rt, msg):
 
 def run_share(spec, rt, msg):
     """Run this rank's share of a call; return ``(results or None, weight)``."""
-    rank = rt.rank
+    rank = rt.place.rank
     prof = rt.profiler
     descs = msg.descs
     if rt.is_master:
-        datas = rt.datas
+        datas = rt.registry.datas
         arrays = [datas[d.data_id]._data for d in descs]
     else:
         arrays = [datamaps.view(rt, d) for d in descs]
     rows = None
     sel = msg.sel
     if msg.n_scattered:
-        lo, hi = split.rank_range(msg.n_rows, rt.n_parallel, rank)
+        lo, hi = split.rank_range(msg.n_rows, rt.place.n_parallel, rank)
         for i in range(msg.n_scattered):
             arrays[i] = split.take(arrays[i], sel, lo, hi, descs[i].minibatch and sel is not None)
         rows = hi - lo
@@ -182,7 +182,7 @@ def run_then(rt, then):
     rt.backend.settle()
     if prof is not None:
         prof.lap("collective")
-    follow = rt.functions[then.function_id].spec
+    follow = rt.registry.functions[then.function_id].spec
     # in_call only where it changes no in-graph collective (those act alone in a follow-up).
     rt.in_call = not follow.collective
     try:
@@ -282,12 +282,12 @@ def collect(spec, rt, mine, subset, name):
         if a.ndim == 0:
             got = scalar_parts(a.dtype)
             if got is not None:
-                got[rt.rank] = (float(a), mine[1])
+                got[rt.place.rank] = (float(a), mine[1])
                 out = reducers.combine_floats(spec.output_ops[0], [g[0] for g in got],
                                               [g[1] for g in got], a.dtype)
                 return [out] if spec.return_list else out
     parts = rt.backend.collect()
-    parts[rt.rank] = mine
+    parts[rt.place.rank] = mine
     if spec.simple and subset is None and None not in parts:
         # Fast path: one reducible output, every rank contributed.
         values = [p[0][0] for p in parts]

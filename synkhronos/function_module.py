@@ -53,7 +53,7 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
             function does not use.
     """
     rt = require_forked("function()")
-    if rt.distributed:
+    if rt.registry.distributed:
         raise SynkStateError("function() must be called before distribute()")
     inputs = var_list(inputs, "inputs")
     bcast_inputs = var_list(bcast_inputs, "bcast_inputs")
@@ -65,7 +65,7 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
     out_vars, out_ops, return_list = parse_outputs(outputs)
     upd_pairs, upd_ops = parse_updates(updates)
     sliceable = var_list(sliceable_shareds, "sliceable_shareds", shared=True)
-    if rt.device == "gpu":
+    if rt.config.device == "gpu":
         # GPU mode: shared variables live on the device as JAX arrays.
         kwargs.setdefault("mode", "JAX")
     fn = pytensor.function(inputs + bcast_inputs, out_vars, updates=upd_pairs or None,
@@ -81,9 +81,9 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
             "synk.fork() before any JAX computation, or use another mode.")
     spec = execution.FunctionSpec(fn, inputs, bcast_inputs, out_vars, out_ops, return_list,
                                   upd_pairs, upd_ops, givens, sliceable, kwargs)
-    f = Function(len(rt.functions), spec)
+    f = Function(len(rt.registry.functions), spec)
     f.attach(rt)
-    rt.functions.append(f)
+    rt.registry.functions.append(f)
     return f
 
 

@@ -63,14 +63,14 @@ def in_call():
 def n_ranks():
     """Return how many ranks an in-graph collective combines here: n_parallel in a call, else 1."""
     rt = in_call()
-    return 1 if rt is None else rt.n_parallel
+    return 1 if rt is None else rt.place.n_parallel
 
 
 def _all_reduce(x, kind):
     """Combine ``x`` over the ranks of the running call (identity outside one)."""
     rt = in_call()
     x = np.asarray(x)
-    if rt is None or rt.n_parallel == 1:
+    if rt is None or rt.place.n_parallel == 1:
         return np.array(x)
     out = rt.backend.host.all_reduce([x], _REDUCE_KINDS[kind])[0]
     return np.asarray(out, dtype=x.dtype)
@@ -83,7 +83,7 @@ def _all_gather(x, equal_rows=False):
     """
     rt = in_call()
     x = np.asarray(x)
-    if rt is None or rt.n_parallel == 1:
+    if rt is None or rt.place.n_parallel == 1:
         return np.array(x)
     got = rt.backend.host.all_gather([np.ascontiguousarray(x)])
     lengths = [len(g[0]) for g in got]
@@ -108,12 +108,12 @@ def _gather_grad(n_rows, dtype, g):
     """This rank's ``n_rows`` rows of ``psum(g)``: the gradient of all_gather."""
     rt = in_call()
     g = np.asarray(g)
-    if rt is None or rt.n_parallel == 1:
+    if rt is None or rt.place.n_parallel == 1:
         return np.array(g, dtype=dtype)
     host = rt.backend.host
     total = np.asarray(host.all_reduce([g], "sum")[0], dtype=dtype)
     lengths = [int(v[0][0]) for v in host.all_gather([np.array([n_rows], dtype=np.int64)])]
-    lo = sum(lengths[:rt.rank])
+    lo = sum(lengths[:rt.place.rank])
     return np.array(total[lo:lo + n_rows])
 
 

@@ -39,8 +39,8 @@ def step(rt, f_grad, f_update, cur, prev, op, dtype, pending, call):
 
     Returns the gradient function's outputs, reduced as for a call, or None.
     """
-    msg = OverlapMsg(call, f_grad._ID, f_update._ID, rt.shared_ids[id(cur)],
-                     rt.shared_ids[id(prev)], op, dtype, pending)
+    msg = OverlapMsg(call, f_grad._ID, f_update._ID, rt.registry.shared_ids[id(cur)],
+                     rt.registry.shared_ids[id(prev)], op, dtype, pending)
     spec = f_grad.spec
     after = None
     if call is not None:
@@ -57,7 +57,7 @@ def _reduce(rt, arr, msg):
 
 
 def _local(rt, msg):
-    prev, cur = rt.shareds[msg.prev_idx], rt.shareds[msg.cur_idx]
+    prev, cur = rt.registry.shareds[msg.prev_idx], rt.registry.shareds[msg.cur_idx]
     box = {}
     thread = None
     if msg.pending:
@@ -73,7 +73,7 @@ def _local(rt, msg):
     results, weight = None, 1.0
     try:
         if msg.call is not None:
-            results, weight = execution.run_share(rt.functions[msg.grad_id].spec, rt, msg.call)
+            results, weight = execution.run_share(rt.registry.functions[msg.grad_id].spec, rt, msg.call)
     finally:
         if thread is not None:
             thread.join()
@@ -83,7 +83,7 @@ def _local(rt, msg):
         # Others may still read this rank's buffers: meet before anyone packs results.
         rt.backend.barrier()
         sv.adopt(rt, prev, box["out"])
-        rt.functions[msg.update_id].spec.fn()   # applies the rule, zeroes ``prev``
+        rt.registry.functions[msg.update_id].spec.fn()   # applies the rule, zeroes ``prev``
     if msg.call is not None:
         # Double buffering: this step's gradient waits in ``prev`` for the next step.
         a = cur.get_value(borrow=True, return_internal_type=True)

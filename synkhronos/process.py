@@ -149,7 +149,7 @@ def start(p):
         # changing OpenBLAS's pool after a fork leaves it slowing every round trip.
         _limit_threads(rt)
         # CPU mode on a machine with GPUs: mode="JAX" must not put every rank on GPU 0.
-        rt.restore.append(gpu.keep_jax_on_cpu())
+        rt.processes.restore.append(gpu.keep_jax_on_cpu())
     # The parent-death signal fires when the forking *thread* ends: only the main
     # thread lives as long as the process.  Otherwise the workers' own check on
     # their parent (liveness.worker_check) and the janitor end them.
@@ -161,15 +161,15 @@ def start(p):
                 proc = ctx.Process(target=_worker_main, args=(rt, rank, tie),
                                    name=f"synk-rank-{rank}", daemon=True)
                 proc.start()
-                rt.procs[rank] = proc
+                rt.processes.procs[rank] = proc
             rank = None
-            rt.monitor = rt.check = Monitor(rt.procs, p.timeout_s, rt.control.pending)
+            rt.processes.monitor = rt.check = Monitor(rt.processes.procs, p.timeout_s, rt.control.pending)
             rt.backend.bind_check(command_check(rt.check, rt.control.aborted_now))
-            rt.janitor = Janitor(prefix, rt.cleanup_dirs,
-                                 [proc.pid for proc in rt.procs.values()],
+            rt.processes.janitor = Janitor(prefix, rt.processes.cleanup_dirs,
+                                 [proc.pid for proc in rt.processes.procs.values()],
                                  close_in_child=mpi_launch.close_launcher_fds)
             if p.launch is None:
-                rt.janitor.close_in_children(lock_fd)
+                rt.processes.janitor.close_in_children(lock_fd)
     except BaseException as exc:
         # Out of processes or memory, Ctrl-C: stop the ranks started, free everything.
         if rank is not None:
@@ -181,9 +181,9 @@ def start(p):
     # while the workers are still there to be told to quit.
     atexit.unregister(_close_at_exit)
     atexit.register(_close_at_exit)
-    pin = (lambda: None) if gpu_mode else (lambda: _pin(rt, rt.local_index, restore=True))
+    pin = (lambda: None) if gpu_mode else (lambda: _pin(rt, rt.place.local_index, restore=True))
     if p.launch is not None:
-        return join_cluster(rt, p.launch, rt.janitor.tell, join_workers, pin)
+        return join_cluster(rt, p.launch, rt.processes.janitor.tell, join_workers, pin)
     pin()
     logger.info("forked %d workers (%s mode, master rank %d, %d ranks on %d %s)",
                 p.n_parallel - 1, p.device, p.master_rank, p.n_parallel,
@@ -192,10 +192,10 @@ def start(p):
 
 
 def _select_gpu(rt, rank):
-    per_gpu = -(-rt.n_parallel // rt.n_gpus)
+    per_gpu = -(-rt.place.n_parallel // rt.config.n_gpus)
     if rt.is_master:
         _save_env(rt, ("CUDA_VISIBLE_DEVICES", "XLA_PYTHON_CLIENT_MEM_FRACTION"))
-    gpu.select_device(rt.gpu_ids[gpu.device_for_rank(rank, rt.n_gpus)], per_gpu)
+    gpu.select_device(rt.config.gpu_ids[gpu.device_for_rank(rank, rt.config.n_gpus)], per_gpu)
 
 
 def _save_env(rt, names):
@@ -208,7 +208,7 @@ def _save_env(rt, names):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    rt.restore.append(restore)
+    rt.processes.restore.append(restore)
 
 
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
@@ -229,16 +229,16 @@ def _limit_threads(rt):
     for k in THREAD_ENV:
         os.environ[k] = "1"
     limiter = threadpool_limits(limits=1)
-    rt.restore.append(limiter.restore_original_limits)
+    rt.processes.restore.append(limiter.restore_original_limits)
 
 
 def _pin(rt, rank, restore=False):
     """Pin this process to its own core when this machine has enough cores."""
-    if rt.n_local <= len(rt.cores):
+    if rt.place.n_local <= len(rt.config.cores):
         before = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, {rt.cores[rank]})
+        os.sched_setaffinity(0, {rt.config.cores[rank]})
         if restore:
-            rt.restore.append(lambda: os.sched_setaffinity(0, before))
+            rt.processes.restore.append(lambda: os.sched_setaffinity(0, before))
 
 
 @contextlib.contextmanager
@@ -287,17 +287,17 @@ def _worker_main(rt, rank, tie):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the master's to handle
     if tie:
         _set_pdeathsig()
-    if os.getppid() != rt.master_pid:
+    if os.getppid() != rt.config.master_pid:
         os._exit(1)
     rt.place.local_index = rank
-    rt.place.rank = rt.rank_offset + rank
+    rt.place.rank = rt.place.rank_offset + rank
     rt.processes = Processes()
     rt.registry.datas = {}  # this rank's mappings, by Data id
-    if rt.device == "gpu":
+    if rt.config.device == "gpu":
         _select_gpu(rt, rank)
     else:
         _pin(rt, rank)
-    rt.check = worker_check(rt.master_pid)
+    rt.check = worker_check(rt.config.master_pid)
     rt.backend.bind_check(command_check(rt.check, rt.control.aborted_now))
     worker.loop(rt)
 
@@ -333,7 +333,7 @@ def join_workers(rt):
     """After QUIT: join the workers (killing those that linger) and free everything."""
     _stop_workers(rt, grace_s=JOIN_TIMEOUT_S)
     _teardown(rt)
-    logger.info("closed %d workers", len(rt.procs))
+    logger.info("closed %d workers", len(rt.processes.procs))
 
 
 def abandon(rt, reason):
@@ -347,7 +347,7 @@ def abandon(rt, reason):
 
 def _stop_workers(rt, grace_s):
     """Give the workers ``grace_s`` to exit by themselves, then kill and join them."""
-    procs = list(rt.procs.values())
+    procs = list(rt.processes.procs.values())
     for proc in procs:
         proc.join(grace_s)
     for proc in procs:
@@ -361,24 +361,24 @@ def _teardown(rt):
     if rt.closed:
         return  # abandoned already, while close() asked the workers to quit
     rt.closed = True  # once, even if a step below fails
-    for data in list(rt.datas.values()):
+    for data in list(rt.registry.datas.values()):
         # The master's are Data objects; a node master's, segments it mapped.
         release = getattr(data, "_release", None)
         (data.close if release is None else release)()
-    rt.datas.clear()
+    rt.registry.datas.clear()
     rt.backend.close()
     rt.control.close()
-    shmem.sweep(rt.prefix)
-    if rt.janitor is not None:
-        rt.janitor.release(JOIN_TIMEOUT_S)  # first: children forked later close the lock fd
-        rt.janitor = None
+    shmem.sweep(rt.config.prefix)
+    if rt.processes.janitor is not None:
+        rt.processes.janitor.release(JOIN_TIMEOUT_S)  # first: children forked later close the lock fd
+        rt.processes.janitor = None
     os.close(rt.processes.lock_fd)
-    for undo in reversed(rt.restore):
+    for undo in reversed(rt.processes.restore):
         try:
             undo()
         except Exception:  # noqa: BLE001 - restoring limits is best effort
             pass
-    for f in rt.functions:
+    for f in rt.registry.functions:
         f._detach()
     set_runtime(None)
     if rt.cluster is not None:
@@ -390,5 +390,5 @@ def _teardown(rt):
 
 def _close_at_exit():
     rt = get_runtime()
-    if rt is not None and not rt.closed and rt.is_master and os.getpid() == rt.master_pid:
+    if rt is not None and not rt.closed and rt.is_master and os.getpid() == rt.config.master_pid:
         _close(rt)

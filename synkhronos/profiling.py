@@ -87,7 +87,7 @@ class ProfileMsg(NamedTuple):
 def _open(rt):
     """Start a profile in this process: the first one switches recording on."""
     if rt.profiler is None:
-        rt.profiler = Profiler(rt.rank)
+        rt.profiler = Profiler(rt.place.rank)
     rt.profiler.marks.append(rt.profiler.mark())
 
 
@@ -209,10 +209,10 @@ class _ProfileContext:
 
         def after(_):
             got = rt.backend.collect()
-            got[rt.rank] = None
+            got[rt.place.rank] = None
             records = {q: pickle.loads(g[0][0].tobytes()) for q, g in enumerate(got)
                        if g is not None}
-            records[rt.rank] = mine
+            records[rt.place.rank] = mine
             return records
         self.profile.records = run_command(rt, Command.PROFILE, ProfileMsg(False), after=after)
         return False

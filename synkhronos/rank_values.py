@@ -41,7 +41,7 @@ def set_value(rank, shared_vars, values, batch=None):
     sel = None if batch is None else rows.normalize_batch(batch, "set_value: batch")
     items, sels = [], []
     for i, value in zip(idx, values):
-        var = rt.shareds[i]
+        var = rt.registry.shareds[i]
         item = sv.condition(rt, var, value, "set_value", whole=sel is None)
         arr = item.data if isinstance(item, Data) else item
         s = None
@@ -56,17 +56,17 @@ def set_value(rank, shared_vars, values, batch=None):
                 s = None
         items.append(item)
         sels.append(s)
-    if rank == rt.rank:
+    if rank == rt.place.rank:
         for i, item, s in zip(idx, items, sels):
             arr = item.data if isinstance(item, Data) else item
             if s is not None:
                 arr = rows.take(arr, s, 0, rows.selection_length(s, len(arr)))
-            sv.store(rt, rt.shareds[i], arr)
+            sv.store(rt, rt.registry.shareds[i], arr)
         return
     placeholder = np.empty(0, np.uint8)
     pieces = [v for v in items if not isinstance(v, Data)]
     per_rank = [pieces if r == rank else [placeholder] * len(pieces)
-                for r in range(rt.n_parallel)]
+                for r in range(rt.place.n_parallel)]
     msg = SetValueMsg(rank, idx, sv.descs(items), sels)
     run_command(rt, Command.SET_VALUE, msg, lambda seq: _set_value_local(rt, msg, per_rank))
 
@@ -81,14 +81,14 @@ class SetValueMsg(NamedTuple):
 
 
 def _set_value_local(rt, msg, per_rank=None):
-    root = rt.master_rank
+    root = rt.place.master_rank
     via = [k for k, d in enumerate(msg.descs) if d is None]
     got = None
     if via:
-        got = rt.backend.scatter(per_rank if rt.rank == root else None, root)
-    if rt.rank != msg.rank:
+        got = rt.backend.scatter(per_rank if rt.place.rank == root else None, root)
+    if rt.place.rank != msg.rank:
         return
-    shareds = [rt.shareds[i] for i in msg.idx]
+    shareds = [rt.registry.shareds[i] for i in msg.idx]
     for k, value in zip(via, got):
         sv.store(rt, shareds[k], value)
     for var, desc, s in zip(shareds, msg.descs, msg.sels):
@@ -125,8 +125,8 @@ def get_value(rank, shared_vars):
     rt = require_collective("get_value()")
     rank = sv.check_rank(rt, rank, "get_value")
     idx, single = sv.resolve(rt, shared_vars, "get_value", unique=False)
-    if rank == rt.rank:
-        return sv.ret([np.array(sv.get_array(rt.shareds[i])) for i in idx], single)
+    if rank == rt.place.rank:
+        return sv.ret([np.array(sv.get_array(rt.registry.shareds[i])) for i in idx], single)
 
     def after(_):
         arrays, _weight = rt.backend.collect()[rank]
@@ -143,7 +143,7 @@ class GetValueMsg(NamedTuple):
 
 @handler(Command.GET_VALUE, GetValueMsg, collected=True)
 def _get_value_worker(rt, msg):
-    mine = [sv.get_array(rt.shareds[i]) for i in msg.idx] if rt.rank == msg.rank else None
+    mine = [sv.get_array(rt.registry.shareds[i]) for i in msg.idx] if rt.place.rank == msg.rank else None
     rt.backend.contribute(mine)
 
 
@@ -187,20 +187,20 @@ def get_lengths(shared_vars):
     rt = require_collective("get_lengths()")
     idx, single = sv.resolve(rt, shared_vars, "get_lengths", unique=False)
     for i in idx:
-        if rt.shareds[i].ndim == 0:
-            raise ValueError(f"get_lengths: {rt.shareds[i]} is 0-d and has no length")
+        if rt.registry.shareds[i].ndim == 0:
+            raise ValueError(f"get_lengths: {rt.registry.shareds[i]} is 0-d and has no length")
     return sv.ret([[s[0] for s in shapes] for shapes in _shapes(rt, idx)], single)
 
 
 def _shapes(rt, idx):
     """Return, per variable, the list of its shape in each rank."""
-    mine = [tuple(sv.raw(rt.shareds[i]).shape) for i in idx]  # no device-to-host copy
+    mine = [tuple(sv.raw(rt.registry.shareds[i]).shape) for i in idx]  # no device-to-host copy
 
     def after(_):
         parts = rt.backend.collect()
-        per_rank = [mine if q == rt.rank else [tuple(int(x) for x in a) for a in parts[q][0]]
-                    for q in range(rt.n_parallel)]
-        return [[per_rank[q][k] for q in range(rt.n_parallel)] for k in range(len(idx))]
+        per_rank = [mine if q == rt.place.rank else [tuple(int(x) for x in a) for a in parts[q][0]]
+                    for q in range(rt.place.n_parallel)]
+        return [[per_rank[q][k] for q in range(rt.place.n_parallel)] for k in range(len(idx))]
     return run_command(rt, Command.GET_SHAPES, GetShapesMsg(idx), after=after)
 
 
@@ -212,5 +212,5 @@ class GetShapesMsg(NamedTuple):
 
 @handler(Command.GET_SHAPES, GetShapesMsg, collected=True)
 def _get_shapes_worker(rt, msg):
-    rt.backend.contribute([np.array(sv.raw(rt.shareds[i]).shape, dtype=np.int64)
+    rt.backend.contribute([np.array(sv.raw(rt.registry.shareds[i]).shape, dtype=np.int64)
                            for i in msg.idx])

@@ -36,7 +36,7 @@ def require_collective(what):
     if rt.in_call or not rt.is_master:
         raise SynkStateError(
             f"{what}: no collective inside a call; collectives run from the master's program, "
-            f"between calls (called in rank {rt.rank}{' while it ran a call' if rt.in_call else ''}"
+            f"between calls (called in rank {rt.place.rank}{' while it ran a call' if rt.in_call else ''}"
             "); inside a graph use synkhronos.ingraph")
     return rt
 
@@ -52,7 +52,7 @@ def _check_reduce(rt, shared_vars, op, in_place, where):
     idx, single = sv.resolve(rt, shared_vars, where, unique=in_place)
     if in_place and op == "avg":
         for i in idx:
-            var = rt.shareds[i]
+            var = rt.registry.shareds[i]
             if np.dtype(var.dtype).kind in "iub":
                 raise TypeError(f"{where}: op 'avg' on {var} of dtype {var.dtype} gives "
                                 "floats, which the variable cannot hold; use 'sum'")
@@ -102,16 +102,16 @@ class ReduceMsg(NamedTuple):
 
 
 def _reduce_local(rt, msg):
-    shareds = [rt.shareds[i] for i in msg.idx]
+    shareds = [rt.registry.shareds[i] for i in msg.idx]
     be = transport(rt, msg.nccl)
     arrays = backend_values(be, shareds)
-    root = rt.master_rank
+    root = rt.place.master_rank
     outs = None
-    if msg.in_place and rt.rank == root and not be.device_arrays:
+    if msg.in_place and rt.place.rank == root and not be.device_arrays:
         outs = [sv.writable_out(rt, v, reducers.result_dtype(msg.op, a.dtype))
                 for v, a in zip(shareds, arrays)]
     result = be.reduce(arrays, msg.op, root, out=outs)
-    if rt.rank != root:
+    if rt.place.rank != root:
         return None
     if not msg.in_place:
         return [sv.like(rt, var, value) for var, value in zip(shareds, result)] \
@@ -152,7 +152,7 @@ def all_reduce(shared_vars, op="avg", nccl=True, dtype=None):
     if (type(shared_vars) is TensorSharedVariable and type(op) is str and type(nccl) is bool
             and (dtype is None or type(dtype) is str)):
         key = (Command.ALL_REDUCE, shared_vars, op, nccl, dtype)
-        hit = rt.wire.get(key)
+        hit = rt.registry.wire.get(key)
         if hit is not None:
             msg = hit[0]
             run_command(rt, Command.ALL_REDUCE, msg, lambda seq: all_reduce_local(rt, msg),
@@ -161,12 +161,12 @@ def all_reduce(shared_vars, op="avg", nccl=True, dtype=None):
     check_flags("all_reduce", nccl=nccl)
     idx, _ = _check_reduce(rt, shared_vars, op, True, "all_reduce")
     if dtype is not None:
-        compressed.check(dtype, op, [(rt.shareds[i], rt.shareds[i].dtype) for i in idx],
+        compressed.check(dtype, op, [(rt.registry.shareds[i], rt.registry.shareds[i].dtype) for i in idx],
                          "all_reduce")
     msg = AllReduceMsg(idx, op, bool(nccl), dtype)
     run_command(rt, Command.ALL_REDUCE, msg, lambda seq: all_reduce_local(rt, msg))
     if key is not None and rt.control.last_plain is not None:
-        rt.wire[key] = (msg, rt.control.last_plain)
+        rt.registry.wire[key] = (msg, rt.control.last_plain)
 
 
 class AllReduceMsg(NamedTuple):
@@ -187,7 +187,7 @@ def all_reduce_local(rt, msg):
     small = rt.backend.small_all_reduce
     if small is not None and msg.dtype is None and small(msg.idx, msg.op):
         return
-    shareds = [rt.shareds[i] for i in msg.idx]
+    shareds = [rt.registry.shareds[i] for i in msg.idx]
     if msg.dtype is not None:
         host = rt.backend.host
         arrays = backend_values(host, shareds)

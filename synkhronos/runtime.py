@@ -161,7 +161,8 @@ class Runtime:
 
     @property
     def is_master(self):
-        return self.place.rank == self.place.master_rank
+        place = self.place
+        return place.rank == place.master_rank
 
     @property
     def worker_ranks(self):

@@ -4,7 +4,7 @@ Every read or write of a shared variable's value by a collective goes through
 ``get_array`` and ``store`` here, so a device mode that keeps values in device
 memory (JAX arrays) has one place to convert.  A variable's values live on the
 device when it holds a JAX array or a JAX function uses it (``distribute()``
-records those in ``rt.device_shareds``): collectives then write JAX arrays
+records those in ``rt.registry.device_shareds``): collectives then write JAX arrays
 back, as PyTensor's JAX backend does after an update, so the next call finds
 them on the device.  ``transport`` and ``backend_values`` give the backend a
 collective's values travel through and the form it takes them in.
@@ -22,7 +22,7 @@ from . import split as rows
 
 
 def resolve(rt, shared_vars, where, unique=True):
-    """Return (indices into ``rt.shareds``, whether one variable was given).
+    """Return (indices into ``rt.registry.shareds``, whether one variable was given).
 
     Args:
         rt: the master's Runtime, after distribute().
@@ -37,29 +37,29 @@ def resolve(rt, shared_vars, where, unique=True):
     """
     if type(shared_vars) is TensorSharedVariable:
         # The common case, first: one variable known to distribute().
-        i = rt.shared_ids.get(id(shared_vars))
-        if i is not None and rt.shareds[i] is shared_vars:
+        i = rt.registry.shared_ids.get(id(shared_vars))
+        if i is not None and rt.registry.shareds[i] is shared_vars:
             return [i], True
     single = not isinstance(shared_vars, (list, tuple))
     items = [shared_vars] if single else list(shared_vars)
     if not items:
         raise ValueError(f"{where}: shared_vars is empty")
-    if len(items) > rt.max_n_var:
+    if len(items) > rt.config.max_n_var:
         raise ValueError(f"{where}: {len(items)} shared variables exceed max_n_var="
-                         f"{rt.max_n_var} given to fork()")
+                         f"{rt.config.max_n_var} given to fork()")
     out = []
     for item in items:
         if isinstance(item, str):
             i = _by_name(rt, item, where)
         elif isinstance(item, SharedVariable):
-            i = rt.shared_ids.get(id(item))
-            if i is None or rt.shareds[i] is not item:
+            i = rt.registry.shared_ids.get(id(item))
+            if i is None or rt.registry.shareds[i] is not item:
                 raise ValueError(f"{where}: shared variable {item} is not used by any "
                                  "function given to distribute()")
         else:
             raise TypeError(f"{where}: shared_vars must be a shared variable, its name, or a "
                             f"list/tuple of them; got {type(item).__name__}")
-        var = rt.shareds[i]
+        var = rt.registry.shareds[i]
         if not isinstance(var.type, TensorType):
             raise TypeError(f"{where}: {var} is not a tensor shared variable ({var.type})")
         out.append(i)
@@ -69,7 +69,7 @@ def resolve(rt, shared_vars, where, unique=True):
 
 
 def _by_name(rt, name, where):
-    hits = [i for i, s in enumerate(rt.shareds) if s.name == name]
+    hits = [i for i, s in enumerate(rt.registry.shareds) if s.name == name]
     if not hits:
         raise ValueError(f"{where}: no shared variable named {name!r} is used by a "
                          "function given to distribute()")
@@ -83,8 +83,8 @@ def check_rank(rt, rank, where):
     """Return ``rank`` if it names a rank of this run; raise otherwise."""
     if isinstance(rank, (bool, np.bool_)) or not isinstance(rank, numbers.Integral):
         raise TypeError(f"{where}: rank must be an int; got {type(rank).__name__}")
-    if not 0 <= rank < rt.n_parallel:
-        raise ValueError(f"{where}: rank must be in range(n_parallel={rt.n_parallel}); got {rank}")
+    if not 0 <= rank < rt.place.n_parallel:
+        raise ValueError(f"{where}: rank must be in range(n_parallel={rt.place.n_parallel}); got {rank}")
     return int(rank)
 
 
@@ -147,7 +147,7 @@ def on_device(rt, var, value=None):
     """Return True if the variable's values live as device arrays (``value``: its raw value)."""
     if value is None:
         value = raw(var)
-    return type(value) is not np.ndarray or id(var) in rt.device_shareds
+    return type(value) is not np.ndarray or id(var) in rt.registry.device_shareds
 
 
 def get_array(var):
@@ -254,7 +254,7 @@ def like(rt, var, value):
 def place(rt, var):
     """Move a device variable's host value to the device (after distribute(), every rank)."""
     arr = raw(var)
-    if type(arr) is np.ndarray and id(var) in rt.device_shareds:
+    if type(arr) is np.ndarray and id(var) in rt.registry.device_shareds:
         _put(var, gpu.to_jax(arr))
 
 

@@ -18,7 +18,7 @@ def loop(rt):
     fork that started this worker.
     """
     control = rt.control
-    me = rt.local_index  # in a cluster, the global rank is known only after LAYOUT
+    me = rt.place.local_index  # in a cluster, the global rank is known only after LAYOUT
     check = rt.check
     profiler = None
     if rt.config.profile_workers:
@@ -49,18 +49,18 @@ def loop(rt):
         except CommAborted:
             status = ABORTED
         except BaseException as exc:  # noqa: BLE001 - everything goes back to the master
-            control.write_error(me, rank_header(rt.rank, rt.n_parallel), exc)
+            control.write_error(me, rank_header(rt.place.rank, rt.place.n_parallel), exc)
             control.abort(seq)
             status = FAILED
         if prof is not None:
             prof.lap("collective")  # what the handler did not book itself
             prof.end("control")
         if debug:
-            logger.debug("rank %d ran %s in %.6f s", rt.rank, cmd.name, time.perf_counter() - t0)
+            logger.debug("rank %d ran %s in %.6f s", rt.place.rank, cmd.name, time.perf_counter() - t0)
         if spec.final:
             if profiler is not None:
                 profiler.disable()
-                profiler.dump_stats(f"synk_worker_{rt.rank}.prof")
+                profiler.dump_stats(f"synk_worker_{rt.place.rank}.prof")
             control.finish(me, seq, status)
             os._exit(0)
         control.finish(me, seq, status)

@@ -85,4 +85,4 @@ def layout():
     rt = require_forked("layout()")
     if rt.cluster is not None:
         return rt.cluster.layout
-    return Layout([rt.n_parallel], [socket.gethostname()])
+    return Layout([rt.place.n_parallel], [socket.gethostname()])

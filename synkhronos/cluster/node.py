@@ -130,7 +130,7 @@ def serve(rt, node, join_workers):
             if frees:
                 node.free_segments(frees)
                 rt.registry.unmap(frees)
-                rt.freed.extend(frees)
+                rt.registry.freed.extend(frees)
             failures, died, contributions = _run(rt, node, cmd, spec, payload, alone)
             link.retire_sends()  # an aborted collective's sends nobody will receive
             node.report(failures, contributions, died)
@@ -186,8 +186,8 @@ def _run(rt, node, cmd, spec, payload, alone):
     except CommAborted:
         pass
     except Exception as exc:  # noqa: BLE001 - reported to the controller
-        text, raw = describe_error(rank_header(rt.rank, rt.n_parallel), exc)
-        failures = [(rt.rank, text, raw)]
+        text, raw = describe_error(rank_header(rt.place.rank, rt.place.n_parallel), exc)
+        failures = [(rt.place.rank, text, raw)]
     return failures, died, contributions
 
 
@@ -197,7 +197,7 @@ def _run_alone(rt, cmd, spec, payload):
     control.seq += 1
     control.current = control.seq  # what the abort flag is compared with
     rt.backend.begin(control.seq)
-    rt.monitor.begin(cmd)
+    rt.processes.monitor.begin(cmd)
     prof = rt.profiler
     if prof is not None:
         prof.begin(cmd.name.lower())
@@ -206,8 +206,8 @@ def _run_alone(rt, cmd, spec, payload):
     except (CommAborted, WorkerDiedError):
         raise
     except Exception as exc:  # noqa: BLE001 - reported to the controller
-        text, raw = describe_error(rank_header(rt.rank, rt.n_parallel), exc)
-        return [(rt.rank, text, raw)]
+        text, raw = describe_error(rank_header(rt.place.rank, rt.place.n_parallel), exc)
+        return [(rt.place.rank, text, raw)]
     finally:
         if prof is not None and rt.profiler is prof:
             prof.end("collective")  # what the handler did not book itself

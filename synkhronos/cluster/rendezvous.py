@@ -36,7 +36,7 @@ def join(rt, launch, tell_janitor, join_workers, pin):
     """
     sentinel, sentinel_fd = None, None
     if launch.rank != 0:
-        sentinel, sentinel_fd = start_sentinel(close_fds=[rt.janitor.fd])
+        sentinel, sentinel_fd = start_sentinel(close_fds=[rt.processes.janitor.fd])
     try:
         mpi = init_mpi()
         made = mpi_segments()
@@ -50,7 +50,7 @@ def join(rt, launch, tell_janitor, join_workers, pin):
     offset = layout.offsets[link.node]
     run_command(rt, Command.LAYOUT, LayoutMsg(offset, layout.n_parallel),
                 local=lambda seq: set_layout(rt, offset, layout.n_parallel))
-    monitor = rt.monitor
+    monitor = rt.processes.monitor
     monitor.offset = offset
     if link.node == 0:
         controller = Controller(link, heartbeats, pids)
@@ -89,7 +89,7 @@ def _connect(rt, mpi, sentinel_fd):
 
     def wait(req):
         wait_until(lambda: req.Test(), check, 0.01, poll_max_s=5e-3)
-    mine = np.array([rt.n_local, os.getpid()], dtype=np.int64)
+    mine = np.array([rt.place.n_local, os.getpid()], dtype=np.int64)
     everyone = np.empty((size, 2), dtype=np.int64)
     wait(comm.Iallgather(mine, everyone))
     hosts_buf = bytearray(256 * size)

@@ -137,7 +137,7 @@ class TrainFunction:
 
     def _runtime(self):
         rt = self.f_grad._rt
-        if rt is None or rt.closed or not rt.distributed:
+        if rt is None or rt.closed or not rt.registry.distributed:
             raise SynkStateError("call distribute() before the training step (and after fork())")
         return rt
 

@@ -5,6 +5,7 @@ No processes: a stand-in runtime holds what ``distribute()`` records (the
 variables, their ids, ``max_n_var``, the device-held ones).
 """
 
+import os
 import types
 
 import numpy as np
@@ -12,13 +13,17 @@ import pytensor
 import pytest
 
 from synkhronos import sharedvars
+from synkhronos.runtime import Config, Placement, Runtime
 
 
 def _runtime(shareds, n_parallel=3, max_n_var=1000):
-    return types.SimpleNamespace(shareds=list(shareds), shared_ids={id(v): i for i, v in
-                                                                    enumerate(shareds)},
-                                 n_parallel=n_parallel, max_n_var=max_n_var,
-                                 device_shareds=set())
+    """A real Runtime, with no processes behind it."""
+    rt = Runtime(Config(master_pid=os.getpid(), max_n_var=max_n_var),
+                 Placement(rank=0, n_parallel=n_parallel, master_rank=0, local_index=0,
+                           n_local=n_parallel, leader=0))
+    rt.registry.shareds = list(shareds)
+    rt.registry.shared_ids = {id(v): i for i, v in enumerate(shareds)}
+    return rt
 
 
 @pytest.fixture
