@@ -119,6 +119,31 @@ class Backend(ABC):
     def all_gather(self, arrays):
         """Return on every rank the list over ranks of each rank's ``arrays``."""
 
+    def all_to_all(self, per_rank):
+        """Send ``per_rank[q]`` (a list of arrays) to rank q; return what each rank sent here.
+
+        Every rank gives one list per rank, and the list for a given rank has
+        the same length on every rank.  Returns the list over ranks q of the
+        arrays q gave for this rank (this rank's own entry as given); they
+        may be views into communication buffers, as all_gather's are.  This
+        version sends the lists through all_gather, each rank's own left out:
+        right where a rank reads only what it needs of the others' buffers
+        (shared memory).  A backend that sends messages overrides it.
+        """
+        n, me = self.n_parallel, self.rank
+        if len(per_rank) != n:
+            raise ValueError("all_to_all: give one list per rank")
+        counts = [len(e) for e in per_rank]
+        got = self.all_gather([a for q, e in enumerate(per_rank) if q != me for a in e])
+        out = []
+        for q in range(n):
+            if q == me:
+                out.append(list(per_rank[me]))
+                continue
+            start = sum(counts[r] for r in range(me) if r != q)
+            out.append(got[q][start:start + counts[me]])
+        return out
+
     @abstractmethod
     def scatter(self, per_rank, root):
         """Return this rank's entry of the root's ``per_rank`` (a list of array lists)."""

@@ -287,6 +287,16 @@ class ZmqBackend(Backend):
             self._send(q, arrays)
         return [g for g, _ in self._from_all(arrays, 1.0)]
 
+    def all_to_all(self, per_rank):
+        """Send each rank only its list (one message per peer)."""
+        self.k += 1
+        if len(per_rank) != self.n_parallel:
+            raise ValueError("all_to_all: give one list per rank")
+        for q in self._peers:
+            self._send(q, per_rank[q])
+        return [list(per_rank[q]) if q == self.rank else self._recv(q)[0]
+                for q in range(self.n_parallel)]
+
     def scatter(self, per_rank, root):
         self.k += 1
         if self.rank == root:
