@@ -207,14 +207,7 @@ def _variables(rt, shared_vars, where):
             if rt is None:
                 raise TypeError(f"{where}: shared_vars names {item!r}; without a distributed "
                                 "run, pass the shared variables themselves")
-            hits = [v for v in rt.registry.shareds if v.name == item]
-            if not hits:
-                raise ValueError(f"{where}: no shared variable named {item!r} is used by a "
-                                 "function given to distribute()")
-            if len(hits) > 1:
-                raise ValueError(f"{where}: {len(hits)} shared variables are named {item!r}; "
-                                 "pass the variable itself")
-            item = hits[0]
+            item = rt.registry.shareds[sv.by_name(rt, item, where)]
         elif not isinstance(item, SharedVariable):
             raise TypeError(f"{where}: shared_vars must be a shared variable, its name, or a "
                             f"list/tuple of them; got {type(item).__name__}")

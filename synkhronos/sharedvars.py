@@ -50,7 +50,7 @@ def resolve(rt, shared_vars, where, unique=True):
     out = []
     for item in items:
         if isinstance(item, str):
-            i = _by_name(rt, item, where)
+            i = by_name(rt, item, where)
         elif isinstance(item, SharedVariable):
             i = rt.registry.shared_ids.get(id(item))
             if i is None or rt.registry.shareds[i] is not item:
@@ -68,7 +68,8 @@ def resolve(rt, shared_vars, where, unique=True):
     return out, single
 
 
-def _by_name(rt, name, where):
+def by_name(rt, name, where):
+    """Return the index of the distributed shared variable named ``name`` (ValueError: none, several)."""
     hits = [i for i, s in enumerate(rt.registry.shareds) if s.name == name]
     if not hits:
         raise ValueError(f"{where}: no shared variable named {name!r} is used by a "
