@@ -6,7 +6,7 @@ stop-node: the controller SIGSTOPs machine 1's node master, then calls a functio
 kill-controller: the controller SIGKILLs itself after printing the job's pids.
 stop-controller: the controller SIGSTOPs itself (as if cut off); the test ends it.
 timeout: a rank on machine 1 sleeps past fork(timeout=6) inside a call.
-idle: the controller sends nothing for longer than fork(timeout=2); the run goes on.
+idle: the controller sends nothing for longer than fork(timeout=5); the run goes on.
 """
 
 import logging
@@ -51,7 +51,7 @@ class RaiseOnRank(Op):
 
 
 mode, L = sys.argv[1], int(sys.argv[2])
-n = synk.fork(L, timeout={"timeout": 6, "idle": 2}.get(mode))
+n = synk.fork(L, timeout={"timeout": 6, "idle": 5}.get(mode))
 rt = get_runtime()
 print("PIDS", " ".join(str(p) for p in rt.cluster.pids), rt.prefix, flush=True)
 x = T.matrix("x")
@@ -103,7 +103,9 @@ elif mode == "timeout":
               flush=True)
     print("CLOSED", flush=True)
 elif mode == "idle":
-    time.sleep(3.5)
+    # The timeout (5 s) bounds each command, distribute's compiling included (over 2 s on a
+    # loaded 2-core machine), so it is set above that and the idle time above the timeout.
+    time.sleep(6.5)
     print("AFTER", float(f(d)), flush=True)
     synk.close()
     print("CLOSED", flush=True)
