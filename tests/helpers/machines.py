@@ -204,12 +204,13 @@ class Machines:
                         out.append(int(d))
         return out
 
-    def _kill_all(self, i, holder_too=False):
-        """SIGKILL every process on machine i (again until none is left), the holder if asked."""
+    def _kill_all(self, i, holder_too=False, match=None):
+        """SIGKILL every process on machine i (again until none is left), the holder if asked,
+        only those whose command line contains ``match`` if given."""
         holder = self.holders[i].pid
         for _ in range(50):
             pids = [p for p in self._pids_in(i) if holder_too or p != holder]
-            pids = [p for p in pids if not _zombie(p)]
+            pids = [p for p in pids if not _zombie(p) and (match is None or match in _cmdline(p))]
             if not pids:
                 return
             for p in pids:
@@ -224,9 +225,7 @@ class Machines:
         for p in self._pids_in(i):
             if p == holder or _zombie(p):
                 continue
-            with contextlib.suppress(OSError):
-                with open(f"/proc/{p}/cmdline", "rb") as f:
-                    out.append((p, f.read().replace(b"\0", b" ").decode(errors="replace").strip()))
+            out.append((p, _cmdline(p)))
         return out
 
     def segments(self, i):
@@ -271,6 +270,10 @@ class Machines:
         self._kill_all(i)
         return time.monotonic() - t0
 
+    def kill(self, i, match):
+        """Kill every process on machine i whose command line contains ``match`` (at once)."""
+        self._kill_all(i, match=match)
+
     def limit(self, i, rate, burst="64kb", latency="50ms"):
         """Limit machine i's link to ``rate`` (tc syntax: "100mbit") both ways, with tc tbf."""
         for ns, dev in ((self.switch, f"port{i}"), (self.netns[i], "eth0")):
@@ -279,12 +282,17 @@ class Machines:
                            check=True, capture_output=True)
 
     # -- MPI --------------------------------------------------------------------------------------
-    def mpi_command(self, n, args, flags=(), flavor=None, python=None):
-        """The argv of an MPI job of ``python args``, one process on each of machines 0..n-1."""
+    def mpi_command(self, n, args, flags=(), forward=(), flavor=None, python=None):
+        """The argv of an MPI job of ``python args``, one process on each of machines 0..n-1.
+
+        ``forward``: names of environment variables every process needs (Hydra passes
+        the whole environment on; PRRTE only those named with -x).
+        """
         flavor = flavor or mpi_flavor()
         python = python or sys.executable
         hosts = self.names[:n]
         if flavor == "openmpi":
+            flags = [*flags, *(a for k in forward for a in ("-x", k))]
             # PRRTE starts a daemon (prted) on each other machine through the launcher;
             # the wheel's mpirun knows its prefix and writes it into the daemon's command
             # (PATH, LD_LIBRARY_PATH), so the launcher's bare ssh-like environment does.
@@ -304,6 +312,14 @@ class Machines:
                     "OMPI_MCA_btl_tcp_if_include": "eth0", "PRTE_MCA_oob_tcp_if_include": "eth0"}
         # UCX would take one host's processes for neighbours and use shared memory.
         return {"UCX_TLS": "self,tcp", "UCX_NET_DEVICES": "eth0"}
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def _zombie(pid):
