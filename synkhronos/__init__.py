@@ -28,8 +28,8 @@ _default_float32()
 from .cluster.layout import Layout, layout  # noqa: E402
 from .data_module import Data, data  # noqa: E402
 from .distribute import distribute  # noqa: E402
-from .errors import (BackendUnavailableError, SharedMemoryError, SynkError,  # noqa: E402
-                     SynkStateError, WorkerDiedError, WorkerError, WorkerStalledError)
+from .errors import (BackendUnavailableError, MachineLostError, SharedMemoryError,  # noqa: E402
+                     SynkError, SynkStateError, WorkerDiedError, WorkerError, WorkerStalledError)
 from .function_module import Function, function  # noqa: E402
 from .process import close, fork  # noqa: E402
 from .profiling import profile  # noqa: E402
@@ -42,7 +42,7 @@ __version__ = "0.1.0"
 __all__ = [
     "fork", "close", "function", "distribute", "data", "Data", "Function",
     "SynkError", "SynkStateError", "WorkerError", "WorkerDiedError", "WorkerStalledError",
-    "SharedMemoryError", "BackendUnavailableError",
+    "MachineLostError", "SharedMemoryError", "BackendUnavailableError",
     "broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
     "set_value", "get_value", "get_lengths", "get_shapes", "profile", "layout", "Layout",
 ]

@@ -16,7 +16,7 @@ import numpy as np
 from . import conditioning, data_module, execution, sharedvars, split
 from .comm import compressed
 from .control import Command, handler, run_command
-from .errors import SynkStateError
+from .errors import MachineLostError, SynkStateError
 from .function_args import check_lengths, common_length
 from .runtime import serialized
 
@@ -99,7 +99,12 @@ def run_call(f, args, kwargs, output_subset, batch, batch_s, num_slices, then):
                 and _same_data(args, last[2], last[0].descs)):
             msg, wire = last[0], last[1]
         else:
-            msg = prepare_call(f, rt, args, kwargs, output_subset, batch, batch_s, num_slices)
+            try:
+                msg = prepare_call(f, rt, args, kwargs, output_subset, batch, batch_s, num_slices)
+            except MachineLostError as exc:
+                if exc.survived:  # lost while the inputs were sent: the call never began
+                    exc.settled(False, "the call did not start: call it again")
+                raise
             if then is not None:
                 msg = msg._replace(then=then(rt))
             if last is not None and msg.sel is None and msg.sel_s is None and last[0] == msg:

@@ -122,6 +122,11 @@ class Control:
             if mv[slot] != seq:
                 wait_until(lambda: mv[slot] == seq, check, self.spin_s)
 
+    def all_ok(self):
+        """Whether every worker finished its last command without failing or aborting."""
+        mv = self.mv
+        return all(mv[slot] == OK for slot in self.status_slots)
+
     def any_failed(self):
         mv = self.mv
         for slot in self.status_slots:
@@ -244,20 +249,22 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None, wire=None):
         prof.begin(what or cmd.name.lower())
     seq = control.post(rt, cmd, payload, wire)
     cluster = rt.cluster  # the controller's link to the other machines (None elsewhere)
-    if cluster is not None and not COMMANDS[cmd].local:
-        cluster.forward(cmd, control.last)
-    rt.processes.monitor.begin(what or cmd)  # a Command is named only if a rank stalls
-    if prof is not None:
-        prof.lap("control")
-    rt.backend.begin(seq)
     result = None
     local_exc = None
+    local_ok = False  # the master's own share finished (a lost machine asks)
     try:
+        if cluster is not None and not COMMANDS[cmd].local:
+            cluster.forward(cmd, control.last)
+        rt.processes.monitor.begin(what or cmd)  # a Command is named only if a rank stalls
+        if prof is not None:
+            prof.lap("control")
+        rt.backend.begin(seq)
         try:
             if local is not None:
                 result = local(seq)
                 if prof is not None:
                     prof.lap("collective")  # what the local part did not book itself
+            local_ok = True
         except CommAborted:
             pass
         except WorkerDiedError:
@@ -269,12 +276,20 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None, wire=None):
             local_exc = exc
             control.abort(seq)
         control.wait_done(rt, seq, rt.check)
+        if cluster is not None:
+            cluster.local_done = cluster.seq  # a machine lost now finds this one's share made
         remote = None if cluster is None else cluster.wait_reports(rt.check)
         if prof is not None:
             prof.lap("wait")
-    except WorkerDiedError:
-        rt.abandon(rt, "a worker died")
-        raise
+    except WorkerDiedError as exc:
+        # A cluster that lost a machine may go on with the others (cluster/recovery.py).
+        goes_on = None if rt.survive is None else rt.survive(rt, exc, seq, local_ok)
+        if goes_on is None:
+            rt.abandon(rt, "a worker died")
+            raise
+        if goes_on is exc:
+            raise
+        raise goes_on from exc
     except KeyboardInterrupt:
         rt.abandon(rt, "interrupted while waiting for workers")
         raise

@@ -261,8 +261,9 @@ class Data:
         try:
             rt.cluster.send_command(Command.DATA_SYNC, DataSyncMsg(self._ID, lo * size, len(raw)),
                                     raw, rt.check)
-        except WorkerDiedError:
-            rt.abandon(rt, "a machine died while Data was mirrored")
+        except WorkerDiedError as exc:
+            if not getattr(exc, "survived", False):  # else every machine left got the rows
+                rt.abandon(rt, "a machine died while Data was mirrored")
             raise
 
     @serialized

@@ -87,6 +87,38 @@ class WorkerStalledError(WorkerDiedError):
     """
 
 
+class MachineLostError(WorkerDiedError):
+    """A cluster lost a machine: its node master or ranks died, or MPI lost it.
+
+    Under Open MPI with ULFM (``mpirun --with-ft ulfm``) the run goes on with
+    the machines left, unless ``SYNK_ON_MACHINE_LOSS=end``: ranks are
+    renumbered (``synk.layout()``), shared variables keep the values the
+    surviving ranks hold, and every Data keeps all its rows.  Otherwise the
+    runtime is closed, as for any dead rank.
+
+    Attributes:
+        rank: the first global rank the lost machine held.
+        machines: the lost machines' indices in the layout before the loss.
+        survived: whether the run goes on with the machines left.
+        completed: where it goes on, whether the command that raised finished
+            on every machine left (True: its updates were made, its outputs
+            are lost), on none (False: run it again), or on some (None).
+    """
+
+    def __init__(self, message, rank, machines=(), survived=False, completed=None):
+        super().__init__(message, rank, None)
+        self.machines = list(machines)
+        self.survived = survived
+        self.completed = completed
+        self.base = message
+
+    def settled(self, completed, words):
+        """Record whether the operation that raised took effect, and say so; return self."""
+        self.completed = completed
+        self.args = (f"{self.base}; {words}",)
+        return self
+
+
 class SharedMemoryError(SynkError, OSError):
     """A shared-memory segment could not be made: /dev/shm is full, or the name is taken."""
 

@@ -213,6 +213,8 @@ SETTINGS = {
     "SYNK_BACKEND": (_backend, False),
     "SYNK_CLUSTER": (lambda v: None if v in ("0", "1") else "0 or 1", False),
     "SYNK_CONTROLLER_HOST": (lambda v: None, True),
+    "SYNK_ON_MACHINE_LOSS": (lambda v: None if v in ("continue", "end") else "continue or end",
+                             True),
 }
 
 

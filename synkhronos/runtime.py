@@ -125,6 +125,7 @@ class Runtime:
     check: Optional[Callable] = None    # raises if another rank died or stalled (liveness)
     abandon: Optional[Callable] = None  # process.abandon: stop everything after a fatal failure
     cluster: Optional[Any] = None       # the controller's cluster.controller.Controller
+    survive: Optional[Callable] = None  # survive(rt, exc, seq): a lost machine's error, if the run goes on
     profiler: Optional[Any] = None      # profiling.Profiler while synk.profile() records
     counter: Any = field(default_factory=itertools.count)
     closed: bool = False

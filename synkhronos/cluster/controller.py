@@ -11,9 +11,10 @@ import struct
 from typing import NamedTuple, Optional
 
 from ..commands import COMMANDS, encode
-from ..errors import SynkError, WorkerDiedError, unpickle_exception
+from ..errors import MachineLostError, SynkError, unpickle_exception
 from ..liveness import wait_until
 from .link import ABORT, CMD, DATA, DONE, REPORT
+from .recovery import going_on, relayout, settle_local, shrink
 
 
 class NodeReport(NamedTuple):
@@ -55,6 +56,8 @@ class Controller:
         self.failed = False    # a machine reported a failure in this command
         self.control = None    # the local control block (its abort flag)
         self.broken = False    # a machine failed: MPI is not used again (nor finalised)
+        self.local_done = 0    # the last command this machine's own ranks finished
+        self.survivors, self.done = [], []  # after a loss: machines left, what each finished
 
     def forward(self, cmd, data):
         """Send a posted command's bytes to every node master."""
@@ -91,8 +94,7 @@ class Controller:
                 failures[rank] = (text, unpickle_exception(exc_bytes))
         if died is not None:
             m, text = died
-            raise WorkerDiedError(f"{self.layout.describe(m)}: {text}",
-                                  self.layout.offsets[m], None)
+            raise MachineLostError(f"{self.layout.describe(m)}: {text}", self.layout.offsets[m], [m])
         return failures
 
     def _all_reported(self):
@@ -164,7 +166,20 @@ class Controller:
 
         What the node masters do with it is the command's ``node`` step
         (commands.py); here, e.g., writes to a Data reach the machines' copies.
+        If a machine is lost meanwhile and the run goes on, the command runs
+        again on the machines left (each then holds what it sent) before the
+        MachineLostError is raised.
         """
+        try:
+            self._send_command(cmd, payload, attachment, check)
+        except MachineLostError as exc:
+            if not going_on(self.link.MPI):
+                raise
+            lost = self.go_on(exc)
+            self._send_command(cmd, payload, attachment, check)
+            raise lost.settled(True, "what was sent reached every machine left") from exc
+
+    def _send_command(self, cmd, payload, attachment, check):
         self.forward(cmd, encode(cmd, payload))
         for m in self.link.others:
             self.link.send_bytes(m, DATA, attachment)
@@ -172,6 +187,43 @@ class Controller:
         if failures:
             raise SynkError(f"{cmd.name.lower()} failed: "
                             + "; ".join(t for t, _ in failures.values()))
+
+    def survive(self, rt, exc, seq, leader_ok):
+        """The controller's side of a machine lost in command ``seq``: the error to raise.
+
+        Its own ranks leave the command first; then, where the run goes on
+        (``recovery.going_on``), the survivors shrink to a new layout.
+        Returns the error for the user: a MachineLostError saying whether the
+        run goes on.  Where it does not, the caller ends the run.
+        """
+        if not isinstance(exc, MachineLostError):
+            return None
+        if not going_on(self.link.MPI):
+            exc.args = (f"{exc}; the run is ended (it goes on only under Open MPI with ULFM, "
+                        "mpirun --with-ft ulfm, unless SYNK_ON_MACHINE_LOSS=end)",)
+            return None
+        if settle_local(rt, seq, leader_ok):
+            self.local_done = self.seq
+        err = self.go_on(exc)
+        return err.settled(*_outcome(self.done, self.seq, self.survivors))
+
+    def go_on(self, exc):
+        """Shrink to the machines left, renumber every rank; return the error for the user."""
+        rt = self.control.rt
+        before = self.layout
+        survivors, done = shrink(self.link, self.local_done)
+        lost = [m for m in range(before.n_machines) if m not in survivors]
+        self.layout = self.link.layout
+        self.heartbeats.keep(survivors, self.layout)
+        self.pids = [self.pids[m] for m in survivors]
+        self.reports, self.pending, self.failed = {}, False, False
+        relayout(rt, self.layout, 0)
+        named = "; ".join(before.describe(m) for m in lost) or str(exc)
+        self.survivors, self.done = survivors, done
+        return MachineLostError(
+            f"{named}: {str(exc).split(': ', 1)[-1]}; the run goes on with "
+            f"{self.layout.n_machines} machines and {self.layout.n_parallel} ranks "
+            "(synk.layout())", before.offsets[lost[0]] if lost else exc.rank, lost, survived=True)
 
     def end(self):
         """After a failure: end every machine, without waiting and without MPI.
@@ -182,3 +234,14 @@ class Controller:
         """
         self.heartbeats.close()
         self.broken = True
+
+
+def _outcome(done, seq, survivors):
+    """Whether the machines left finished command ``seq``: (True/False/None, the words for it)."""
+    finished = [m for m, q in zip(survivors, done) if q == seq]
+    if len(finished) == len(survivors):
+        return True, ("the command finished on every machine left (updates made, outputs lost)")
+    if not finished:
+        return False, "the command did not happen on the machines left: run it again"
+    return None, (f"the command finished on machines {finished} (numbered as before) and not "
+                  "on the others: shared variables it updated may differ between ranks")

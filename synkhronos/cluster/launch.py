@@ -91,6 +91,7 @@ def mpi_segments():
 
 
 _FINISHED = []
+_LOST = []
 
 
 def finished():
@@ -98,9 +99,21 @@ def finished():
     return bool(_FINISHED)
 
 
+def lost_a_process():
+    """Note that this job went on after losing a process (ULFM): MPI_Finalize would not return."""
+    _LOST.append(True)
+
+
 def finalize(mpi):
-    """Finalise MPI in this process (after which mpiexec lets the others run on)."""
+    """Finalise MPI in this process (after which mpiexec lets the others run on).
+
+    Not after the job lost a process: Open MPI 5.0's MPI_Finalize then waits
+    forever for it (across machines), so the process ends without it.
+    """
     _FINISHED.append(True)
+    if _LOST:
+        logger.info("MPI_Finalize skipped: the job lost a process")
+        return
     try:
         if mpi.Is_initialized() and not mpi.Is_finalized():
             mpi.Finalize()

@@ -11,7 +11,7 @@ import struct
 
 import numpy as np
 
-from ..errors import SynkError, WorkerDiedError
+from ..errors import MachineLostError, SynkError
 from ..liveness import wait_until
 
 # Tags of the messages between the controller and node masters.
@@ -47,6 +47,7 @@ class Link:
         self.sends = []        # (request, buffer) not yet known complete
         self.orphans = []      # (request, buffer) of sends an aborted command left behind
         self.pool = {}         # reused receive buffers
+        self.graveyard = []    # (communicator, sends) given up after a machine was lost
         span = int(mpi.COMM_WORLD.Get_attr(mpi.TAG_UB)) - TAG_BASE
         self.tag_span = max(PER_CMD, span - span % PER_CMD)
 
@@ -61,11 +62,12 @@ class Link:
         return TAG_BASE + (self.seq * PER_CMD + self.k) % self.tag_span
 
     def lost(self, exc, machine=None):
-        """The SynkError for an MPI error: which machine was lost, from MPI (ULFM) or the caller.
+        """The MachineLostError for an MPI error: which machine was lost, from MPI (ULFM) or the caller.
 
         Under Open MPI with ULFM (``mpirun --with-ft ulfm``) a peer that died
-        turns MPI calls that involve it into ``MPI_ERR_PROC_FAILED``; no raw
-        MPI exception reaches the user.
+        turns MPI calls that involve it into ``MPI_ERR_PROC_FAILED``, and a
+        revoked communicator (another leader saw a failure first) every call
+        into ``MPI_ERR_REVOKED``; no raw MPI exception reaches the user.
         """
         failed = []
         try:
@@ -78,11 +80,24 @@ class Link:
                           ({machine} if machine is not None else set()))
         what = exc.Get_error_string() if hasattr(exc, "Get_error_string") else str(exc)
         if not machines:
-            return WorkerDiedError(f"MPI failed ({what}); the job is ended", self.layout.offsets[0],
-                                   None)
+            return MachineLostError(f"MPI failed ({what})", self.layout.offsets[0])
         names = "; ".join(self.layout.describe(m) for m in machines)
-        return WorkerDiedError(f"{names}: lost ({what}); its processes died or it was cut "
-                               "off; the job is ended", self.layout.offsets[machines[0]], None)
+        return MachineLostError(f"{names}: lost ({what}); its processes died or it was cut off",
+                                self.layout.offsets[machines[0]], machines)
+
+    def rebind(self, comm, layout):
+        """Go on over ``comm`` (the survivors, after a machine was lost) with ``layout``.
+
+        Requests on the old communicator are kept, never tested again: MPI may
+        still own their buffers.
+        """
+        self.graveyard.append((self.comm, self.sends + self.orphans))
+        self.comm = comm
+        self.node = comm.Get_rank()
+        self.layout = layout
+        self.others = [m for m in range(layout.n_machines) if m != self.node]
+        self.sends, self.orphans = [], []
+        self.pool.clear()
 
     def send_bytes(self, dest, tag, buf):
         """Send ``buf`` as it is (kept alive until the send completes)."""

@@ -7,14 +7,17 @@ machine's copy of every Data (the segments its ranks map).
 """
 
 import logging
+import os
 import signal
 import struct
 
 from ..commands import COMMANDS, decode
 from ..control import rank_header, run_command
-from ..errors import CommAborted, WorkerDiedError, WorkerError, describe_error, pickle_exception
+from ..errors import (CommAborted, MachineLostError, WorkerDiedError, WorkerError, describe_error,
+                      pickle_exception)
 from ..liveness import no_check, stop_process
 from ..shmem import SharedArray
+from . import recovery
 from .controller import NodeReport
 from .launch import exit_finalized, finalize
 from .link import ABORT, CMD, DATA, DONE, REPORT
@@ -45,6 +48,7 @@ class NodeMaster:
         self.node = link.node
         self.sentinel = sentinel
         self.segments = {}     # data id -> this machine's copy of that Data
+        self.done_seq = 0      # the last command this machine finished
 
     # -- messages from and to the controller ------------------------------------------
     def receive_command(self, check):
@@ -52,6 +56,24 @@ class NodeMaster:
         buf = self.link.recv_bytes(0, CMD, check)
         self.link.begin(struct.unpack_from("q", buf)[0])
         return memoryview(buf)[8:]
+
+    def go_on(self):
+        """Go on with the machines left: shrink to them and renumber this machine's ranks."""
+        recovery.shrink(self.link, self.done_seq)
+        self.layout = self.link.layout
+        self.node = self.link.node
+        recovery.relayout(self.rt, self.layout, self.node)
+
+    def survive(self, rt, exc, seq, leader_ok):
+        """A node master's side of a lost machine in command ``seq``: its ranks leave the command.
+
+        Returns ``exc`` (the serve loop then shrinks) where the run goes on, else None.
+        """
+        if not isinstance(exc, MachineLostError) or not recovery.going_on(self.link.MPI):
+            return None
+        if recovery.settle_local(rt, seq, leader_ok):
+            self.done_seq = self.link.seq  # this machine's share was made: the controller asks
+        return exc
 
     def check(self):
         """The check while this node master waits: an abort order from the controller."""
@@ -117,30 +139,17 @@ def serve(rt, node, join_workers):
         finalize(link.MPI)
         exit_finalized(0)
     signal.signal(signal.SIGTERM, ended)
+    going_on = recovery.going_on(link.MPI)
     try:
         while True:
-            # Between commands nothing runs here, so no command timeout applies: only
-            # the controller's orders (and the sentinel, for its death) end the wait.
-            cmd, payload, frees = decode(node.receive_command(node.check))
-            spec = COMMANDS[cmd]
-            if spec.final:
-                # A normal end: the sentinel must not take the controller's exit,
-                # which may come before this process's, for a failure.
-                stop_process(node.sentinel, reap=True)
-            if frees:
-                node.free_segments(frees)
-                rt.registry.unmap(frees)
-                rt.registry.freed.extend(frees)
-            failures, died, contributions = _run(rt, node, cmd, spec, payload, alone)
-            link.retire_sends()  # an aborted collective's sends nobody will receive
-            node.report(failures, contributions, died)
-            # After a death the machine is torn down; the sentinel still ends this
-            # process if the controller goes.
-            link.complete_sends(rt.check if died is None else no_check)
-            if died is not None:
-                raise _Ended()
-            if spec.final:
-                break
+            try:
+                if _serve_one(rt, node, alone, going_on):
+                    break
+            except MachineLostError:
+                # Another machine was lost and the run goes on: with the machines left.
+                if not going_on:
+                    raise
+                node.go_on()
     except _Ended:
         status = 1
     except BaseException as exc:  # noqa: BLE001 - the controller sees the heartbeat stop
@@ -157,6 +166,10 @@ def serve(rt, node, join_workers):
                 join_workers(rt)
             else:
                 rt.abandon(rt, "the controller ended the job")
+        if status != 0 and going_on:
+            # The others go on: MPI must see this process fail (ULFM), not finalise,
+            # or the survivors' shrink would wait for it.
+            os._exit(1)
         # Always finalise: mpiexec ends the whole job, the controller too, when a
         # process exits without it.  MPI_Finalize waits for messages still in
         # flight, so it gets a deadline: SIGALRM ends this process past it.
@@ -165,7 +178,34 @@ def serve(rt, node, join_workers):
         exit_finalized(0)
 
 
-def _run(rt, node, cmd, spec, payload, alone):
+def _serve_one(rt, node, alone, going_on):
+    """Take and run the controller's next command; return whether it was the last."""
+    link = node.link
+    # Between commands nothing runs here, so no command timeout applies: only
+    # the controller's orders (and the sentinel, for its death) end the wait.
+    cmd, payload, frees = decode(node.receive_command(node.check))
+    spec = COMMANDS[cmd]
+    if spec.final:
+        # A normal end: the sentinel must not take the controller's exit,
+        # which may come before this process's, for a failure.
+        stop_process(node.sentinel, reap=True)
+    if frees:
+        node.free_segments(frees)
+        rt.registry.unmap(frees)
+        rt.registry.freed.extend(frees)
+    failures, died, contributions = _run(rt, node, cmd, spec, payload, alone, going_on)
+    node.done_seq = link.seq
+    link.retire_sends()  # an aborted collective's sends nobody will receive
+    node.report(failures, contributions, died)
+    # After a death the machine is torn down; the sentinel still ends this
+    # process if the controller goes.
+    link.complete_sends(rt.check if died is None else no_check)
+    if died is not None:
+        raise _Ended()
+    return spec.final
+
+
+def _run(rt, node, cmd, spec, payload, alone, going_on):
     """Run one command on this machine; return (failures, why the ranks died, contributions)."""
     failures, died, contributions = [], None, []
     try:
@@ -179,6 +219,10 @@ def _run(rt, node, cmd, spec, payload, alone):
             run_command(rt, cmd, payload, local=lambda seq: spec.run(rt, payload))
         if spec.collected:
             contributions = rt.backend.node_contributions()
+    except MachineLostError as exc:
+        if going_on:
+            raise  # another machine's loss (an MPI error): the serve loop goes on without it
+        died = str(exc)
     except WorkerDiedError as exc:
         died = str(exc)
     except WorkerError as exc:

@@ -56,11 +56,13 @@ def join(rt, launch, tell_janitor, join_workers, pin):
         controller = Controller(link, heartbeats, pids)
         controller.control = rt.control
         rt.cluster = controller
+        rt.survive = controller.survive
         monitor.remote = controller.late_ranks
         rt.backend.attach(link, controller.contributions)
         poll = controller.poll
     else:
         node = NodeMaster(rt, link, sentinel)
+        rt.survive = node.survive
         rt.registry.datas = {}  # segments mapped here, as in a worker (Data objects live in the controller)
         rt.backend.attach(link, None)
         poll = node.check

@@ -3,10 +3,11 @@
 MPI cannot tell that a peer died.  Each node master forks a sentinel before
 MPI starts; it holds a TCP connection to the controller and sends a
 heartbeat every ``BEAT_S`` while its node master runs (not while it is
-stopped).  The controller reads them while it waits (``Heartbeats``): a
-closed connection means the node master died, silence for
-``SYNK_HEARTBEAT_S`` (default 5 s) that it stopped answering; either ends
-the job with an error naming the machine.  The sentinel ends its node
+stopped).  A thread of the controller reads them (``Heartbeats``): a
+closed connection means the node master died (logged at once, so the
+machine is named even where the launcher then ends the job), silence for
+``SYNK_HEARTBEAT_S`` (default 5 s) that it stopped answering; the
+controller's next check raises either as an error naming the machine.  The sentinel ends its node
 master when the controller's end of the connection closes, so killing the
 controller ends every machine.
 """
@@ -24,7 +25,7 @@ import struct
 import threading
 import time
 
-from ..errors import SynkError, WorkerDiedError, WorkerStalledError
+from ..errors import MachineLostError, SynkError, WorkerStalledError
 from ..liveness import proc_start_time, proc_state, stop_process
 from .launch import close_launcher_fds
 
@@ -109,13 +110,18 @@ def _sentinel_main(parent, read_fd):
         return
     sock.setblocking(False)
     started = proc_start_time(parent)
+    # Readable the moment the node master exits: the controller then learns of it at once
+    # (MPICH's Hydra ends the whole job about 0.1 s after a process dies).
+    watch = [sock] + ([_pidfd(parent)] if hasattr(os, "pidfd_open") else [])
     limit = heartbeat_limit_s()
     heard = None  # when the controller's beats last arrived (None: not beating yet)
     while True:
         # Reparented: the node master is gone (its pid may already name another process).
         if os.getppid() != parent or proc_start_time(parent) != started:
             return
-        readable, _, _ = select.select([sock], [], [], BEAT_S)
+        readable, _, _ = select.select(watch, [], [], BEAT_S)
+        if len(watch) > 1 and watch[1] in readable:
+            return  # closing the connection tells the controller
         if readable:
             try:
                 got = sock.recv(4096)
@@ -142,6 +148,14 @@ def _sentinel_main(parent, read_fd):
                 return
 
 
+def _pidfd(pid):
+    try:
+        return os.pidfd_open(pid)
+    except OSError:  # an old kernel: getppid() below still notices, within BEAT_S
+        r, _ = os.pipe()
+        return r
+
+
 class Heartbeats:
     """The controller's end of the sentinels' connections.
 
@@ -154,9 +168,11 @@ class Heartbeats:
         self.layout = layout
         self.secret = secret
         self.socks = {}        # machine -> connected socket
-        self.last_beat = {}
+        self.last_beat = {}    # machine -> when its sentinel was last heard
+        self.closed = {}       # machine -> when its connection closed (the beating thread saw it)
         self.limit = heartbeat_limit_s()
         self.quitting = False  # QUIT was sent: a closed connection is no failure
+        self._lock = threading.Lock()  # the thread and keep() both change the machines
         self._stop = threading.Event()
         self._beater = None
 
@@ -233,46 +249,89 @@ class Heartbeats:
         self.last_beat[node] = time.monotonic()
 
     def read(self):
-        """Read what the sentinels sent; raise if a machine died or went silent."""
+        """Raise if a machine died or went silent (what the beating thread saw)."""
+        if self.quitting:
+            return
         now = time.monotonic()
-        for m, sock in self.socks.items():
-            try:
-                got = sock.recv(4096)
-            except BlockingIOError:
-                got = None
-            except OSError:
-                got = b""
-            if got == b"" and not self.quitting:
-                raise WorkerDiedError(
-                    f"{self.layout.describe(m)}: its node master died (the connection to its "
-                    "sentinel closed); the job is ended", self.layout.offsets[m], None)
-            if got or self.quitting:
-                self.last_beat[m] = now
-            elif now - self.last_beat[m] > self.limit:
-                raise WorkerStalledError(
-                    f"{self.layout.describe(m)}: its node master stopped answering (no heartbeat "
-                    f"for {now - self.last_beat[m]:.1f} s, SYNK_HEARTBEAT_S="
-                    f"{self.limit:g}); the job is ended", self.layout.offsets[m], None)
+        with self._lock:
+            closed = min(self.closed, default=None)
+            if closed is not None:
+                raise MachineLostError(
+                    f"{self.layout.describe(closed)}: its node master died (the connection to "
+                    "its sentinel closed)", self.layout.offsets[closed], [closed])
+            for m, beat in self.last_beat.items():
+                if now - beat > self.limit:
+                    raise WorkerStalledError(
+                        f"{self.layout.describe(m)}: its node master stopped answering (no "
+                        f"heartbeat for {now - beat:.1f} s, SYNK_HEARTBEAT_S={self.limit:g}); "
+                        "the job is ended", self.layout.offsets[m], None)
 
     def start_beating(self):
-        """Send every sentinel a beat each ``BEAT_S`` from a thread, while the program runs.
+        """Beat every sentinel each ``BEAT_S`` and read their beats, from a thread.
 
         Heartbeats go both ways: a sentinel that hears nothing for
         ``SYNK_HEARTBEAT_S`` ends its machine, so a controller that is cut off or
         stopped leaves no machine waiting for it forever.  A thread, because the
-        user's program may compute for hours between two commands.
+        user's program may compute for hours between two commands; it also
+        names a machine whose connection closed at once, in the log, since
+        some launchers (MPICH's Hydra) end the whole job a moment later.
         """
-        socks = list(self.socks.values())
+        self._beater = threading.Thread(target=self._beat, name="synk-heartbeats", daemon=True)
+        self._beater.start()
 
-        def beat():
-            while not self._stop.wait(BEAT_S):
-                for sock in socks:
+    def _beat(self):
+        next_beat = 0.0
+        while not self._stop.is_set():
+            with self._lock:
+                live = {m: s for m, s in self.socks.items() if m not in self.closed}
+            now = time.monotonic()
+            if now >= next_beat:
+                for sock in live.values():
                     try:
                         sock.send(b".")
-                    except OSError:  # full, or closed: the reading side tells what happened
+                    except OSError:  # full, or closed: reading tells what happened
                         pass
-        self._beater = threading.Thread(target=beat, name="synk-heartbeats", daemon=True)
-        self._beater.start()
+                next_beat = now + BEAT_S
+            try:
+                ready, _, _ = select.select(list(live.values()), [], [],
+                                            max(0.0, next_beat - now))
+            except (OSError, ValueError):  # a socket closed by keep() or close()
+                continue
+            now = time.monotonic()
+            for m, sock in live.items():
+                if sock in ready:
+                    self._take(m, sock, now)
+
+    def _take(self, m, sock, now):
+        try:
+            got = sock.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            got = b""
+        with self._lock:
+            if self.socks.get(m) is not sock:
+                return  # renumbered or closed meanwhile
+            if got:
+                self.last_beat[m] = now
+                return
+            self.closed[m] = now
+            quitting = self.quitting
+        if not quitting:
+            logger.error("%s lost: the connection to its sentinel closed", self.layout.describe(m))
+
+    def keep(self, survivors, layout):
+        """Go on with the machines ``survivors`` (old indices, controller first), now ``layout``."""
+        with self._lock:
+            for m, sock in self.socks.items():
+                if m not in survivors:
+                    sock.close()
+            index = {old: new for new, old in enumerate(survivors)}
+            now = time.monotonic()
+            self.socks = {index[m]: s for m, s in self.socks.items() if m in index}
+            self.last_beat = dict.fromkeys(self.socks, now)
+            self.closed = {index[m]: t for m, t in self.closed.items() if m in index}
+            self.layout = layout
 
     def close(self):
         """Stop beating and close every connection: each sentinel then ends its node master."""
@@ -280,9 +339,11 @@ class Heartbeats:
         if self._beater is not None:
             self._beater.join()
             self._beater = None
-        for sock in self.socks.values():
-            sock.close()
-        self.socks = {}
+        with self._lock:
+            for sock in self.socks.values():
+                sock.close()
+            self.socks = {}
+            self.last_beat = {}
 
 
 def _recv_exact(sock, n):
