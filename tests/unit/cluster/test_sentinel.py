@@ -9,7 +9,7 @@ import pytest
 
 from synkhronos.cluster import sentinel
 from synkhronos.cluster.layout import Layout
-from synkhronos.errors import SynkError
+from synkhronos.errors import MachineLostError, SynkError, WorkerStalledError
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -105,3 +105,56 @@ def test_nothing_proven_in_time_is_an_error_naming_the_count(port):
     with pytest.raises(SynkError, match="0 of 1 within 0.5 s"):
         beats.accept(port, 2, timeout_s=0.5)
     silent.close()
+
+
+def _three_machines(port, monkeypatch, limit_s="30"):
+    monkeypatch.setenv("SYNK_HEARTBEAT_S", limit_s)
+    secret = sentinel.new_secret()
+    beats = sentinel.Heartbeats(Layout([2, 1, 3], ["a", "b", "c"]), secret)
+    t, box = _accept_in_thread(beats, port, 3)
+    keep = []
+    _sentinel(port, 1, secret, keep)
+    _sentinel(port, 2, secret, keep)
+    t.join(15)
+    assert box == [None]
+    beats.start_beating()
+    return beats, keep
+
+
+def test_a_closed_connection_is_logged_at_once_and_raised_naming_the_machine(port, monkeypatch,
+                                                                              caplog):
+    beats, keep = _three_machines(port, monkeypatch)
+    # The thread beats both sentinels.
+    time.sleep(3 * sentinel.BEAT_S)
+    assert all(s.recv(64) for s in keep)
+    beats.read()
+    t0 = time.monotonic()
+    keep[1].close()  # machine 2's sentinel (its node master died)
+    deadline = time.monotonic() + 5
+    while 2 not in beats.closed and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert beats.closed[2] - t0 < 0.5
+    assert "machine 2 (c, ranks 3..5) lost" in caplog.text
+    with pytest.raises(MachineLostError, match=r"machine 2 \(c, ranks 3\.\.5\)") as info:
+        beats.read()
+    assert info.value.machines == [2] and info.value.rank == 3
+    # Going on without it: machine 1 keeps its connection, nothing is raised any more.
+    beats.keep([0, 1], Layout([2, 1], ["a", "b"]))
+    assert list(beats.socks) == [1] and not beats.closed
+    beats.read()
+    keep[0].close()
+    beats.close()
+
+
+def test_silence_is_a_stall_naming_the_machine(port, monkeypatch):
+    beats, keep = _three_machines(port, monkeypatch, limit_s="0.5")
+    keep[0].sendall(b".")
+    deadline = time.monotonic() + 5
+    with pytest.raises(WorkerStalledError, match=r"machine 1 \(b, ranks 2\.\.2\).*no heartbeat"):
+        while time.monotonic() < deadline:
+            keep[1].sendall(b".")  # machine 2 beats; machine 1 went silent
+            beats.read()
+            time.sleep(0.05)
+    for s in keep:
+        s.close()
+    beats.close()
