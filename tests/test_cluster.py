@@ -210,8 +210,10 @@ def test_stopped_node_master_is_named_and_the_job_ends():
 
 
 def test_timeout_names_the_late_machine():
-    with machines(3) as m:
-        rc, out, _ = mpirun(m, 3, [FAULTS, "timeout", "2"])
+    # Two machines, a core each: fork(timeout=6) also bounds distribute's compiling,
+    # which takes longer than that where two machines' four ranks share a core.
+    with machines(2) as m:
+        rc, out, _ = mpirun(m, 2, [FAULTS, "timeout", "2"])
         m_ = re.search(r"CAUGHT WorkerStalledError ([\d.]+) ranks 2, 3 ran call", out)
         assert m_, out
         assert float(m_.group(1)) < 6 + DEADLINE_S, out
@@ -234,7 +236,8 @@ def test_killed_node_master_under_ulfm_is_an_error_naming_the_machine():
     # raw mpi4py.MPI.Exception), naming the machine, and the job still leaves nothing.
     with machines(3) as m:
         rc, out, _ = mpirun(m, 3, [FAULTS, "kill-node", "2"], flags=["--with-ft", "ulfm"])
-        m_ = re.search(r"CAUGHT WorkerDiedError ([\d.]+) machine 1 \(\S+, ranks 2\.\.3\)", out)
+        m_ = re.search(r"CAUGHT (?:WorkerDiedError|MachineLostError) ([\d.]+) "
+                       r"machine 1 \(\S+, ranks 2\.\.3\)", out)
         assert m_, out
         assert float(m_.group(1)) < 2.0, out
         assert "MPI.Exception" not in out, out
@@ -379,7 +382,7 @@ def test_machine_whose_processes_are_killed(ulfm):
                       _ulfm(ulfm))
         assert f.t_mpirun is not None and f.t_gone is not None, f
         if ulfm:
-            assert f.error and re.match(r"WorkerDiedError: .*machine 1 \(", f.error), f
+            assert f.error and re.match(r"(WorkerDiedError|MachineLostError): .*machine 1 \(", f.error), f
             assert f.t_error < 2.0, f
             assert "MPI.Exception" not in f.out, f
         else:
@@ -391,7 +394,9 @@ def test_machine_whose_processes_are_killed(ulfm):
 def test_cut_machine_is_named_within_two_heartbeats():
     heartbeat_s = 3
     with machines(2) as m:
-        f = fault_run(m, 2, 1, lambda: m.cut(1), "link cut", bound=5 * heartbeat_s,
+        # Watched for the error and 2 x SYNK_HEARTBEAT_S more: the times printed say whether
+        # mpiexec and every process ended (issue 22 asks for it; not yet true on a cut link).
+        f = fault_run(m, 2, 1, lambda: m.cut(1), "link cut", bound=4 * heartbeat_s,
                       SYNK_HEARTBEAT_S=str(heartbeat_s))
         assert f.error and re.match(r"WorkerStalledError: .*machine 1 \(", f.error), f
         assert f.t_error < 2 * heartbeat_s, f
