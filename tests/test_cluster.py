@@ -354,7 +354,10 @@ def test_crashed_machine_ends_the_job_and_leaves_nothing(ulfm):
     # What synkhronos owes: the job ends, nothing is left on any machine.
     with machines(3) as m:
         f = fault_run(m, 3, 1, lambda: m.crash(2), "whole machine crashed", _ulfm(ulfm))
-        assert f.t_mpirun is not None and f.rc != 0, f
+        assert f.t_mpirun is not None, f
+        # PRRTE 3.0 under --with-ft ulfm ends the job with exit status 0 (seen: "lost
+        # communication with a remote daemon"), so the status is checked without ULFM only.
+        assert ulfm or f.rc != 0, f
         assert f.t_gone is not None, f
         assert_nothing_left(m, f.out, lost=(2,))
 
