@@ -26,8 +26,8 @@ def pid_alive(pid):
     return True
 
 
-def stop_process(pid, started=None, grace_s=0.0, reap=False):
-    """End process ``pid``: SIGKILL, or SIGTERM first when ``grace_s`` > 0 (SIGKILL past it).
+def stop_process(pid, started=None, grace_s=0.0, reap=False, sig=signal.SIGTERM):
+    """End process ``pid``: SIGKILL, or ``sig`` first when ``grace_s`` > 0 (SIGKILL past it).
 
     ``started`` (its ``proc_start_time``) guards against a reused pid: a
     process that started at another time is left alone.  ``reap`` waits for
@@ -38,7 +38,7 @@ def stop_process(pid, started=None, grace_s=0.0, reap=False):
     try:
         if grace_s > 0:
             os.kill(pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, sig)
             deadline = time.monotonic() + grace_s
             while time.monotonic() < deadline and proc_state(pid) not in ("Z", "X", None):
                 time.sleep(0.02)

@@ -397,12 +397,16 @@ def test_machine_whose_processes_are_killed(ulfm):
 def test_cut_machine_is_named_within_two_heartbeats():
     heartbeat_s = 3
     with machines(2) as m:
-        # Watched for the error and 2 x SYNK_HEARTBEAT_S more: the times printed say whether
-        # mpiexec and every process ended (issue 22 asks for it; not yet true on a cut link).
+        # The cut machine's sentinel hears no controller and ends its machine, the MPI
+        # daemon there included; the controller, once its program ends, ends mpiexec
+        # (which would wait for that daemon forever).
         f = fault_run(m, 2, 1, lambda: m.cut(1), "link cut", bound=4 * heartbeat_s,
                       SYNK_HEARTBEAT_S=str(heartbeat_s))
         assert f.error and re.match(r"WorkerStalledError: .*machine 1 \(", f.error), f
         assert f.t_error < 2 * heartbeat_s, f
+        assert f.t_gone is not None and f.t_gone < 2 * heartbeat_s, f
+        assert f.t_mpirun is not None and f.t_mpirun < 2 * heartbeat_s, f
+        assert_nothing_left(m, f.out)
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional
 from ..commands import COMMANDS, encode
 from ..errors import MachineLostError, SynkError, unpickle_exception
 from ..liveness import wait_until
+from .launch import end_launcher_at_exit
 from .link import ABORT, CMD, DATA, DONE, REPORT
 from .recovery import going_on, relayout, settle_local, shrink
 
@@ -232,6 +233,10 @@ class Controller:
         master (MPI itself may be broken by now: a send to a dead process can
         abort this one).
         """
+        if self.heartbeats.silent is not None and not self.broken:
+            # Cut off or stopped: mpiexec would wait for that machine forever.
+            end_launcher_at_exit(f"{self.layout.describe(self.heartbeats.silent)} stopped "
+                                 "answering")
         self.heartbeats.close()
         self.broken = True
 

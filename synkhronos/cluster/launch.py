@@ -1,10 +1,13 @@
 """How this process was launched (mpiexec or not), MPI's start and end, and a node master's exit."""
 
+import atexit
 import ctypes
 import logging
 import os
 import sys
 from typing import NamedTuple
+
+from ..liveness import proc_start_time, stop_process
 
 logger = logging.getLogger(__name__)
 
@@ -143,3 +146,63 @@ def exit_finalized(status=0):
     except (OSError, AttributeError):  # no C library to call: no PMI handler either
         pass
     os._exit(status)
+
+
+# What mpiexec is called in each MPI (MPICH's Hydra, Open MPI's PRRTE).
+LAUNCHERS = ("mpiexec", "mpiexec.hydra", "mpirun", "prterun", "prte", "orterun")
+
+
+def _parent_and_name(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None, None
+    head, tail = stat.rsplit(b")", 1)
+    return int(tail.split()[1]), head.split(b"(", 1)[1].decode(errors="replace")
+
+
+def launcher_pid(pid=None, depth=4):
+    """The pid of the mpiexec that started this process (an ancestor on this host), or None."""
+    pid = os.getpid() if pid is None else pid
+    for _ in range(depth):
+        pid, _ = _parent_and_name(pid)
+        if not pid or pid == 1:
+            return None
+        if _parent_and_name(pid)[1] in LAUNCHERS:
+            return pid
+    return None
+
+
+def end_launcher_at_exit(why):
+    """When this process exits, end the mpiexec that started it (SIGTERM).
+
+    For a machine that stopped answering: mpiexec would wait for its daemon
+    there forever (a cut link carries no news of its end), so mpiexec would
+    never return.  At exit, not now: the user's program goes on after the error.
+    """
+    pid = launcher_pid()
+    if pid is not None:
+        atexit.register(_end_launcher, pid, why)
+
+
+def _end_launcher(pid, why):
+    logger.warning("ending mpiexec (pid %d), which would wait forever: %s", pid, why)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    started = proc_start_time(pid)
+    # SIGTERM ends Hydra's mpiexec; PRRTE's waits on for the daemon it cannot reach, so
+    # a process of its own (this one may be ended by mpiexec meanwhile) kills it after
+    # LAUNCHER_GRACE_S.
+    if os.fork() == 0:
+        try:
+            os.setsid()
+            stop_process(pid, started=started, grace_s=LAUNCHER_GRACE_S)
+        finally:
+            os._exit(0)
+
+
+LAUNCHER_GRACE_S = 1.0

@@ -138,7 +138,16 @@ def serve(rt, node, join_workers):
         signal.setitimer(signal.ITIMER_REAL, ENDED_FINALIZE_S)
         finalize(link.MPI)
         exit_finalized(0)
+    def silent(signum, frame):
+        # The sentinel's way to end this machine when the controller stopped answering
+        # (cut off, stopped): MPI_Finalize would wait for it, so none.
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if not rt.closed:
+            rt.abandon(rt, "the controller stopped answering")
+        os._exit(1)
     signal.signal(signal.SIGTERM, ended)
+    signal.signal(signal.SIGUSR2, silent)
     going_on = recovery.going_on(link.MPI)
     try:
         while True:

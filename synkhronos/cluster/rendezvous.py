@@ -122,7 +122,7 @@ def _connect(rt, mpi, sentinel_fd):
         where = raw_host.rstrip(b"\0").decode()
         if where == hosts[0] and hosts[me] == hosts[0]:
             where = "127.0.0.1"  # same host: no name to resolve
-        send_address(sentinel_fd, where, port, me, secret)
+        send_address(sentinel_fd, where, port, me, secret, remote=hosts[me] != hosts[0])
     logger.info("cluster: %s, this process is %s", layout,
                 "the controller" if me == 0 else layout.describe(me))
     return link, heartbeats, [int(p) for p in everyone[:, 1]]

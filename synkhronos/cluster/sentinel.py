@@ -37,6 +37,7 @@ SECRET_BYTES = 32
 _ANSWER = struct.Struct("q32s")  # machine, HMAC-SHA256(secret, nonce + machine)
 CONNECT_TIMEOUT_S = 60.0
 END_GRACE_S = 3.0
+SENTINEL_LIMIT = 1.5  # a sentinel ends its machine after this many SYNK_HEARTBEAT_S of silence
 
 
 def heartbeat_limit_s():
@@ -73,11 +74,28 @@ def new_secret():
     return secrets.token_bytes(SECRET_BYTES)
 
 
-def send_address(fd, host, port, node, secret):
+def send_address(fd, host, port, node, secret, remote):
     """Node master: tell its sentinel where the controller listens, which machine it is,
-    and the job's secret (through a pipe to its own child)."""
-    os.write(fd, pickle.dumps((host, port, node, secret)))
+    the job's secret, and whether the controller runs on another host (through a pipe
+    to its own child)."""
+    os.write(fd, pickle.dumps((host, port, node, secret, remote)))
     os.close(fd)
+
+
+# The MPI launchers' daemons on each host: MPICH's Hydra proxy, Open MPI's PRRTE daemon.
+LAUNCHER_DAEMONS = ("hydra_pmi_proxy", "prted")
+
+
+def _launcher_daemon(pid):
+    """(pid, start time) of the MPI launcher's daemon that started ``pid``, or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        with open(f"/proc/{ppid}/comm") as f:
+            name = f.read().strip()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (ppid, proc_start_time(ppid)) if name in LAUNCHER_DAEMONS else None
 
 
 def _mac(secret, nonce, node):
@@ -101,7 +119,11 @@ def _sentinel_main(parent, read_fd):
     os.close(read_fd)
     if not raw:
         return  # the node master never reached MPI: it exits by itself
-    host, port, node, secret = pickle.loads(raw)  # from its own parent, through a pipe
+    host, port, node, secret, remote = pickle.loads(raw)  # from its own parent, through a pipe
+    # On a host of its own, the launcher's daemon here serves only this job's node
+    # masters: when the controller goes silent it is ended too, since it would wait
+    # for a launcher it cannot reach, and the launcher for it (mpiexec never returns).
+    daemon = _launcher_daemon(parent) if remote else None
     try:
         sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
         prove(sock, node, secret)
@@ -113,7 +135,9 @@ def _sentinel_main(parent, read_fd):
     # Readable the moment the node master exits: the controller then learns of it at once
     # (MPICH's Hydra ends the whole job about 0.1 s after a process dies).
     watch = [sock] + ([_pidfd(parent)] if hasattr(os, "pidfd_open") else [])
-    limit = heartbeat_limit_s()
+    # Later than the controller's own limit: where a link is cut, the controller names
+    # the machine first; the machine is gone within 2 x SYNK_HEARTBEAT_S all the same.
+    limit = SENTINEL_LIMIT * heartbeat_limit_s()
     heard = None  # when the controller's beats last arrived (None: not beating yet)
     while True:
         # Reparented: the node master is gone (its pid may already name another process).
@@ -136,7 +160,11 @@ def _sentinel_main(parent, read_fd):
         elif heard is not None and time.monotonic() - heard > limit:
             # The controller stopped beating (cut off, stopped, or its host is gone
             # without closing the connection): nobody will ever order this machine to end.
-            stop_process(parent, grace_s=END_GRACE_S)
+            # SIGUSR2: the node master ends without MPI_Finalize, which would wait for
+            # the silent controller.
+            stop_process(parent, grace_s=END_GRACE_S, sig=signal.SIGUSR2)
+            if daemon is not None:
+                stop_process(daemon[0], started=daemon[1])
             return
         if proc_state(parent) not in ("T", "t"):
             try:
@@ -172,6 +200,7 @@ class Heartbeats:
         self.closed = {}       # machine -> when its connection closed (the beating thread saw it)
         self.limit = heartbeat_limit_s()
         self.quitting = False  # QUIT was sent: a closed connection is no failure
+        self.silent = None     # the machine that stopped answering, once read() said so
         self._lock = threading.Lock()  # the thread and keep() both change the machines
         self._stop = threading.Event()
         self._beater = None
@@ -261,6 +290,7 @@ class Heartbeats:
                     "its sentinel closed)", self.layout.offsets[closed], [closed])
             for m, beat in self.last_beat.items():
                 if now - beat > self.limit:
+                    self.silent = m
                     raise WorkerStalledError(
                         f"{self.layout.describe(m)}: its node master stopped answering (no "
                         f"heartbeat for {now - beat:.1f} s, SYNK_HEARTBEAT_S={self.limit:g}); "
