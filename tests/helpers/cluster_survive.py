@@ -100,6 +100,9 @@ def train(n_steps, kill_at, use_data):
     cluster = os.environ.get("SYNK_CLUSTER") != "0"
     synk.fork(1 if not cluster else None, use_gpu=False)
     step, x_data, y_data = build(dropout=False)
+    if cluster:
+        rt = get_runtime()
+        print("PIDS", " ".join(str(p) for p in rt.cluster.pids), rt.prefix, flush=True)
     synk.distribute()
     if use_data:  # the loss is then noticed inside the call, not while sending its inputs
         x_data, y_data = synk.data(x_data), synk.data(y_data)
