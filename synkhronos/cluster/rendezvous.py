@@ -13,6 +13,7 @@ import numpy as np
 
 from ..commands import Command
 from ..control import run_command
+from ..errors import SynkError
 from ..liveness import command_check, deadline_check, wait_until
 from .controller import Controller
 from .launch import init_mpi, mpi_segments
@@ -90,7 +91,11 @@ def _connect(rt, mpi, sentinel_fd):
         f"{CONNECT_TIMEOUT_S:g} s (does every process run the same script and call synk.fork()?)")
 
     def wait(req):
-        wait_until(lambda: req.Test(), check, 0.01, poll_max_s=5e-3)
+        try:
+            wait_until(lambda: req.Test(), check, 0.01, poll_max_s=5e-3)
+        except mpi.Exception as exc:  # a process of the job died while it started
+            raise SynkError(f"fork: MPI failed while the {size} MPI processes met "
+                            f"({exc.Get_error_string()}); the job cannot start") from None
     mine = np.array([rt.place.n_local, os.getpid()], dtype=np.int64)
     everyone = np.empty((size, 2), dtype=np.int64)
     wait(comm.Iallgather(mine, everyone))
