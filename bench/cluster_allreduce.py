@@ -1,0 +1,164 @@
+"""all_reduce across simulated machines, against bare MPI Allreduce among the same processes.
+
+    sudo python bench/cluster_allreduce.py [--machines 2,3,4] [--rates none,10gbit,1gbit]
+                                           [--sizes 4,65536,1048576,16777216] [--rounds 2]
+
+For each number of machines and each link rate (``tc tbf`` on every machine's
+link; "none": unlimited), on simulated machines (tests/helpers/machines.py:
+each its own network namespace, host name, /dev/shm and cores; needs root),
+two jobs of one MPI process per machine run alternately, ``--rounds`` times:
+
+- bare: mpi4py ``comm.Allreduce`` (sum) of a float32 buffer of each size;
+- synk: ``synk.fork(1)`` on each machine and ``synk.all_reduce`` (sum) of a
+  float32 shared variable of each size (the leaders' hand-written exchange:
+  each sends its partial to every other).
+
+Printed: the median seconds per call of each, their ratio and difference, for
+every (machines, rate, size).  Machines share the host's cores when there are
+more machines than cores (3-4 machines on 2 cores here): figures then say how
+the two compare on the same processes, not what separate hosts would reach.
+This is the baseline of issue 24 (MPI's own collectives between machines).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+
+
+def reps_for(nbytes, rate):
+    """Calls per size: a second or two each at the link's rate."""
+    bytes_per_s = {"none": 1e9, "10gbit": 5e8, "1gbit": 6e7}.get(rate, 1e9)
+    est = max(nbytes * 4 / bytes_per_s, 2e-5)
+    return int(min(2000, max(3, 1.5 / est)))
+
+
+def _emit(obj):
+    print("JSON " + json.dumps(obj), flush=True)
+
+
+def job_bare(sizes, rate):
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    out = {}
+    for n in sizes:
+        src = np.ones(max(n // 4, 1), "float32")
+        dst = np.empty_like(src)
+        reps = reps_for(n, rate)
+        for _ in range(max(2, reps // 10)):
+            comm.Allreduce(src, dst, op=MPI.SUM)
+        comm.Barrier()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            comm.Allreduce(src, dst, op=MPI.SUM)
+            times.append(time.perf_counter() - t0)
+        out[str(n)] = times
+    if comm.Get_rank() == 0:
+        _emit(out)
+
+
+def job_synk(sizes, rate):
+    import numpy as np
+    import pytensor
+    import pytensor.tensor as pt
+
+    import synkhronos as synk
+
+    synk.fork(1, use_gpu=False)
+    shareds = [pytensor.shared(np.ones(max(n // 4, 1), "float32"), name=f"s{n}") for n in sizes]
+    synk.function([], [pt.sum(s) for s in shareds])
+    synk.distribute()
+    out = {}
+    for n, s in zip(sizes, shareds):
+        reps = reps_for(n, rate)
+        for _ in range(max(2, reps // 10)):
+            synk.all_reduce(s, op="sum")
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            synk.all_reduce(s, op="sum")
+            times.append(time.perf_counter() - t0)
+        out[str(n)] = times
+    synk.close()
+    _emit(out)
+
+
+def _label(n):
+    for unit, div in (("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= div:
+            return f"{n // div} {unit}"
+    return f"{n} B"
+
+
+def _fmt(t):
+    return f"{t * 1e6:.1f} us" if t < 1e-3 else f"{t * 1e3:.2f} ms"
+
+
+def run(n_machines, rate, sizes, rounds):
+    from helpers.cluster_jobs import machines, mpirun
+
+    got = {"bare": {str(n): [] for n in sizes}, "synk": {str(n): [] for n in sizes}}
+    with machines(n_machines) as m:
+        if rate != "none":
+            for i in range(n_machines):
+                m.limit(i, rate)
+        for r in range(rounds):
+            for job in (("bare", "synk") if r % 2 == 0 else ("synk", "bare")):
+                args = [os.path.abspath(__file__), "--job", job, "--sizes",
+                        ",".join(map(str, sizes)), "--rates", rate]
+                rc, out, _ = mpirun(m, n_machines, args, timeout=900)
+                lines = [ln for ln in out.splitlines() if ln.startswith("JSON ")]
+                if rc != 0 or not lines:
+                    sys.exit(f"{job} job on {n_machines} machines failed (exit {rc}):\n"
+                             + out[-3000:])
+                for k, v in json.loads(lines[-1][5:]).items():
+                    got[job][k] += v
+    rows = []
+    for n in sizes:
+        b = statistics.median(got["bare"][str(n)])
+        s = statistics.median(got["synk"][str(n)])
+        rows.append((n_machines, rate, n, b, s))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--machines", default="2,3,4")
+    ap.add_argument("--rates", default="none,10gbit,1gbit")
+    ap.add_argument("--sizes", default="4,65536,1048576,16777216")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--job", choices=["bare", "synk"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    sizes = [int(x) for x in args.sizes.split(",")]
+    if args.job == "bare":
+        return job_bare(sizes, args.rates)
+    if args.job == "synk":
+        return job_synk(sizes, args.rates)
+    from helpers.cluster_jobs import FLAVOR, NO_MACHINES
+    if NO_MACHINES or not FLAVOR:
+        sys.exit(f"bench/cluster_allreduce.py: {NO_MACHINES or 'no mpiexec'}")
+    print(f"# {FLAVOR}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M')}, "
+          f"{args.rounds} rounds, load {os.getloadavg()[0]:.2f}", flush=True)
+    rows = []
+    for n_machines in [int(x) for x in args.machines.split(",")]:
+        for rate in args.rates.split(","):
+            rows += run(n_machines, rate, sizes, args.rounds)
+            print(f"# done: {n_machines} machines, rate {rate}", flush=True)
+    print(f"# load at the end {os.getloadavg()[0]:.2f}")
+    print("| machines | link | size | bare Allreduce | synk all_reduce | ratio | difference |")
+    print("|---|---|---|---|---|---|---|")
+    for n_machines, rate, n, b, s in rows:
+        print(f"| {n_machines} | {rate} | {_label(n)} | {_fmt(b)} | {_fmt(s)} | {s / b:.2f}x "
+              f"| {'+' if s >= b else '-'}{_fmt(abs(s - b))} |")
+
+
+if __name__ == "__main__":
+    main()
