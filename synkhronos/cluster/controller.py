@@ -158,9 +158,18 @@ class Controller:
 
     def poll(self):
         """The check while the controller waits: heartbeats, and reports that carry failures."""
-        self.heartbeats.read()
         if self.pending:
             self._all_reported()
+        try:
+            self.heartbeats.read()
+        except MachineLostError as exc:
+            # A machine whose ranks died reports why before its node master goes: say that.
+            m = exc.machines[0]
+            rep = self.reports.get(m)
+            if rep is None or rep.died is None:
+                raise
+            raise MachineLostError(f"{self.layout.describe(m)}: {rep.died}", exc.rank,
+                                   exc.machines) from None
 
     def send_command(self, cmd, payload, attachment, check):
         """Run ``cmd`` on the node masters only, sending ``attachment`` (bytes) after it.

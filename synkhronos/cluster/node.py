@@ -176,9 +176,10 @@ def serve(rt, node, join_workers):
             else:
                 rt.abandon(rt, "the controller ended the job")
         if status != 0 and going_on:
-            # The others go on: MPI must see this process fail (ULFM), not finalise,
-            # or the survivors' shrink would wait for it.
-            os._exit(1)
+            # The others go on: MPI must see this process fail, or the survivors' shrink
+            # waits for it forever (PRRTE reports an exit, even without MPI_Finalize,
+            # as no failure to ULFM; a death by a signal it does).
+            os.kill(os.getpid(), signal.SIGKILL)
         # Always finalise: mpiexec ends the whole job, the controller too, when a
         # process exits without it.  MPI_Finalize waits for messages still in
         # flight, so it gets a deadline: SIGALRM ends this process past it.
@@ -233,7 +234,8 @@ def _run(rt, node, cmd, spec, payload, alone, going_on):
             raise  # another machine's loss (an MPI error): the serve loop goes on without it
         died = str(exc)
     except WorkerDiedError as exc:
-        died = str(exc)
+        # What closing this machine means is for the controller to say.
+        died = str(exc).split("; synkhronos is closed")[0]
     except WorkerError as exc:
         failures = [(r, t, pickle_exception(exc.causes.get(r))) for r, t in exc.failures.items()]
     except CommAborted:

@@ -1,9 +1,10 @@
 """Run under ``mpirun --with-ft ulfm``: a machine is lost mid-run and the run goes on without it.
 
-    python cluster_survive.py calls RANKS_PER_MACHINE
+    python cluster_survive.py calls RANKS_PER_MACHINE [--rank]
     python cluster_survive.py train STEPS KILL_AT [--data]
 
-calls: machine (the last) loses its node master between two calls; the controller
+calls: machine (the last) loses its node master between two calls (with --rank:
+    its last rank dies inside a call instead, its node master alive); the controller
     prints what it caught, the layout after, and checks calls, collectives and Data
     against NumPy on the machines left.
 train: a training run (make_train_function, Adam) loses the last machine after
@@ -23,6 +24,8 @@ import pytensor.tensor as pt
 
 import synkhronos as synk
 from synkhronos.runtime import get_runtime
+from pytensor.graph.basic import Apply
+from pytensor.graph.op import Op
 
 from ckpt_train import build
 
@@ -34,6 +37,24 @@ def lose_last_machine():
     return time.monotonic()
 
 
+class DieInRank(Op):
+    """Return x; the process of global rank ``rank`` dies (SIGKILL) instead."""
+
+    __props__ = ("rank",)
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def make_node(self, x):
+        x = pt.as_tensor_variable(x)
+        return Apply(self, [x], [x.type()])
+
+    def perform(self, node, inputs, outputs):
+        if get_runtime().rank == self.rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+        outputs[0][0] = inputs[0]
+
+
 def _ranges(n, k):
     base, extra = divmod(n, k)
     lo = 0
@@ -43,7 +64,7 @@ def _ranges(n, k):
         lo = hi
 
 
-def calls(per_machine):
+def calls(per_machine, rank_dies):
     synk.fork(per_machine)
     rt = get_runtime()
     print("PIDS", " ".join(str(p) for p in rt.cluster.pids), rt.prefix, flush=True)
@@ -52,14 +73,16 @@ def calls(per_machine):
     f_avg = synk.function([x], (pt.mean(x, axis=0), "avg"))
     f_sum = synk.function([x], (pt.sum(x), "sum"))
     g = synk.function([x], updates=[(w, w + pt.sum(x, axis=0))])
+    n_before = synk.layout().n_parallel
+    die = synk.function([x], (pt.sum(DieInRank(n_before - 1)(x)), "sum"))
     synk.distribute()
     X = np.arange(60, dtype=pytensor.config.floatX).reshape(20, 3)
     d = synk.data(X)
-    n_before = synk.layout().n_parallel
-    t0 = lose_last_machine()
+    f_sum(d)
+    t0 = time.monotonic() if rank_dies else lose_last_machine()
     try:
         for _ in range(100000):
-            f_sum(d)
+            (die if rank_dies else f_sum)(d)
     except synk.MachineLostError as exc:
         print("CAUGHT", type(exc).__name__, f"{time.monotonic() - t0:.2f}",
               "survived" if exc.survived else "ended", "completed", exc.completed,
@@ -127,6 +150,6 @@ def train(n_steps, kill_at, use_data):
 
 if __name__ == "__main__":
     if sys.argv[1] == "calls":
-        calls(int(sys.argv[2]))
+        calls(int(sys.argv[2]), "--rank" in sys.argv)
     else:
         train(int(sys.argv[2]), int(sys.argv[3]), "--data" in sys.argv)
