@@ -177,9 +177,9 @@ def test_crashed_machine_ends_the_job_and_leaves_nothing(ulfm):
     with machines(3) as m:
         f = fault_run(m, 3, 1, lambda: m.crash(2), "whole machine crashed", _ulfm(ulfm))
         assert f.t_mpirun is not None, f
-        # PRRTE 3.0 under --with-ft ulfm ends the job with exit status 0 (seen: "lost
-        # communication with a remote daemon"), so the status is checked without ULFM only.
-        assert ulfm or f.rc != 0, f
+        # PRRTE 3.0 ends such a job with exit status 255 or, in some runs, 0 ("lost
+        # communication with a remote daemon"), ULFM or not: the status is MPICH's to check.
+        assert FLAVOR != "mpich" or f.rc != 0, f
         assert f.t_gone is not None, f
         if FLAVOR == "mpich":
             # Hydra kills the controller ~0.05 s later; it names the machine first.
