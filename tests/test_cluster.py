@@ -235,6 +235,18 @@ def test_cut_machine_is_named_within_two_heartbeats():
         assert_nothing_left(m, f.out)
 
 
+@pytest.mark.parametrize("script,machines_,local", [
+    ("demo_1.py", 3, 1), ("demo_2.py", 2, 1), ("demo_3.py", 3, 1), ("demo_4.py", 2, 2),
+    ("demo_5.py", 2, 1),
+])
+def test_walkthrough_demos_unchanged_under_mpiexec(script, machines_, local):
+    """The original examples (demos/demo_*.py) pass their own asserts on separate machines."""
+    with machines(machines_) as m:
+        rc, out, _ = mpirun(m, machines_, [os.path.join(ROOT, "demos", script), "--n-parallel",
+                                           str(local)])
+    assert rc == 0 and "All assertions passed." in out, out
+
+
 @pytest.mark.slow
 def test_mnist_demo_unchanged_under_mpiexec():
     """The demo under mpiexec -n 2 (1 rank each) learns exactly as on one machine with 2 ranks."""

@@ -166,6 +166,11 @@ def serve(rt, node, join_workers):
         status = 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if status != 0 and going_on:
+            # The others go on without this machine, and shrink only once MPI sees this
+            # process fail: at once, by a signal (PRRTE reports an exit, even without
+            # MPI_Finalize, as no failure). Its workers, janitor and sentinel follow it.
+            os.kill(os.getpid(), signal.SIGKILL)
         if status != 0:
             # The controller must learn at once that this machine is gone, not by
             # heartbeats that would go on while MPI_Finalize below waits.
@@ -175,11 +180,6 @@ def serve(rt, node, join_workers):
                 join_workers(rt)
             else:
                 rt.abandon(rt, "the controller ended the job")
-        if status != 0 and going_on:
-            # The others go on: MPI must see this process fail, or the survivors' shrink
-            # waits for it forever (PRRTE reports an exit, even without MPI_Finalize,
-            # as no failure to ULFM; a death by a signal it does).
-            os.kill(os.getpid(), signal.SIGKILL)
         # Always finalise: mpiexec ends the whole job, the controller too, when a
         # process exits without it.  MPI_Finalize waits for messages still in
         # flight, so it gets a deadline: SIGALRM ends this process past it.
