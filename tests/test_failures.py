@@ -22,7 +22,8 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 
 import synkhronos as synk
-from helpers.procs import DEADLINE_S, SleepIn, gone, my_segments, wait_for
+from helpers.procs import (DEADLINE_S, SleepIn, close_process, gone, kill_master_and_check,
+                           my_segments, wait_for)
 from synkhronos import shmem
 from synkhronos.runtime import get_runtime
 
@@ -355,17 +356,10 @@ def test_master_killed_workers_exit_and_segments_go():
     proc = _start_master("sleep")
     try:
         pids, segments = _read_pids_and_segments(proc)
-        assert all(not gone(p) for p in pids)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(DEADLINE_S)
-        assert wait_for(lambda: all(gone(p) for p in pids)), "workers outlived their master"
-        assert wait_for(lambda: not my_segments(proc.pid)), my_segments(proc.pid)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+    except BaseException:
+        proc.kill()
+        raise
+    kill_master_and_check(proc, pids)
 
 
 @pytest.mark.parametrize("how", ["return", "raise"])
@@ -380,11 +374,7 @@ def test_exit_without_close_cleans_up(how):
         assert wait_for(lambda: all(gone(p) for p in pids))
         assert my_segments(proc.pid) == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+        close_process(proc)
 
 
 def test_stale_segments_of_a_killed_run_are_swept_by_the_next_fork(forked):
@@ -405,11 +395,7 @@ def test_stale_segments_of_a_killed_run_are_swept_by_the_next_fork(forked):
         forked(1)
         assert my_segments(proc.pid) == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+        close_process(proc)
 
 
 ZMQ_MASTER = textwrap.dedent("""
@@ -436,11 +422,7 @@ def test_zmq_socket_dirs_go_when_the_master_is_killed():
         assert wait_for(lambda: not os.path.exists(path)), path
         assert wait_for(lambda: my_segments(proc.pid) == [])
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+        close_process(proc)
 
 
 # ---- shared memory: full, dropped, squatted ----------------------------------------------

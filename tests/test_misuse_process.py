@@ -17,7 +17,7 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 
 import synkhronos as synk
-from helpers.procs import DEADLINE_S, gone, my_segments, wait_for
+from helpers.procs import DEADLINE_S, gone, kill_master_and_check, my_segments, wait_for
 from synkhronos.runtime import get_runtime
 
 pytestmark = pytest.mark.timeout(120)
@@ -66,18 +66,10 @@ def test_workers_forked_from_a_thread_still_end_with_their_master():
     try:
         line = proc.stdout.readline()
         assert line, proc.stderr.read()
-        pids = [int(p) for p in line.split()]
-        assert all(not gone(p) for p in pids)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(DEADLINE_S)
-        assert wait_for(lambda: all(gone(p) for p in pids)), "workers outlived their master"
-        assert wait_for(lambda: not my_segments(proc.pid)), my_segments(proc.pid)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+    except BaseException:
+        proc.kill()
+        raise
+    kill_master_and_check(proc, [int(p) for p in line.split()])
 
 
 def test_fork_while_a_thread_logs_to_a_file(forked, tmp_path):

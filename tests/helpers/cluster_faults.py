@@ -20,11 +20,9 @@ import time
 import numpy as np
 import pytensor
 import pytensor.tensor as T
-from pytensor.graph.basic import Apply
-from pytensor.graph.op import Op
 
 import synkhronos as synk
-from procs import SleepIn
+from procs import FailInRank, SleepIn
 from synkhronos import ingraph
 from synkhronos.runtime import get_runtime
 
@@ -34,35 +32,17 @@ logging.basicConfig(level=os.environ.get("LOG", "WARNING"),
                     format="%(process)d %(asctime)s %(name)s %(message)s")
 
 
-class RaiseOnRank(Op):
-    """Return x; raise ValueError in the rank given."""
-
-    __props__ = ("rank",)
-
-    def __init__(self, rank):
-        self.rank = rank
-
-    def make_node(self, x):
-        x = T.as_tensor_variable(x)
-        return Apply(self, [x], [x.type()])
-
-    def perform(self, node, inputs, outputs):
-        if get_runtime().rank == self.rank:
-            raise ValueError(f"planted failure in rank {self.rank}")
-        outputs[0][0] = inputs[0]
-
-
 mode, L = sys.argv[1], int(sys.argv[2])
 n = synk.fork(L, timeout={"timeout": 6, "idle": 5}.get(mode))
 rt = get_runtime()
 print("PIDS", " ".join(str(p) for p in rt.cluster.pids), rt.prefix, flush=True)
 x = T.matrix("x")
 f = synk.function([x], T.sum(x))
-bad = synk.function([x], T.sum(RaiseOnRank(n - 1)(x)))
+bad = synk.function([x], T.sum(FailInRank(n - 1)(x)))
 # A rank fails before an in-graph collective of 2.4 MB: the other machines leave it
 # mid-exchange, with large sends nobody will receive.
 big = T.alloc(T.sum(x), 600000)
-bad_collective = synk.function([x], T.sum(ingraph.psum(RaiseOnRank(n - 1)(big))))
+bad_collective = synk.function([x], T.sum(ingraph.psum(FailInRank(n - 1)(big))))
 who = T.lvector("who")
 slow = synk.function([x], T.sum(SleepIn(30)(x, who)), bcast_inputs=[who])
 synk.distribute()

@@ -24,10 +24,9 @@ import pytensor.tensor as pt
 
 import synkhronos as synk
 from synkhronos.runtime import get_runtime
-from pytensor.graph.basic import Apply
-from pytensor.graph.op import Op
 
 from ckpt_train import build
+from procs import FailInRank
 
 
 def lose_last_machine():
@@ -35,24 +34,6 @@ def lose_last_machine():
     rt = get_runtime()
     os.kill(rt.cluster.pids[-1], signal.SIGKILL)
     return time.monotonic()
-
-
-class DieInRank(Op):
-    """Return x; the process of global rank ``rank`` dies (SIGKILL) instead."""
-
-    __props__ = ("rank",)
-
-    def __init__(self, rank):
-        self.rank = rank
-
-    def make_node(self, x):
-        x = pt.as_tensor_variable(x)
-        return Apply(self, [x], [x.type()])
-
-    def perform(self, node, inputs, outputs):
-        if get_runtime().rank == self.rank:
-            os.kill(os.getpid(), signal.SIGKILL)
-        outputs[0][0] = inputs[0]
 
 
 def _ranges(n, k):
@@ -74,7 +55,7 @@ def calls(per_machine, rank_dies):
     f_sum = synk.function([x], (pt.sum(x), "sum"))
     g = synk.function([x], updates=[(w, w + pt.sum(x, axis=0))])
     n_before = synk.layout().n_parallel
-    die = synk.function([x], (pt.sum(DieInRank(n_before - 1)(x)), "sum"))
+    die = synk.function([x], (pt.sum(FailInRank(n_before - 1, "kill")(x)), "sum"))
     synk.distribute()
     X = np.arange(60, dtype=pytensor.config.floatX).reshape(20, 3)
     d = synk.data(X)

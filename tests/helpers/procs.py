@@ -1,6 +1,7 @@
 """Helpers for tests that kill, stop or outlive processes: their segments, exits and deadlines."""
 
 import os
+import signal
 import time
 
 import pytensor.tensor as pt
@@ -55,3 +56,48 @@ class SleepIn(Op):
         if get_runtime().rank in ranks:
             time.sleep(self.seconds)
         outputs[0][0] = x.copy()
+
+
+def kill_master_and_check(proc, pids):
+    """SIGKILL the master ``proc`` (its workers' ``pids`` alive); assert nothing of its run outlives it.
+
+    Closes ``proc`` whatever happens.
+    """
+    try:
+        assert all(not gone(p) for p in pids)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(DEADLINE_S)
+        assert wait_for(lambda: all(gone(p) for p in pids)), "workers outlived their master"
+        assert wait_for(lambda: not my_segments(proc.pid)), my_segments(proc.pid)
+    finally:
+        close_process(proc)
+
+
+class FailInRank(Op):
+    """Return x; in global rank ``rank``, raise ValueError (how="raise") or die by SIGKILL ("kill")."""
+
+    __props__ = ("rank", "how")
+
+    def __init__(self, rank, how="raise"):
+        self.rank = rank
+        self.how = how
+
+    def make_node(self, x):
+        x = pt.as_tensor_variable(x)
+        return Apply(self, [x], [x.type()])
+
+    def perform(self, node, inputs, outputs):
+        if get_runtime().rank == self.rank:
+            if self.how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise ValueError(f"planted failure in rank {self.rank}")
+        outputs[0][0] = inputs[0]
+
+
+def close_process(proc):
+    """Kill ``proc`` if it still runs, reap it, and close its pipes."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    proc.stdout.close()
+    proc.stderr.close()
