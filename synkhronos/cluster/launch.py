@@ -152,7 +152,8 @@ def exit_finalized(status=0):
 LAUNCHERS = ("mpiexec", "mpiexec.hydra", "mpirun", "prterun", "prte", "orterun")
 
 
-def _parent_and_name(pid):
+def parent_and_name(pid):
+    """(parent pid, command name) of process ``pid``, from /proc; (None, None) if it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
@@ -166,10 +167,10 @@ def launcher_pid(pid=None, depth=4):
     """The pid of the mpiexec that started this process (an ancestor on this host), or None."""
     pid = os.getpid() if pid is None else pid
     for _ in range(depth):
-        pid, _ = _parent_and_name(pid)
+        pid, _ = parent_and_name(pid)
         if not pid or pid == 1:
             return None
-        if _parent_and_name(pid)[1] in LAUNCHERS:
+        if parent_and_name(pid)[1] in LAUNCHERS:
             return pid
     return None
 

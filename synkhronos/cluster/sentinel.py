@@ -27,7 +27,7 @@ import time
 
 from ..errors import MachineLostError, SynkError, WorkerStalledError
 from ..liveness import proc_start_time, proc_state, stop_process
-from .launch import close_launcher_fds
+from .launch import close_launcher_fds, parent_and_name
 
 logger = logging.getLogger(__name__)
 
@@ -88,14 +88,10 @@ LAUNCHER_DAEMONS = ("hydra_pmi_proxy", "prted")
 
 def _launcher_daemon(pid):
     """(pid, start time) of the MPI launcher's daemon that started ``pid``, or None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-        with open(f"/proc/{ppid}/comm") as f:
-            name = f.read().strip()
-    except (OSError, ValueError, IndexError):
+    ppid, _ = parent_and_name(pid)
+    if ppid is None or parent_and_name(ppid)[1] not in LAUNCHER_DAEMONS:
         return None
-    return (ppid, proc_start_time(ppid)) if name in LAUNCHER_DAEMONS else None
+    return ppid, proc_start_time(ppid)
 
 
 def _mac(secret, nonce, node):
