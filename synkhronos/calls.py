@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import conditioning, data_module, execution, sharedvars, split
+from . import conditioning, data_module, execution, placed, placement, sharedvars, split
 from .comm import compressed
 from .control import Command, handler, run_command
 from .errors import MachineLostError, SynkStateError
@@ -40,12 +40,13 @@ class CallMsg(NamedTuple):
     num_slices: int
     subset: object
     then: object = None         # a ThenMsg: a fused step's all-reduce and follow-up call
+    plan: object = None         # cluster: {first rank of a machine: its placement.MachinePlan}
 
     def to_wire(self):
         """This message as plain tuples, the cheapest to pickle (every call sends one)."""
         then = self[8]
         return (self[0], [tuple(d) for d in self[1]]) + self[2:8] + (
-            None if then is None else tuple(then),)
+            None if then is None else tuple(then), self[9])
 
     @classmethod
     def from_wire(cls, raw):
@@ -54,7 +55,8 @@ class CallMsg(NamedTuple):
         new = tuple.__new__
         then = raw[8]
         descs = [new(data_module.DataDesc, d) for d in raw[1]]
-        return new(cls, (raw[0], descs) + raw[2:8] + (None if then is None else new(ThenMsg, then),))
+        return new(cls, (raw[0], descs) + raw[2:8] + (None if then is None else new(ThenMsg, then),
+                                                     raw[9]))
 
 
 class ThenMsg(NamedTuple):
@@ -141,19 +143,25 @@ def prepare_call(f, rt, args, kwargs, output_subset, batch, batch_s, num_slices)
     if kwargs or len(args) != len(f._all_inputs):
         args = f._bind(args, kwargs, f.name or "function")
     datas = []
+    n_scattered = len(f.spec.inputs)
     for i, v in enumerate(args):
         # The common case inline: a live Data of the right type with memory.
         if (type(v) is data_module.Data and v._rt is rt and v._data is not None
                 and v._dtype == f._dtypes[i] and v._ndim == f._ndims[i]):
             datas.append(v)
+        elif rt.cluster is not None and i < n_scattered and not isinstance(v, data_module.Data):
+            # Each machine will be sent only the rows its ranks use (``_place``).
+            datas.append(_Rows(_as_array(f, i, v)))
         else:
             datas.append(_as_data(f, rt, i, v))
-    n_scattered = len(f.spec.inputs)
     scattered = datas[:n_scattered]
     sel = None if batch is None else split.normalize_batch(batch)
     n_rows = check_lengths(f.name or "function", f.spec.inputs, scattered, sel)
     if sel is not None:
         sel = split.resolve(sel, common_length(scattered))
+    plan = None
+    if rt.cluster is not None and any(type(d) is not data_module.Data for d in scattered):
+        plan = _place(f, rt, datas, n_scattered, sel, n_rows)
     if type(num_slices) is not int or num_slices != 1:
         if not (isinstance(num_slices, numbers.Integral) and not isinstance(num_slices, bool)
                 and num_slices >= 1):
@@ -178,7 +186,60 @@ def prepare_call(f, rt, args, kwargs, output_subset, batch, batch_s, num_slices)
         subset = _check_subset(f, output_subset)
     # tuple.__new__: a named tuple's own constructor runs Python code at every call.
     return tuple.__new__(CallMsg, (f._ID, [d.describe() for d in datas], n_scattered, sel,
-                                   n_rows, sel_s, int(num_slices), subset, None))
+                                   n_rows, sel_s, int(num_slices), subset, None, plan))
+
+
+class _Rows:
+    """A NumPy input of a cluster call, as the row checks see it, until it is sent."""
+
+    minibatch = False
+
+    def __init__(self, arr):
+        self._data = arr
+        self._ndim = self.ndim = arr.ndim
+
+    def __len__(self):
+        return len(self._data)
+
+
+def _place(f, rt, datas, n_scattered, sel, n_rows):
+    """Cluster: which machine uses which rows; send each machine its rows of NumPy inputs.
+
+    Returns {first rank of each machine: its placement.MachinePlan}.
+    """
+    name = f.name or "function"
+    layout = rt.cluster.layout
+    placed_in = [(d, var) for d, var in zip(datas[:n_scattered], f.spec.inputs)
+                 if isinstance(d, placed.PlacedData)]
+    for d, var in placed_in:
+        d.check_layout(rt, name)
+        if d._parts != placed_in[0][0]._parts:
+            raise ValueError(f"{name}: inputs {placed_in[0][1]} and {var} are placed on the "
+                             f"machines in different parts ({placed_in[0][0].parts} and "
+                             f"{d.parts}); a call pairs rows machine by machine")
+    if placed_in:
+        plans = placement.owner_plan(sel, placed_in[0][0]._parts)
+    else:
+        plans = placement.even_plan(sel, n_rows, layout.n_local)
+    for i, d in enumerate(datas[:n_scattered]):
+        if type(d) is _Rows:
+            scratch = f._scratch.get(i)
+            if (scratch is None or scratch._rt is not rt or type(scratch) is not placed.PlacedData
+                    or scratch._layout is not layout):
+                scratch = f._scratch[i] = placed.scratch(rt, f._all_inputs[i])
+            placed.send_rows(rt, scratch, d._data, plans)
+            datas[i] = scratch
+    return {layout.offsets[m]: p for m, p in enumerate(plans)}
+
+
+def _as_array(f, i, value):
+    """A NumPy input ``value`` for input ``i`` of ``f``, conditioned, or raise naming it."""
+    var = f._all_inputs[i]
+    name = f.name or "function"
+    if isinstance(value, np.ndarray) or np.isscalar(value) or isinstance(value, (list, tuple)):
+        return conditioning.condition(value, var.dtype, var.ndim, name, f"input {var}")
+    raise TypeError(f"{name}: input {var} must be a synkhronos Data or a NumPy array; "
+                    f"got {type(value).__name__}")
 
 
 def _check_own_rows(f, rt, sel):
@@ -224,7 +285,8 @@ def _as_data(f, rt, i, value):
     name = f.name or "function"
     what = f"input {var}"
     if isinstance(value, data_module.Data):
-        data_module.check_data(value, rt, var.dtype, var.ndim, name, what)
+        data_module.check_data(value, rt, var.dtype, var.ndim, name, what,
+                               placed_ok=i < len(f.spec.inputs))
         return value
     if isinstance(value, np.ndarray) or np.isscalar(value) or isinstance(value, (list, tuple)):
         arr = conditioning.condition(value, var.dtype, var.ndim, name, what)

@@ -37,6 +37,9 @@ class Command(enum.IntEnum):
     OVERLAP_STEP = 32
     LAYOUT = 40         # cluster: every rank learns its global rank
     DATA_SYNC = 41      # cluster: node masters copy written Data contents
+    DATA_PRODUCE = 42   # cluster: every machine makes its rows of a Data
+    DATA_SEND = 43      # cluster: each machine is sent the rows of a call's input it uses
+    DATA_MAP = 44       # cluster: a machine's ranks map its part of a Data
 
 
 class CommandSpec(NamedTuple):

@@ -109,6 +109,8 @@ class Data:
     memory in the master at once and in the workers with the next command.
     """
 
+    _placed = False  # rows held machine by machine (placed.PlacedData)
+
     def __init__(self, ID, dtype, ndim, minibatch=False, name=None):
         rt = require_forked("Data")
         if isinstance(ID, (bool, np.bool_)) or not isinstance(ID, (numbers.Integral, np.integer)):
@@ -168,19 +170,14 @@ class Data:
     def size(self):
         return 0 if self._data is None else self._data.size
 
-    @property
-    def alloc_size(self):
-        """Items the shared allocation holds (may exceed ``size``)."""
-        return self._alloc_size
+    alloc_size = property(lambda self: self._alloc_size, doc="Items the allocation holds (>= size).")
 
     @property
     def minibatch(self):
         """Whether rows pair with positions of a call's ``batch`` (see Function.__call__)."""
         return self._minibatch
 
-    @property
-    def name(self):
-        return self._name
+    name = property(lambda self: self._name)
 
     def __len__(self):
         if self._data is None or self._ndim == 0:
@@ -363,13 +360,14 @@ def _dropped(rt, data_id, box):
         rt.registry.freed.append(data_id)
 
 
-def check_data(value, rt, dtype, ndim, where, what):
+def check_data(value, rt, dtype, ndim, where, what, placed_ok=False):
     """Raise unless Data ``value`` can stand for an array of ``dtype`` and ``ndim`` in run ``rt``.
 
-    The ranks read a Data in place, so its dtype must match exactly.
+    The ranks read a Data in place, so its dtype must match exactly.  A Data
+    produced where it is used (``placed_ok``) only as a call's scattered input.
 
     Raises:
-        TypeError: another dtype or ndim.
+        TypeError: another dtype or ndim, or a placed Data where it cannot be.
         ValueError: a Data object of a closed run, or one holding no memory.
     """
     if value._rt is not rt:
@@ -378,7 +376,10 @@ def check_data(value, rt, dtype, ndim, where, what):
         raise TypeError(f"{where}: {what} needs dtype {dtype}; got Data of {value.dtype}")
     if value.ndim != ndim:
         raise TypeError(f"{where}: {what} needs ndim {ndim}; got Data of ndim {value.ndim}")
-    if value.data is None:
+    if value._placed and not placed_ok:
+        raise TypeError(f"{where}: {what} is a Data produced where it is used; only a "
+                        "function's scattered inputs take one")
+    if value._data is None:
         raise ValueError(f"{where}: {what} is a Data object holding no memory")
 
 

@@ -4,19 +4,35 @@ The Data object itself (data_module.py) lives in the master; every rank maps
 its segment by id when DATA_ALLOC says so.
 """
 
-from typing import NamedTuple
+import pickle
+from typing import NamedTuple, Optional
 
+import numpy as np
+
+from . import placement
 from .commands import Command, handler, register
 from .shmem import SharedArray
 
+GROW = 1.5  # headroom of a call's per-machine input memory, so that it is rarely made again
+
+
+# How a Data's rows are held in a cluster (DataDesc.placed): every machine all of them,
+# each machine its own part of the whole (placed.PlacedData), or each machine the rows
+# its ranks use in one call, in the order they use them (a NumPy input).
+REPLICATED, PLACED_ROWS, PLACED_POSITIONS = 0, 1, 2
+
 
 class DataDesc(NamedTuple):
-    """A Data object as commands name it: ranks find its memory by ``data_id``."""
+    """A Data object as commands name it: ranks find its memory by ``data_id``.
+
+    ``shape`` is the whole's; a placed Data's machine holds only some rows of it.
+    """
 
     data_id: int
     dtype: str
     shape: tuple
     minibatch: bool
+    placed: int = REPLICATED
 
 
 class DataAllocMsg(NamedTuple):
@@ -62,10 +78,7 @@ register(Command.DATA_SYNC, None, DataSyncMsg, node=_sync_on_machine)
 
 @handler(Command.DATA_ALLOC, DataAllocMsg, node=_alloc_on_machine)
 def _alloc_worker(rt, msg):
-    old = rt.registry.datas.pop(msg.data_id, None)
-    if old is not None:
-        old.close()
-    rt.registry.datas[msg.data_id] = SharedArray.attach(msg.name, msg.nbytes)
+    _map(rt, msg)
 
 
 @handler(Command.DATA_FREE, DataFreeMsg, node=_free_on_machine)
@@ -80,4 +93,92 @@ def view(rt, desc):
     seg = rt.registry.datas[desc.data_id]
     if rt.is_master:
         return seg._data
+    if desc.placed:
+        return seg  # this machine holds some rows only: placement.take_share views them
     return seg.cached_view(desc.dtype, desc.shape)
+
+
+# Data placed machine by machine (placed.py): each node master makes or receives its part.
+
+class ProduceMsg(NamedTuple):
+    """DATA_PRODUCE: make Data ``data_id`` on every machine by ``produce`` (cloudpickled)."""
+
+    data_id: int
+    dtype: str
+    ndim: int
+    produce: bytes
+    parts: Optional[list]      # machine -> (lo, hi) asked for, or None: the rows each has
+    force_cast: bool
+
+
+class MapMsg(NamedTuple):
+    """DATA_MAP, and a machine's answer to DATA_PRODUCE or DATA_SEND: map segment ``name``."""
+
+    data_id: int
+    name: Optional[str]        # None: the ranks' mapping stays
+    nbytes: int
+    shape: Optional[tuple] = None  # DATA_PRODUCE: (machine, *shape of its rows)
+
+
+class SendMsg(NamedTuple):
+    """DATA_SEND: ``nbytes[m]`` bytes of Data ``data_id`` follow to machine ``m``."""
+
+    data_id: int
+    name: Optional[str]        # the controller's machine: its new segment, or None
+    capacity: int
+    nbytes: tuple
+
+
+def _produce_on_machine(machine, msg):
+    m, n_machines = machine.node, machine.layout.n_machines
+    span = (None, None) if msg.parts is None else tuple(msg.parts[m])
+    produce = pickle.loads(msg.produce)
+    arr = placement.check_rows(produce(placement.Part(m, n_machines, *span)), None,
+                               np.dtype(msg.dtype), msg.ndim, msg.force_cast,
+                               placement.count(span), m)
+    name = machine.make_segment(msg.data_id, max(arr.nbytes, 1))
+    seg = machine.segments[msg.data_id]
+    seg.view(arr.dtype, arr.shape)[...] = arr
+    return MapMsg(msg.data_id, name, seg.nbytes, (m,) + arr.shape)
+
+
+def _send_on_machine(machine, msg):
+    need = msg.nbytes[machine.node]
+    seg = machine.segments.get(msg.data_id)
+    answer = None
+    if seg is None or seg.nbytes < need:
+        name = machine.make_segment(msg.data_id, max(int(need * GROW), 1))
+        answer = MapMsg(msg.data_id, name, machine.segments[msg.data_id].nbytes)
+    machine.receive_segment(msg.data_id, 0, need)
+    return answer
+
+
+def _map(rt, msg):
+    """Map segment ``msg.name`` as Data ``msg.data_id``'s memory here (None: keep the mapping)."""
+    if msg.name is None:
+        return
+    old = rt.registry.datas.pop(msg.data_id, None)
+    if old is not None:
+        old.close()
+    rt.registry.datas[msg.data_id] = SharedArray.attach(msg.name, msg.nbytes)
+
+
+@handler(Command.DATA_PRODUCE, ProduceMsg, collected=True, node=_produce_on_machine)
+def _produce_worker(rt, msg):
+    # On a node master's machine ``msg`` is its answer (a MapMsg); on the controller's, the order.
+    if isinstance(msg, MapMsg):
+        _map(rt, msg)
+        if rt.place.local_index == rt.place.leader:
+            rt.backend.contribute([np.array(msg.shape, dtype=np.int64)])
+            return
+    rt.backend.contribute(None)
+
+
+@handler(Command.DATA_SEND, SendMsg, node=_send_on_machine)
+def _send_worker(rt, msg):
+    _map(rt, MapMsg(msg.data_id, msg.name, msg.capacity) if isinstance(msg, SendMsg) else msg)
+
+
+@handler(Command.DATA_MAP, MapMsg, local=True)
+def _map_worker(rt, msg):
+    _map(rt, msg)

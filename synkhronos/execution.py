@@ -11,7 +11,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
-from . import compat, datamaps, gpu, reducers, sharedvars, split
+from . import compat, datamaps, gpu, placement, reducers, sharedvars, split
 from .reductions import AllReduceMsg, all_reduce_local
 
 
@@ -80,7 +80,11 @@ def run_share(spec, rt, msg):
         arrays = [datamaps.view(rt, d) for d in descs]
     rows = None
     sel = msg.sel
-    if msg.n_scattered:
+    if msg.plan is not None and msg.n_scattered:
+        # Cluster: this machine's rows, some held here only (placement.py).
+        rows = placement.take_share(rt, arrays, descs, msg.n_scattered, sel,
+                                    msg.plan[rt.place.rank_offset])
+    elif msg.n_scattered:
         lo, hi = split.rank_range(msg.n_rows, rt.place.n_parallel, rank)
         for i in range(msg.n_scattered):
             arrays[i] = split.take(arrays[i], sel, lo, hi, descs[i].minibatch and sel is not None)
