@@ -12,9 +12,8 @@ from typing import NamedTuple, Optional
 
 from ..commands import COMMANDS, encode
 from ..errors import MachineLostError, SynkError, unpickle_exception
-from ..liveness import wait_until
 from .launch import end_launcher_at_exit
-from .link import ABORT, CMD, DATA, DONE, REPORT
+from .link import ABORT, CMD, CMD_HEAD, DATA, DONE, REPORT
 from .recovery import going_on, relayout, settle_local, shrink
 
 
@@ -59,6 +58,10 @@ class Controller:
         self.broken = False    # a machine failed: MPI is not used again (nor finalised)
         self.local_done = 0    # the last command this machine's own ranks finished
         self.survivors, self.done = [], []  # after a loss: machines left, what each finished
+        # The leaders' collective communicator: one generation more after every command
+        # that aborted, sent with the next command so every leader renews it there.
+        self.gen = 0
+        self.node_only = False  # the current command runs on the node masters only
 
     def forward(self, cmd, data):
         """Send a posted command's bytes to every node master."""
@@ -69,7 +72,9 @@ class Controller:
         self.heartbeats.quitting = COMMANDS[cmd].final
         self.reports = {}
         self.failed = False
-        msg = struct.pack("q", self.seq) + bytes(data)
+        if link.leaders.gen != self.gen:
+            link.renew(self.gen)
+        msg = CMD_HEAD.pack(self.seq, self.gen) + bytes(data)
         for m in link.others:
             link.send_bytes(m, CMD, msg)
         self.pending = True
@@ -82,8 +87,14 @@ class Controller:
         """
         if not self.pending:
             return None
-        wait_until(self._all_reported, check, self.link.spin_s)
+        control = self.control
+        if not (self.failed or self.node_only) and control is not None and control.aborted_now():
+            # This machine's share aborted: the others may wait for it inside a collective.
+            self._abort_others()
+        self.link.wait(self._all_reported, check)
         self.pending = False
+        if self.failed:
+            self.gen += 1  # a collective may have been left pending on some leader
         self.link.retire_sends()
         failures = {}
         died = None
@@ -133,13 +144,17 @@ class Controller:
         self.reports[m] = rep
         if (rep.failures or rep.died) and not self.failed:
             # The other machines may wait for this one inside a collective.
-            self.failed = True
-            msg = struct.pack("q", self.seq)
-            for q in self.link.others:
-                if q not in self.reports:
-                    self.link.send_bytes(q, ABORT, msg)
+            self._abort_others()
             if self.control is not None:
                 self.control.abort(self.control.current)
+
+    def _abort_others(self):
+        """Order the machines whose report is not in to abort this command."""
+        self.failed = True
+        msg = struct.pack("q", self.seq)
+        for q in self.link.others:
+            if q not in self.reports:
+                self.link.send_bytes(q, ABORT, msg)
 
     def late_ranks(self):
         """The ranks of the machines whose report of this command is not in."""
@@ -193,7 +208,11 @@ class Controller:
         self.forward(cmd, encode(cmd, payload))
         for m in self.link.others:
             self.link.send_bytes(m, DATA, attachment)
-        failures = self.wait_reports(check)
+        self.node_only = True  # this machine's control block still shows the last command
+        try:
+            failures = self.wait_reports(check)
+        finally:
+            self.node_only = False
         if failures:
             raise SynkError(f"{cmd.name.lower()} failed: "
                             + "; ".join(t for t, _ in failures.values()))

@@ -1,28 +1,29 @@
-"""The MPI link between machines: tags, sends, receives, and sends that a failure left behind.
+"""The MPI link between machines: the control messages, and the leaders' collective communicator.
 
-Every wait here is a loop over ``Improbe`` or ``Test`` that keeps calling a
-liveness check, so none waits without a bound.  Messages are pickled with
-large buffers out of band (sent as they are, not copied); a reduction's small
-partial travels in a compact form that unpickles fast.
+Commands, reports, aborts and Data writes travel as point-to-point messages
+on the job's communicator, by tag; collectives between machines run on the
+leaders' own communicator (``comm.mpi_leaders.Leaders``), which an aborted
+command makes every leader replace (``renew``).  Every wait here is a loop
+over ``Improbe`` or ``Test`` that keeps calling a liveness check, so none
+waits without a bound.  Messages are pickled with large buffers out of band
+(sent as they are, not copied).
 """
 
+import os
 import pickle
 import struct
 
-import numpy as np
-
+from ..comm.mpi_leaders import Leaders
 from ..errors import MachineLostError, SynkError
-from ..liveness import wait_until
+from ..liveness import spin_until, wait_until
 
 # Tags of the messages between the controller and node masters.
 CMD, REPORT, ABORT, DATA, DONE = 1, 2, 3, 4, 5   # DONE: a report of nothing but success
-TAG_BASE = 64            # collectives: TAG_BASE + (seq * PER_CMD + k) % tag_span
-PER_CMD = 256
+CMD_HEAD = struct.Struct("qq")  # a forwarded command opens with (its number, the leaders' generation)
 INBAND_BYTES = 1 << 16   # smaller buffers travel inside the pickle
 POOL_BYTES = 1 << 16     # received buffers this large are reused (Link._buffer)
 POOL_MAX = 64
-PACKED = -1  # first word of a compact partial (a pickled message starts with its buffer count)
-_PACKED_HEAD = struct.pack("q", PACKED)
+YIELD_SPIN_S = 2e-3  # where cores are shared, how long a wait polls (yielding) before sleeping
 
 
 class Link:
@@ -42,24 +43,25 @@ class Link:
         self.layout = layout
         self.spin_s = spin_s
         self.others = [m for m in range(layout.n_machines) if m != self.node]
-        self.seq = 0           # the current command's number: tags of its messages
-        self.k = 0             # the collective within the command
+        self.seq = 0           # the current command's number
         self.sends = []        # (request, buffer) not yet known complete
         self.orphans = []      # (request, buffer) of sends an aborted command left behind
         self.pool = {}         # reused receive buffers
         self.graveyard = []    # (communicator, sends) given up after a machine was lost
-        span = int(mpi.COMM_WORLD.Get_attr(mpi.TAG_UB)) - TAG_BASE
-        self.tag_span = max(PER_CMD, span - span % PER_CMD)
+        self.leaders = Leaders(mpi, comm, spin_s, self.lost)
 
     def begin(self, seq):
-        """Start command ``seq``: its collectives' tags count from here."""
+        """Start command ``seq`` (its reports carry the number)."""
         self.seq = seq
-        self.k = 0
 
-    def next_tag(self):
-        """A fresh tag for one collective of the current command (the same on every machine)."""
-        self.k += 1
-        return TAG_BASE + (self.seq * PER_CMD + self.k) % self.tag_span
+    def renew(self, gen):
+        """Replace the leaders' communicator (generation ``gen``): a command aborted before.
+
+        Every leader calls this at the same command boundary, so the fresh
+        duplicate matches on every leader and nothing a failure left pending
+        on the old one pairs with a later collective.
+        """
+        self.leaders.renew(self.comm, gen)
 
     def lost(self, exc, machine=None):
         """The MachineLostError for an MPI error: which machine was lost, from MPI (ULFM) or the caller.
@@ -98,6 +100,7 @@ class Link:
         self.others = [m for m in range(layout.n_machines) if m != self.node]
         self.sends, self.orphans = [], []
         self.pool.clear()
+        self.leaders.renew(comm, self.leaders.gen)
 
     def send_bytes(self, dest, tag, buf):
         """Send ``buf`` as it is (kept alive until the send completes)."""
@@ -107,15 +110,7 @@ class Link:
             raise self.lost(exc, dest) from None
 
     def send(self, dest, tag, obj):
-        """Send ``obj`` (pickled; large buffers out of band, not copied) to machine ``dest``.
-
-        A reduction's partial, ``(list of small arrays, float)``, travels in a
-        compact form instead: pickling arrays costs several microseconds each way.
-        """
-        packed = _pack_partial(obj)
-        if packed is not None:
-            self.send_bytes(dest, tag, packed)
-            return
+        """Send ``obj`` (pickled; large buffers out of band, not copied) to machine ``dest``."""
         bufs = []
         head = pickle.dumps(obj, protocol=5, buffer_callback=lambda b: _inband(b, bufs))
         self.send_bytes(dest, tag, struct.pack("q", len(bufs)) + head)
@@ -140,8 +135,23 @@ class Link:
                 return False
             box.append(got)
             return True
-        wait_until(arrived, check, self.spin_s)
+        self.wait(arrived, check)
         return box[0]
+
+    def wait(self, pred, check):
+        """Return once ``pred()`` is true, calling ``check``.
+
+        Where cores are shared (``spin_s`` 0) a wait sleeps between polls, and
+        each sleep delays the peer's next message by as much: first poll for
+        a while, yielding the core to whoever runs beside this process.
+        """
+        if self.spin_s == 0:
+            def yielding():
+                os.sched_yield()
+                return pred()
+            if spin_until(yielding, check, YIELD_SPIN_S):
+                return
+        wait_until(pred, check, self.spin_s)
 
     def recv_bytes(self, src, tag, check, slot=None):
         """Receive one message's bytes (into a kept buffer when ``slot`` is given)."""
@@ -181,10 +191,6 @@ class Link:
             raise SynkError(f"expected {len(buf)} bytes from machine {src}, got {n}")
         self.receive(m, buf, src)
 
-    def recv(self, src, tag, check):
-        """Receive what ``send`` sent from machine ``src`` with ``tag``."""
-        return self.rest(src, tag, self.recv_bytes(src, tag, check), check, pooled=True)
-
     def rest(self, src, tag, head, check, pooled):
         """Unpickle a message from its head, receiving its out-of-band buffers.
 
@@ -192,8 +198,6 @@ class Link:
         next collective), not for what must outlive the command.
         """
         n_bufs = struct.unpack_from("q", head)[0]
-        if n_bufs == PACKED:
-            return _unpack_partial(head)
         bufs = [self.recv_bytes(src, tag, check, slot=i if pooled else None)
                 for i in range(n_bufs)]
         return pickle.loads(memoryview(head)[8:], buffers=bufs)
@@ -231,29 +235,3 @@ def _inband(buf, out):
         return True
     out.append(buf)
     return False
-
-
-def _pack_partial(obj):
-    """``(arrays, mass)`` with small plain arrays, as bytes that unpickle fast; else None.
-
-    Arrays as (dtype, shape, bytes) tuples pickle and unpickle in ~3 us, where
-    pickling the arrays themselves costs ~12 us.
-    """
-    if type(obj) is not tuple or len(obj) != 2 or type(obj[0]) is not list \
-            or not isinstance(obj[1], float):
-        return None
-    items = []
-    total = 0
-    for a in obj[0]:
-        if type(a) is not np.ndarray or a.dtype.hasobject:
-            return None
-        total += a.nbytes
-        if total > INBAND_BYTES:
-            return None
-        items.append((a.dtype.str, a.shape, a.tobytes()))
-    return _PACKED_HEAD + pickle.dumps((items, obj[1]), protocol=5)
-
-
-def _unpack_partial(buf):
-    items, mass = pickle.loads(memoryview(buf)[8:])
-    return [np.frombuffer(raw, d).reshape(shape) for d, shape, raw in items], mass

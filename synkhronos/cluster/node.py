@@ -20,7 +20,7 @@ from ..shmem import SharedArray
 from . import recovery
 from .controller import NodeReport
 from .launch import exit_finalized, finalize
-from .link import ABORT, CMD, DATA, DONE, REPORT
+from .link import ABORT, CMD, CMD_HEAD, DATA, DONE, REPORT
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +54,12 @@ class NodeMaster:
     def receive_command(self, check):
         """Wait for the controller's next command; return its bytes."""
         buf = self.link.recv_bytes(0, CMD, check)
-        self.link.begin(struct.unpack_from("q", buf)[0])
-        return memoryview(buf)[8:]
+        seq, gen = CMD_HEAD.unpack_from(buf)
+        self.link.begin(seq)
+        if gen != self.link.leaders.gen:
+            # A command before aborted: every leader renews the collective communicator here.
+            self.link.renew(gen)
+        return memoryview(buf)[CMD_HEAD.size:]
 
     def go_on(self):
         """Go on with the machines left: shrink to them and renumber this machine's ranks."""

@@ -49,7 +49,8 @@ def shrink(link, done_seq):
 
     Collective over every surviving leader (each calls it after its MPI calls
     failed), each giving the last command its machine finished
-    (``done_seq``).  Rebinds ``link`` to the new communicator and layout.
+    (``done_seq``).  Rebinds ``link`` to the new communicator and layout (and
+    the leaders' collectives to a duplicate of it).
     Returns (the survivors' old machine indices, each one's ``done_seq``).
 
     Raises:
@@ -62,6 +63,9 @@ def shrink(link, done_seq):
         comm.Revoke()
     except mpi.Exception:
         pass  # revoked already, by the leader that saw the failure first
+    # A leader inside a collective with the lost machine leaves it now, not when MPI's
+    # failure detector names the peer; ``rebind`` duplicates a fresh one from the survivors.
+    link.leaders.revoke()
     try:
         # Blocking: MPI_Comm_shrink completes despite failures (it is ULFM's agreement);
         # Open MPI 5.0's Ishrink failed its schedule (error 77, revoked) in our tries.

@@ -2,21 +2,23 @@
 
 Inside a machine the shared-memory backend moves the bytes among that
 machine's ranks; between machines only the leaders (the controller and the
-node masters) talk, through MPI point-to-point messages tagged by command and
-collective, so each reduced byte crosses the network once per collective and
-a collective abandoned by a failure leaves nothing that a later one could
-match.  A reduction is: the machine's contributions to its leader, reduced
-there (a partial and its weight), partials exchanged among leaders and
-combined in machine order (the same bytes everywhere), the result broadcast
-inside each machine.  Workers never touch MPI: they only take part in the
-shared-memory stages.
+node masters) talk, through the MPI library's own non-blocking collectives
+on a communicator of the leaders that a failed command replaces
+(mpi_leaders.py).  A reduction is: the machine's contributions to its
+leader, reduced there (a partial and its weight), partials all-reduced among
+leaders (the same bytes on every leader, mpi_reduce.py), the result
+broadcast inside each machine.  Workers never touch MPI: they only take part
+in the shared-memory stages.
 """
 
 import numpy as np
 
 from .. import reducers
+from ..errors import SynkError
 from . import parts
 from .base import Backend, as_arrays
+from .mpi_leaders import PACK_BYTES, mpi_reduces
+from .mpi_reduce import reduce_across
 from .shm_backend import ShmBackend
 
 
@@ -51,6 +53,7 @@ class MpiBackend(Backend):
         self.link = None     # the leader's cluster.link.Link, after MPI starts
         self.remote = None   # the controller's: the other machines' contributions to a call
         self.mine = None     # a node master's own contribution to a call's outputs
+        self.kept = {}       # key -> (leaders' epoch, two buffers MPI reduces into in turn)
 
     # The run's size is known only once MPI has started (cluster.rendezvous).
     @property
@@ -92,7 +95,9 @@ class MpiBackend(Backend):
         self.mine = None
 
     def is_kept(self, key, array):
-        return self.local.is_kept(key, array)
+        entry = self.kept.get(key)
+        return self.local.is_kept(key, array) or (
+            entry is not None and any(array is b for b in entry[1]))
 
     @property
     def _multi(self):
@@ -116,24 +121,15 @@ class MpiBackend(Backend):
             return arrays
         return [_place(a, parts.out_entry(out, i)) for i, a in enumerate(arrays)]
 
-    def _exchange(self, obj):
-        """Leaders: every machine's ``obj``, in machine order."""
-        cl = self.link
-        tag = cl.next_tag()
-        for m in cl.others:
-            cl.send(m, tag, obj)
-        got = [None] * cl.layout.n_machines
-        got[cl.node] = obj
-        for m in cl.others:
-            got[m] = cl.recv(m, tag, self.check)
-        cl.complete_sends(self.check)
-        return got
+    @property
+    def _leaders(self):
+        return self.link.leaders
 
     # -- collectives ------------------------------------------------------------------
     def barrier(self):
         self.local.barrier()
         if self.is_leader:
-            self._exchange(None)
+            self._leaders.barrier(self.check)
         self.local.barrier()
 
     def reduce(self, arrays, op, root, weight=None, out=None):
@@ -143,12 +139,38 @@ class MpiBackend(Backend):
         return result
 
     def all_reduce(self, arrays, op, weight=None, out=None, keys=None):
-        result = self._reduce(arrays, op, weight, out)
-        # Machines reduced the same partials in the same order: every leader holds
-        # the same result, which its local ranks now read.
+        into = None
+        if keys is not None and not self._multi and arrays is not None:
+            into = self._into(as_arrays(arrays), parts.op_list(op, len(arrays)), keys)
+            # What lands in a kept buffer stays there: no copy into ``out``.
+            out = [None if b is not None else parts.out_entry(out, i) for i, b in enumerate(into)]
+        result = self._reduce(arrays, op, weight, out, into)
+        # Every leader holds the same bytes (mpi_reduce.py), which its local ranks now read.
         return self._from_leader(result, out=out, keys=keys)
 
-    def _reduce(self, arrays, op, weight, out):
+    def _into(self, arrays, ops, keys):
+        """Per large array, the kept buffer (of two per key) MPI reduces into: not the input.
+
+        The result is then the caller's to keep (``is_kept``), with no copy
+        out of a communication buffer.  Buffers given to MPI before the
+        leaders' communicator was renewed are never given again: an abandoned
+        collective may still write them.
+        """
+        epoch = self._leaders.epoch
+        into = []
+        for a, o, k in zip(arrays, ops, keys):
+            dtype = reducers.result_dtype(o, a.dtype)
+            if a.nbytes < PACK_BYTES or not mpi_reduces(o, dtype):
+                into.append(None)
+                continue
+            entry = self.kept.get(k)
+            if entry is None or entry[0] != epoch or entry[1][0].shape != a.shape \
+                    or entry[1][0].dtype != dtype:
+                entry = self.kept[k] = (epoch, [np.empty(a.shape, dtype), np.empty(a.shape, dtype)])
+            into.append(entry[1][1] if np.may_share_memory(a, entry[1][0]) else entry[1][0])
+        return into
+
+    def _reduce(self, arrays, op, weight, out, into=None):
         """The reduced arrays at every leader (None elsewhere)."""
         arrays = as_arrays(arrays)
         mine = arrays if arrays is None or weight is None \
@@ -156,32 +178,17 @@ class MpiBackend(Backend):
         got = self._to_leader(mine)
         if not self.is_leader:
             return None
-        weighted = weight is not None
         have = [g for g in got if g is not None]
-        if have:
-            n = len(have[0]) - (1 if weighted else 0)
-            ops = parts.op_list(op, n)
-            ws = [float(g[-1]) for g in have] if weighted else None
-            vals = [g[:n] for g in have]
-            if len(vals) == 1:
-                partial = vals[0]  # one contribution: it is the partial (nothing to copy)
-            else:
-                partial = [reducers.combine(ops[i], [v[i] for v in vals], ws)
-                           for i in range(n)]
-            mass = sum(ws) if weighted else float(len(have))
-            entry = (partial, mass)
-        else:
-            entry = None
-        everyone = [e for e in self._exchange(entry) if e is not None]
-        if not everyone:
-            return []
-        n = len(everyone[0][0])
-        ops = parts.op_list(op, n)
-        masses = [e[1] for e in everyone]
-        return [reducers.combine(ops[i], [e[0][i] for e in everyone],
-                                 masses if ops[i] == "avg" else None,
-                                 parts.out_entry(out, i))
-                for i in range(n)]
+        if not have:
+            # The other leaders are inside the reduction by now: this error aborts the
+            # command, and the leaders' communicator is renewed after it.
+            raise SynkError(f"reduce across machines: no rank of {self.link.layout.describe(self.link.node)} "
+                            "gave arrays; every machine must contribute")
+        weighted = weight is not None
+        n = len(have[0]) - (1 if weighted else 0)
+        ws = [float(g[-1]) for g in have] if weighted else None
+        return reduce_across(self._leaders, [g[:n] for g in have], parts.op_list(op, n), ws,
+                             out, self.check, into)
 
     def broadcast(self, arrays, root, out=None, keys=None):
         rt = self.rt
@@ -192,43 +199,27 @@ class MpiBackend(Backend):
             got = self.local.broadcast(arrays if rt.rank == root else None, root_local,
                                        out=out, keys=keys)
             if self.is_leader:
-                self._send_all([np.asarray(a, order="C") for a in got])
+                self._leaders.broadcast(got, self.link.node, self.check)
             return got
         if self.is_leader:
-            if here:
-                self._send_all([np.asarray(a, order="C") for a in arrays])
-            else:
-                cl = self.link
-                arrays = cl.recv(cl.layout.machine_of(root), cl.next_tag(), self.check)
+            got = self._leaders.broadcast(arrays if here else None,
+                                          self.link.layout.machine_of(root), self.check)
+            if not here and keys is not None:
+                # Results the caller keeps must not be the leaders' buffers (reused).
+                got = [_place(a, parts.out_entry(out, i), copy=True) for i, a in enumerate(got)]
+            arrays = got
         if rt.rank == root:
             if self._multi:
                 self.local.broadcast(arrays, rt.leader)
             return list(arrays)
         return self._from_leader(arrays, out=out, keys=keys)
 
-    def _send_all(self, obj):
-        cl = self.link
-        tag = cl.next_tag()
-        for m in cl.others:
-            cl.send(m, tag, obj)
-        cl.complete_sends(self.check)
-
     def gather(self, arrays, root, keys=None):
         got = self._to_leader(None if arrays is None else as_arrays(arrays))
         if self.is_leader:
-            cl = self.link
-            tag = cl.next_tag()
-            root_machine = cl.layout.machine_of(root)
-            if cl.node != root_machine:
-                cl.send(root_machine, tag, got)
-                cl.complete_sends(self.check)
-            else:
-                every = [None] * cl.layout.n_machines
-                every[cl.node] = got
-                for m in cl.others:
-                    every[m] = cl.recv(m, tag, self.check)
-                if self.rt.rank == root:
-                    return [e for machine in every for e in machine]
+            every = self._leaders.gather(got, self.link.layout.machine_of(root), self.check)
+            if self.rt.rank == root:
+                return [e for machine in every for e in machine]
         if keys is not None and arrays is not None:
             return list(arrays)
         return None
@@ -236,7 +227,7 @@ class MpiBackend(Backend):
     def all_gather(self, arrays):
         got = self._to_leader(None if arrays is None else as_arrays(arrays))
         if self.is_leader:
-            every = [e for machine in self._exchange(got) for e in machine]
+            every = [e for machine in self._leaders.all_gather(got, self.check) for e in machine]
             flat, counts = [], []
             for e in every:
                 counts.append(-1 if e is None else len(e))
@@ -262,19 +253,14 @@ class MpiBackend(Backend):
         mine_sub = None
         if self.is_leader:
             cl = self.link
-            tag = cl.next_tag()
             root_machine = cl.layout.machine_of(root)
-            if rt.rank == root:
-                for m in cl.others:
-                    r = cl.layout.ranks(m)
-                    cl.send(m, tag, [[np.asarray(a, order="C") for a in per_rank[q]] for q in r])
-                r = cl.layout.ranks(cl.node)
-                mine_sub = [list(per_rank[q]) for q in r]
-                cl.complete_sends(self.check)
-            elif cl.node != root_machine:
-                mine_sub = cl.recv(root_machine, tag, self.check)
-            else:
+            if cl.node == root_machine and rt.rank != root:
                 raise ValueError("scatter in a cluster needs the root to be its machine's leader")
+            per_machine = None
+            if rt.rank == root:
+                per_machine = [[[np.asarray(a, order="C") for a in per_rank[q]]
+                                for q in cl.layout.ranks(m)] for m in range(cl.layout.n_machines)]
+            mine_sub = self._leaders.scatter(per_machine, root_machine, self.check)
         if not self._multi:
             return mine_sub[0]
         return self.local.scatter(mine_sub, rt.leader)
@@ -320,8 +306,9 @@ class MpiBackend(Backend):
         self.local.close()
 
 
-def _place(a, out):
+def _place(a, out, copy=False):
     if out is not None and out.shape == a.shape and out.dtype == a.dtype:
-        np.copyto(out, a)
+        if a is not out:
+            np.copyto(out, a)
         return out
-    return a
+    return np.array(a) if copy else a

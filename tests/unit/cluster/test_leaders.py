@@ -1,0 +1,136 @@
+"""Collectives between machines' leaders (comm/mpi_leaders.py, comm/mpi_reduce.py).
+
+The reductions' arithmetic is checked here against a stand-in for MPI with one
+leader; the communicator's reset after an aborted collective, in a real
+``mpiexec`` job on simulated machines (leaders_reset_job.py).
+"""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from synkhronos import reducers
+from synkhronos.comm import mpi_leaders, mpi_reduce
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+JOB = os.path.join(HERE, "leaders_reset_job.py")
+
+
+class OneLeader:
+    """``Leaders`` of a run with one machine: every collective returns this leader's own bytes."""
+
+    size = 1
+
+    def __init__(self):
+        self.pool = {}
+        self.calls = []
+
+    buffer = mpi_leaders.Leaders.buffer
+
+    def all_reduce(self, sends, check):
+        self.calls.append(("all_reduce", [(a.dtype, a.size, op) for a, op, _ in sends]))
+        out = []
+        for i, (a, _, into) in enumerate(sends):
+            buf = into.reshape(-1) if into is not None else self.buffer(("r", i), a.nbytes)
+            if not mpi_leaders._owned(a, buf):
+                buf.view(a.dtype)[:] = a.reshape(-1)
+            out.append(buf)
+        return out
+
+    def all_gather_fixed(self, mine, check):
+        self.calls.append(("all_gather", mine.nbytes))
+        return mine.reshape(1, -1)
+
+
+def _contributions(dtype, n_contrib=3):
+    rng = np.random.default_rng(0)
+    return [[(rng.normal(size=(4, 5)) * 10).astype(dtype),
+             (rng.normal(size=70000) * 10).astype(dtype),
+             np.array(rng.normal() * 10).astype(dtype)] for _ in range(n_contrib)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64", "float16", "bool"])
+@pytest.mark.parametrize("op", ["avg", "sum", "prod", "max", "min"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_reduce_across_one_machine_is_numpys(dtype, op, weighted):
+    vals = _contributions(dtype)
+    weights = [1.0, 3.0, 2.0] if weighted else None
+    leaders = OneLeader()
+    got = mpi_reduce.reduce_across(leaders, vals, [op] * 3, weights, None, lambda: None)
+    for i in range(3):
+        exp = reducers.combine(op, [v[i] for v in vals], weights)
+        assert got[i].dtype == exp.dtype and got[i].shape == exp.shape
+        if op == "avg":
+            # Sums of terms of size ~10 in the partial's precision (float32: ~1e-6 * 10).
+            tol = {"float16": 0.1, "float32": 1e-4}.get(dtype, 1e-9)
+            np.testing.assert_allclose(got[i], exp, rtol=1e-6, atol=tol)
+        else:
+            assert np.array_equal(got[i], exp)
+    kinds = {c[0] for c in leaders.calls}
+    assert ("all_reduce" in kinds) == mpi_leaders.mpi_reduces(op, reducers.result_dtype(op, dtype))
+
+
+def test_small_arrays_of_one_op_and_dtype_travel_in_one_message():
+    leaders = OneLeader()
+    vals = [[np.ones(3, np.float32), np.ones((2, 2), np.float32), np.ones(5, np.int64)]]
+    out = [np.empty(3, np.float32), None, None]
+    got = mpi_reduce.reduce_across(leaders, vals, ["avg", "avg", "sum"], None, out, lambda: None)
+    assert got[0] is out[0]
+    # float32 avg (with the mass beside it) and int64 sum: two messages.
+    (_, sends), = leaders.calls
+    assert sorted((str(d), n) for d, n, _ in sends) == [("float32", 3 + 4 + 1), ("int64", 5)]
+
+
+def test_large_results_land_in_the_buffers_given():
+    leaders = OneLeader()
+    a = np.arange(70000, dtype=np.float32)
+    into = [np.empty_like(a), None]
+    got = mpi_reduce.reduce_across(leaders, [[a, a[:3].copy()]], ["avg", "sum"], None, None,
+                                   lambda: None, into)
+    assert got[0] is into[0] and np.array_equal(got[0], a)
+    assert np.array_equal(got[1], a[:3])
+
+
+def test_mpi_reduces_only_what_gives_numpys_bytes():
+    assert mpi_leaders.mpi_reduces("sum", "float32")
+    assert mpi_leaders.mpi_reduces("max", "int16")
+    # NaN and -0.0 make C's comparison differ from np.maximum, and by operand order.
+    assert not mpi_leaders.mpi_reduces("max", "float32")
+    assert not mpi_leaders.mpi_reduces("sum", "float16")
+    assert not mpi_leaders.mpi_reduces("sum", "bool")
+    assert not mpi_leaders.mpi_reduces("sum", ">f4")
+
+
+def test_messages_round_trip():
+    obj = [[np.arange(100000.0), np.array(3, np.int8)], None, [np.zeros((0, 4), np.float16)],
+           [np.arange(12.0).reshape(3, 4)[:, 1]]]
+    got = mpi_leaders.load(mpi_leaders.dump(obj))
+    assert got[1] is None
+    for a, b in zip([obj[0][0], obj[0][1], obj[2][0], obj[3][0]],
+                    [got[0][0], got[0][1], got[2][0], got[3][0]]):
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+
+
+def _no_mpi():
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "mpi4py is not installed"
+    if not os.path.exists(os.path.join(os.path.dirname(sys.executable), "mpiexec")):
+        return "no mpiexec next to this Python"
+    return None
+
+
+@pytest.mark.skipif(_no_mpi() is not None, reason=_no_mpi() or "")
+@pytest.mark.timeout(240)
+def test_collectives_are_right_after_aborted_ones():
+    """A rank fails while the other leaders are inside MPI's all-reduce; the next ones are exact."""
+    from helpers.cluster_jobs import assert_nothing_left, machines, mpirun
+
+    with machines(3) as m:
+        rc, out, _ = mpirun(m, 3, [JOB, "2"])
+        assert rc == 0 and "ALL OK" in out, out
+        assert out.count("OK after a failure") == 4, out
+        assert_nothing_left(m, out, "leaders_reset_job.py")
