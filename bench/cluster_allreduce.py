@@ -147,6 +147,8 @@ def main():
     ap.add_argument("--rates", default="none,10gbit,1gbit")
     ap.add_argument("--sizes", default="4,65536,1048576,16777216,268435456")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--plot", default=None,
+                    help="draw synk/bare against size, a panel per link rate, to this PNG")
     ap.add_argument("--job", choices=["bare", "synk"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
@@ -170,6 +172,34 @@ def main():
     for n_machines, rate, n, b, s in rows:
         print(f"| {n_machines} | {rate} | {_label(n)} | {_fmt(b)} | {_fmt(s)} | {s / b:.2f}x "
               f"| {'+' if s >= b else '-'}{_fmt(abs(s - b))} |")
+    if args.plot:
+        plot(args.plot, rows)
+
+
+def plot(path, rows):
+    """synk all_reduce time over bare Allreduce's, against size: one line per machine count."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = list(dict.fromkeys(r[1] for r in rows))
+    fig, axes = plt.subplots(1, len(rates), figsize=(4.2 * len(rates), 3.8), sharey=True,
+                             squeeze=False)
+    for ax, rate in zip(axes[0], rates):
+        for m in sorted({r[0] for r in rows}):
+            pts = [(n, s / b) for mm, rr, n, b, s in rows if mm == m and rr == rate]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{m} machines")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.axhline(1.1, color="gray", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("bytes all-reduced")
+        ax.set_title(f"link: {rate}")
+    axes[0][0].set_ylabel("synk all_reduce / bare MPI Allreduce")
+    axes[0][0].legend()
+    fig.suptitle("all_reduce across simulated machines (MPICH over TCP), time ratio")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
