@@ -22,36 +22,10 @@ logger = logging.getLogger(__name__)
 @serialized
 def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=False,
          force_cast=False, oversize=1, name=None):
-    """Return a new Data object, for input to functions and collectives.  Master only.
+    """Return a new ordinary (replicated) Data object.  Master only.
 
-    Like a PyTensor variable, a Data object has a fixed ``dtype`` and ``ndim``;
-    they come from ``var``, else from ``dtype``/``ndim``, else from ``value``.
-    Giving ``value`` or ``shape`` allocates shared memory at once.
-
-    Args:
-        value: initial contents (anything ``numpy.asarray`` takes).
-        var: a PyTensor variable to take ``dtype`` and ``ndim`` from.
-        dtype: the dtype, if not implied by ``var``.
-        ndim: the number of dimensions, if not implied by ``var``.
-        shape: allocate this shape (contents undefined) if no ``value``.
-        minibatch: treat as minibatch data in calls with ``batch`` (see
-            ``Function.__call__``).
-        force_cast: cast a ``value`` of another dtype instead of raising.
-        oversize: allocate this factor (1 to 2) more memory than needed, so
-            that growing later does not reallocate.
-        name: a name, as for PyTensor variables.
-
-    Returns:
-        Data
-
-    Raises:
-        SynkStateError: called before ``fork()``.
-        TypeError: ``dtype`` or ``ndim`` cannot be determined, ``value``
-            does not cast to ``dtype`` without loss and ``force_cast`` is
-            False, ``value`` has the wrong ndim, a flag is not a bool, or
-            ``shape`` is not a list or tuple of ints.
-        ValueError: ``shape`` has negative entries or disagrees with
-            ``ndim``, or ``oversize`` is outside [1, 2].
+    ``synk.data`` (placed.data) with no ``produce``: its docstring gives the
+    arguments and what each raises.
     """
     rt = require_forked("data()")
     force_cast = conditioning.check_bool(force_cast, "data: force_cast")
@@ -82,10 +56,7 @@ def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=Fals
     if dtype is None or ndim is None:
         raise TypeError("data: cannot tell dtype and ndim; give value, var, or dtype and ndim")
     dtype = conditioning.check_dtype(dtype, "data")
-    ID = next(rt.counter)
-    while ID in rt.registry.datas:  # taken by a Data(ID) made directly
-        ID = next(rt.counter)
-    obj = Data(ID, dtype, ndim, minibatch=minibatch, name=name)
+    obj = Data(new_id(rt), dtype, ndim, minibatch=minibatch, name=name)
     try:
         if value is not None:
             obj._store(obj.condition_data(value, force_cast, "data"), oversize)
@@ -96,6 +67,14 @@ def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=Fals
         rt.registry.datas.pop(obj._ID, None)
         raise
     return obj
+
+
+def new_id(rt):
+    """A Data id no Data of run ``rt`` holds (one made directly with ``Data(ID)`` may)."""
+    ID = next(rt.counter)
+    while ID in rt.registry.datas:
+        ID = next(rt.counter)
+    return ID
 
 
 class Data:

@@ -19,7 +19,7 @@ from . import conditioning, placement
 from .cluster.link import DATA
 from .commands import Command
 from .control import run_command
-from .data_module import Data, data as _plain_data
+from .data_module import Data, data as _plain_data, new_id
 from .datamaps import GROW, PLACED_POSITIONS, PLACED_ROWS, DataDesc, MapMsg, ProduceMsg, SendMsg
 from .errors import MachineLostError, SynkError
 from .placement import Part
@@ -208,16 +208,14 @@ def _produce(rt, produce, var, dtype, ndim, minibatch, force_cast, name, length)
     parts = None if length is None else placement.machine_rows(length, layout.n_local)
     mine = (None, None) if parts is None else parts[0]
     own = None
-    if (var is None and dtype is None) or (var is None and ndim is None):
-        # The dtype the machines cast to comes from machine 0's rows.
-        own = placement.check_rows(produce(Part(0, layout.n_machines, *mine)), var, dtype, ndim,
-                          force_cast, placement.count(mine), 0)
-        dtype, ndim = own.dtype, own.ndim
     if var is not None:
         dtype, ndim = var.dtype, var.ndim
-    ID = next(rt.counter)
-    while ID in rt.registry.datas:
-        ID = next(rt.counter)
+    elif dtype is None or ndim is None:
+        # The dtype and ndim the machines cast to come from machine 0's rows.
+        own = placement.check_rows(produce(Part(0, layout.n_machines, *mine)), var, dtype, ndim,
+                                   force_cast, placement.count(mine), 0)
+        dtype, ndim = own.dtype, own.ndim
+    ID = new_id(rt)
     obj = PlacedData(ID, dtype, ndim, minibatch, name, PLACED_ROWS, layout)
     msg = ProduceMsg(ID, obj._dtype.str, ndim, fn, parts, force_cast)
 
@@ -272,10 +270,7 @@ def _forget(rt, obj, exc):
 
 def scratch(rt, var):
     """A call input's per-machine memory in a cluster (its rows are sent by ``send_rows``)."""
-    ID = next(rt.counter)
-    while ID in rt.registry.datas:
-        ID = next(rt.counter)
-    return PlacedData(ID, var.dtype, var.ndim, False, None, PLACED_POSITIONS, rt.cluster.layout)
+    return PlacedData(new_id(rt), var.dtype, var.ndim, False, None, PLACED_POSITIONS, rt.cluster.layout)
 
 
 def send_rows(rt, obj, arr, plans):

@@ -121,14 +121,12 @@ class Leaders:
         MPI = self.MPI
         entry = (reqs, keep)
         self.pending.append(entry)
-        if self.spin_s > 0:
-            def done():
-                return MPI.Request.Testall(reqs)
-        else:
-            def done():
-                # Cores are shared: let the process this one waits for run.
-                os.sched_yield()
-                return MPI.Request.Testall(reqs)
+        shared_cores = self.spin_s == 0
+
+        def done():
+            if shared_cores:
+                os.sched_yield()  # let the process this one waits for run
+            return MPI.Request.Testall(reqs)
         try:
             # MPI moves a collective's later rounds only while its processes call into
             # it: a waiter that sleeps between polls stretches every round (bare MPI
