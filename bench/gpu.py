@@ -127,8 +127,8 @@ def mlp_overhead(f, steps):
 def nccl_all_reduce(shareds):
     """Part 2: all_reduce on one rank through NCCL, the host path, and bare CuPy NCCL."""
     import synkhronos as synk
-    from synkhronos import gpu
-    from synkhronos.runtime import get_runtime
+    from synkhronos.runtime import devices as gpu
+    from synkhronos.runtime.state import get_runtime
 
     print("\n## 2. all_reduce on one rank, float32, op sum\n")
     rt = get_runtime()
@@ -222,7 +222,7 @@ def main(argv=None):
     if args.part == "shared":
         return shared_gpu()
 
-    from synkhronos import gpu
+    from synkhronos.runtime import devices as gpu
 
     n_gpus = gpu.count_gpus()
     if n_gpus == 0:

@@ -19,7 +19,7 @@ import numpy as np
 import pytensor.tensor as pt
 
 import synkhronos as synk
-from synkhronos.runtime import get_runtime
+from synkhronos.runtime.state import get_runtime
 
 
 def rss_mb(pid):

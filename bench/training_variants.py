@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(ROOT, "demos", "mnist"))
 import common  # noqa: E402
 
 import synkhronos as synk  # noqa: E402
-from synkhronos import overlap as overlap_mod  # noqa: E402
+from synkhronos.functions import overlap as overlap_mod  # noqa: E402
 from synkhronos.extensions import make_train_function  # noqa: E402
 
 VARIANTS = {

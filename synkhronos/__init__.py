@@ -26,18 +26,17 @@ def _default_float32():
 _default_float32()
 
 from .cluster.layout import Layout, layout  # noqa: E402
-from .data_module import Data  # noqa: E402
-from .placed import PlacedData, data  # noqa: E402
-from .placement import Part, batches  # noqa: E402
-from .distribute import distribute  # noqa: E402
-from .errors import (BackendUnavailableError, MachineLostError, SharedMemoryError,  # noqa: E402
-                     SynkError, SynkStateError, WorkerDiedError, WorkerError, WorkerStalledError)
-from .function_module import Function, function  # noqa: E402
+from .inputs.data_object import Data  # noqa: E402
+from .inputs.produced import PlacedData, data  # noqa: E402
+from .inputs.machine_rows import Part, batches  # noqa: E402
+from .functions.distribute import distribute  # noqa: E402
+from .errors import (BackendUnavailableError, MachineLostError, SharedMemoryError, SynkError,  # noqa: E402
+                     SynkStateError, WorkerDiedError, WorkerError, WorkerStalledError)
+from .functions.function import Function, function  # noqa: E402
 from .process import close, fork  # noqa: E402
-from .profiling import profile  # noqa: E402
-from .collectives import (all_gather, all_reduce, broadcast, gather,  # noqa: E402
-                          get_lengths, get_shapes, get_value, reduce, scatter,
-                          set_value)
+from .runtime.profiling import profile  # noqa: E402
+from .variables.collectives import (all_gather, all_reduce, broadcast, gather, get_lengths, get_shapes,  # noqa: E402
+                                    get_value, reduce, scatter, set_value)
 
 __version__ = "0.1.0"
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .plan import SETTINGS, environment, setting_problems
+from .runtime.fork_plan import SETTINGS, environment, setting_problems
 
 # Packages whose versions the report lists when they are installed.
 PACKAGES = ("pytensor", "numpy", "scipy", "numba", "jax", "jaxlib", "cupy", "mpi4py", "pymc",
@@ -131,7 +131,7 @@ def _cpu():
 
 
 def _gpus():
-    from . import gpu
+    from .runtime import devices as gpu
 
     n = gpu.count_gpus()
     items = [("count", f"{n} (NVML or nvidia-smi; no CUDA context made)")]
@@ -162,7 +162,7 @@ def _gpus():
 
 def stale_segments(shm_dir="/dev/shm"):
     """Return ``{run prefix: [names]}`` of segments of dead runs (whose lock nobody holds)."""
-    from .shmem import dead_runs
+    from .runtime.shmem import dead_runs
 
     try:
         names = sorted(os.listdir(shm_dir))
@@ -263,7 +263,7 @@ def check(n_parallel=None, use_gpu=False, timeout=120):
         ValueError: ``timeout`` is not a number > 0.
     """
     import synkhronos as synk
-    from .runtime import get_runtime
+    from .runtime.state import get_runtime
 
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"check: timeout must be a number of seconds > 0 or math.inf; got {timeout!r}")

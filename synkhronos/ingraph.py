@@ -34,7 +34,7 @@ from pytensor.gradient import grad_undefined
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 
-from .runtime import get_runtime
+from .runtime.state import get_runtime
 
 logger = logging.getLogger(__name__)
 

@@ -15,19 +15,22 @@ import weakref
 # The commands the ranks serve: importing their modules registers the handlers
 # (commands.py), before the workers fork and inherit the table.  Also registering:
 # control (GROW_MESSAGE), cluster.layout (LAYOUT, through cluster.rendezvous), this module (QUIT).
-from . import (calls, checkpoint, collectives, datamaps, distribute, overlap,  # noqa: F401
-               profiling, rank_values, reductions)
-from . import gpu, shmem, worker
+from .functions import call as calls, distribute, overlap  # noqa: F401
+from .variables import checkpoint, collectives, rank_values, reductions  # noqa: F401
+from .inputs import mappings as datamaps  # noqa: F401
+from .runtime import profiling  # noqa: F401
+from .runtime import devices as gpu, shmem, worker
 from .cluster import launch as mpi_launch
 from .cluster.rendezvous import join as join_cluster
-from .commands import Command, handler
+from .runtime.commands import Command, handler
 from .comm import choose_backend, get_backend
-from .control import Control, run_command
+from .runtime.control import Control, run_command
 from .errors import SynkStateError
-from .janitor import Janitor
-from .liveness import Monitor, command_check, stop_process, worker_check
-from .plan import Machine, environment, plan, process_limit
-from .runtime import Config, Placement, Processes, Registry, Runtime, get_runtime, serialized, set_runtime
+from .runtime.janitor import Janitor
+from .runtime.liveness import Monitor, command_check, stop_process, worker_check
+from .runtime.fork_plan import Machine, environment, plan, process_limit
+from .runtime.state import (Config, Placement, Processes, Registry, Runtime, get_runtime, serialized,
+                            set_runtime)
 
 logger = logging.getLogger(__name__)
 

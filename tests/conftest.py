@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import synkhronos as synk
-from synkhronos.runtime import get_runtime
+from synkhronos.runtime.state import get_runtime
 
 HANG_S = 100
 

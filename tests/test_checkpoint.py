@@ -14,7 +14,7 @@ import pytensor.tensor as pt
 import pytest
 
 import synkhronos as synk
-from synkhronos import checkpoint
+from synkhronos.variables import checkpoint
 
 pytestmark = pytest.mark.timeout(115)
 

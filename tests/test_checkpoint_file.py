@@ -1,4 +1,4 @@
-"""The checkpoint file (synkhronos.checkpoint_file): broken files named, kills inside save().
+"""The checkpoint file (synkhronos.variables.checkpoint_file): broken files named, kills inside save().
 
 A saving process is SIGKILLed at every write, fsync and rename inside
 ``save()`` (instrumented, in a forked child), and at random moments while it
@@ -15,7 +15,7 @@ import numpy as np
 import pytensor
 import pytest
 
-from synkhronos import checkpoint
+from synkhronos.variables import checkpoint
 
 pytestmark = pytest.mark.timeout(60)
 

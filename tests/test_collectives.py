@@ -15,7 +15,7 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 
 import synkhronos as synk
-from synkhronos.runtime import get_runtime
+from synkhronos.runtime.state import get_runtime
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -17,9 +17,9 @@ import pytest
 
 import synkhronos as synk
 from synkhronos.comm import compressed, parts
-from synkhronos.commands import COMMANDS, Command
-from synkhronos.control import run_command
-from synkhronos.runtime import get_runtime
+from synkhronos.runtime.commands import COMMANDS, Command
+from synkhronos.runtime.control import run_command
+from synkhronos.runtime.state import get_runtime
 
 pytestmark = pytest.mark.timeout(100)
 

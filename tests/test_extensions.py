@@ -6,7 +6,7 @@ import pytensor.tensor as pt
 import pytest
 
 import synkhronos as synk
-from synkhronos.runtime import get_runtime
+from synkhronos.runtime.state import get_runtime
 from synkhronos.extensions import layers as L
 from synkhronos.extensions import train, updates
 

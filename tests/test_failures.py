@@ -24,8 +24,8 @@ from pytensor.graph.op import Op
 import synkhronos as synk
 from helpers.procs import (DEADLINE_S, SleepIn, close_process, gone, kill_master_and_check,
                            my_segments, wait_for)
-from synkhronos import shmem
-from synkhronos.runtime import get_runtime
+from synkhronos.runtime import shmem
+from synkhronos.runtime.state import get_runtime
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -316,7 +316,7 @@ MASTER_SCRIPT = textwrap.dedent("""
     import numpy as np
     import pytensor.tensor as pt
     import synkhronos as synk
-    from synkhronos.runtime import get_runtime
+    from synkhronos.runtime.state import get_runtime
 
     synk.fork(3, use_gpu=False)
     x = pt.dmatrix("x")
@@ -403,7 +403,7 @@ ZMQ_MASTER = textwrap.dedent("""
     os.environ["SYNK_BACKEND"] = "zmq"
     import numpy as np
     import synkhronos as synk
-    from synkhronos.runtime import get_runtime
+    from synkhronos.runtime.state import get_runtime
     synk.fork(2, use_gpu=False)
     print(get_runtime().backend.dir, flush=True)
     time.sleep(120)

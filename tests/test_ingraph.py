@@ -15,7 +15,8 @@ import pytest
 from pytensor.raise_op import Assert
 
 import synkhronos as synk
-from synkhronos import ingraph, split
+from synkhronos import ingraph
+from synkhronos.inputs import rank_rows as split
 
 pytestmark = pytest.mark.timeout(100)
 

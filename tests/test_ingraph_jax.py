@@ -14,7 +14,8 @@ import pytest
 
 import synkhronos as synk
 from helpers import child
-from synkhronos import ingraph, split
+from synkhronos import ingraph
+from synkhronos.inputs import rank_rows as split
 from synkhronos.extensions.batchnorm import SyncBatchNorm
 from test_ingraph import COLLECTIVES, every_grad_function, grad_data, serial_grads
 

@@ -27,7 +27,7 @@ import pytest
 
 import synkhronos as synk
 from helpers import child, fake_cupy
-from synkhronos.runtime import get_runtime
+from synkhronos.runtime.state import get_runtime
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("jax") is None,
@@ -384,7 +384,7 @@ def _case_gpu_mode_simulated(module, case, n_gpus, *args):
 
     from helpers import gpu_env
 
-    from synkhronos import gpu
+    from synkhronos.runtime import devices as gpu
 
     import jax
 

@@ -18,7 +18,7 @@ from pytensor.graph.op import Op
 
 import synkhronos as synk
 from helpers.procs import DEADLINE_S, gone, kill_master_and_check, my_segments, wait_for
-from synkhronos.runtime import get_runtime
+from synkhronos.runtime.state import get_runtime
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,7 +50,7 @@ def test_fork_from_a_thread_that_ends_keeps_the_workers(forked):
 THREAD_MASTER = textwrap.dedent("""
     import os, threading, time
     import synkhronos as synk
-    from synkhronos.runtime import get_runtime
+    from synkhronos.runtime.state import get_runtime
     t = threading.Thread(target=synk.fork, args=(2,), kwargs={"use_gpu": False})
     t.start()
     t.join()
@@ -240,7 +240,7 @@ def test_a_child_of_the_master_cannot_drive_the_workers(forked):
 CHILD_MASTER = textwrap.dedent("""
     import os, time
     import synkhronos as synk
-    from synkhronos.runtime import get_runtime
+    from synkhronos.runtime.state import get_runtime
     synk.fork(2, use_gpu=False)
     rt = get_runtime()
     child = os.fork()

@@ -11,7 +11,7 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 
 import synkhronos as synk
-from synkhronos.runtime import get_runtime
+from synkhronos.runtime.state import get_runtime
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -173,7 +173,7 @@ def test_more_ranks_than_cores_are_not_pinned(forked):
 
 
 def test_use_gpu_true_without_gpus_raises():
-    from synkhronos import gpu
+    from synkhronos.runtime import devices as gpu
     if gpu.count_gpus():
         pytest.skip("this machine has GPUs")
     with pytest.raises(RuntimeError, match="use_gpu"):
@@ -182,7 +182,7 @@ def test_use_gpu_true_without_gpus_raises():
 
 
 def test_fork_with_use_gpu_none_runs_in_cpu_mode(forked):
-    from synkhronos import gpu
+    from synkhronos.runtime import devices as gpu
     if gpu.count_gpus():
         pytest.skip("this machine has GPUs")
     assert synk.fork(2) == 2

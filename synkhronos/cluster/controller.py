@@ -10,7 +10,7 @@ controller's command ends when its own ranks and every report are in.
 import struct
 from typing import NamedTuple, Optional
 
-from ..commands import COMMANDS, encode
+from ..runtime.commands import COMMANDS, encode
 from ..errors import MachineLostError, SynkError, unpickle_exception
 from .launch import end_launcher_at_exit
 from .link import ABORT, CMD, CMD_HEAD, DATA, DONE, REPORT

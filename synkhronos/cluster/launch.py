@@ -7,7 +7,7 @@ import os
 import sys
 from typing import NamedTuple
 
-from ..liveness import proc_start_time, stop_process
+from ..runtime.liveness import proc_start_time, stop_process
 
 logger = logging.getLogger(__name__)
 

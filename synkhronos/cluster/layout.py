@@ -3,8 +3,8 @@
 import socket
 from typing import NamedTuple
 
-from ..commands import Command, handler
-from ..runtime import require_forked
+from ..runtime.commands import Command, handler
+from ..runtime.state import require_forked
 
 
 class Layout:

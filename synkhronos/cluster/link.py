@@ -15,7 +15,7 @@ import struct
 
 from ..comm.mpi_leaders import Leaders
 from ..errors import MachineLostError, SynkError
-from ..liveness import spin_until, wait_until
+from ..runtime.liveness import spin_until, wait_until
 
 # Tags of the messages between the controller and node masters.
 CMD, REPORT, ABORT, DATA, DONE = 1, 2, 3, 4, 5   # DONE: a report of nothing but success

@@ -11,12 +11,12 @@ import os
 import signal
 import struct
 
-from ..commands import COMMANDS, decode
-from ..control import rank_header, run_command
+from ..runtime.commands import COMMANDS, decode
+from ..runtime.control import rank_header, run_command
 from ..errors import (CommAborted, MachineLostError, WorkerDiedError, WorkerError, describe_error,
                       pickle_exception)
-from ..liveness import no_check, stop_process
-from ..shmem import SharedArray
+from ..runtime.liveness import no_check, stop_process
+from ..runtime.shmem import SharedArray
 from . import recovery
 from .controller import NodeReport
 from .launch import exit_finalized, finalize

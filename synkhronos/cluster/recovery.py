@@ -21,10 +21,10 @@ import time
 
 import numpy as np
 
-from ..commands import Command
-from ..control import run_command
+from ..runtime.commands import Command
+from ..runtime.control import run_command
 from ..errors import SynkError
-from ..liveness import wait_until
+from ..runtime.liveness import wait_until
 from .launch import lost_a_process
 from .layout import Layout, LayoutMsg, set_layout
 

@@ -11,10 +11,10 @@ import struct
 
 import numpy as np
 
-from ..commands import Command
-from ..control import run_command
+from ..runtime.commands import Command
+from ..runtime.control import run_command
 from ..errors import SynkError
-from ..liveness import command_check, deadline_check, wait_until
+from ..runtime.liveness import command_check, deadline_check, wait_until
 from .controller import Controller
 from .launch import init_mpi, mpi_segments
 from .layout import Layout, LayoutMsg, set_layout

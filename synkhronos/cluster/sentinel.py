@@ -26,7 +26,7 @@ import threading
 import time
 
 from ..errors import MachineLostError, SynkError, WorkerStalledError
-from ..liveness import proc_start_time, proc_state, stop_process
+from ..runtime.liveness import proc_start_time, proc_state, stop_process
 from .launch import close_launcher_fds, parent_and_name
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ import importlib
 import logging
 import os
 
-from .. import gpu
+from ..runtime import devices as gpu
 from ..errors import BackendUnavailableError
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from .. import reducers
+from . import reduce_ops as reducers
 from . import parts
 
 # Below this many bytes in all, splitting a reduction across ranks costs more

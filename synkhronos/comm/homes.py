@@ -11,7 +11,7 @@ the old memory stays mapped while arrays still view it.
 
 import numpy as np
 
-from ..shmem import SharedArray
+from ..runtime.shmem import SharedArray
 
 PAGE = 1 << 12
 GEN_BITS = 24  # a home travels in slab headers as key << GEN_BITS | generation

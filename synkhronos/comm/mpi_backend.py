@@ -13,7 +13,7 @@ in the shared-memory stages.
 
 import numpy as np
 
-from .. import reducers
+from . import reduce_ops as reducers
 from ..errors import SynkError
 from . import parts
 from .base import Backend, as_arrays

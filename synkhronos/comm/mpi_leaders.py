@@ -29,7 +29,7 @@ import struct
 import numpy as np
 
 from ..errors import SynkError
-from ..liveness import deadline_check, spin_until, wait_until
+from ..runtime.liveness import deadline_check, spin_until, wait_until
 
 HEAD = 512          # a broadcast's first message: its arrays' layout, and the arrays if they fit
 PACK_BYTES = 1 << 16  # smaller arrays of one (op, dtype) travel packed in one collective

@@ -12,7 +12,7 @@ combined here in machine order, as on one machine.
 
 import numpy as np
 
-from .. import reducers
+from . import reduce_ops as reducers
 from . import parts
 from .mpi_leaders import PACK_BYTES, c_order, mpi_reduces
 

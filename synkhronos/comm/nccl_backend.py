@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from .. import gpu
+from ..runtime import devices as gpu
 from . import parts
 from .base import Backend
 from .shm_backend import ShmBackend

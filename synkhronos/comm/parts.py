@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from .. import reducers
+from . import reduce_ops as reducers
 
 # Above this many elements, a part reduced from three or more sources is
 # processed in blocks, so the partial result stays in cache between sources.

@@ -18,14 +18,14 @@ import logging
 import numpy as np
 
 from ..errors import CommAborted
-from ..liveness import wait_until
-from ..shmem import SharedArray
+from ..runtime.liveness import wait_until
+from ..runtime.shmem import SharedArray
 from . import parts
 from .base import SPLIT_BYTES, Backend
 from .homes import Homes
 from .shm_reduce import ShmReduce
-from .slabs import (EPOCH, MADV_POPULATE_WRITE, SCALAR_CODE, SCALAR_SEQ, SCALAR_VALUE,
-                    SCALAR_WEIGHT, STRIDE, Slabs, _dtype, populate)
+from .slabs import (EPOCH, MADV_POPULATE_WRITE, SCALAR_CODE, SCALAR_SEQ, SCALAR_VALUE, SCALAR_WEIGHT,
+                    STRIDE, Slabs, _dtype, populate)
 
 # A contribution of one float scalar (a loss) travels in the control block.
 SCALAR_CHARS = "efd"

@@ -12,7 +12,7 @@ barriers (``barrier``, ``_start``, ``_done``).
 
 import numpy as np
 
-from .. import reducers
+from . import reduce_ops as reducers
 from . import parts
 from .base import SPLIT_BYTES, as_arrays
 from .slabs import _HEAD, HOMES

@@ -12,7 +12,7 @@ import struct
 
 import numpy as np
 
-from ..shmem import SharedArray
+from ..runtime.shmem import SharedArray
 
 ALIGN = 64
 PAGE_ALIGN_BYTES = 1 << 20  # arrays this big start on a page

@@ -24,7 +24,7 @@ import numpy as np
 import zmq
 
 from ..errors import CommAborted
-from ..liveness import pid_alive
+from ..runtime.liveness import pid_alive
 from . import parts
 from .base import Backend
 

@@ -9,11 +9,11 @@ from pytensor.compile import SharedVariable
 
 import synkhronos as synk
 
-from .. import conditioning, split
-from .. import overlap as _overlap_mod
-from ..calls import prepare_call
+from ..inputs import conditioning, rank_rows as split
+from ..functions import overlap as _overlap_mod
+from ..functions.call import prepare_call
 from ..comm import compressed
-from ..data_module import Data
+from ..inputs.data_object import Data
 from ..errors import SynkStateError
 from . import updates as _updates
 

@@ -42,8 +42,8 @@ import pytensor
 import pytensor.tensor as pt
 from pytensor.compile import SharedVariable
 
-from .flat import (check_params, flat_size, flatten, grads_from_flat, shape_of,  # noqa: F401
-                   make_flat_grad, unflatten)
+from .flat import (check_params, flat_size, flatten, grads_from_flat, shape_of, make_flat_grad,  # noqa: F401
+                   unflatten)
 
 __all__ = [
     "SplitUpdates", "make_flat_grad", "flatten", "unflatten", "flat_size", "grads_from_flat",

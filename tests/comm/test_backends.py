@@ -15,10 +15,10 @@ import pytest
 import synkhronos as synk
 from helpers import fake_cupy
 from synkhronos.comm import backend_names
-from synkhronos.commands import COMMANDS, Command
-from synkhronos.control import run_command
+from synkhronos.runtime.commands import COMMANDS, Command
+from synkhronos.runtime.control import run_command
 from synkhronos.errors import WorkerError
-from synkhronos.runtime import get_runtime
+from synkhronos.runtime.state import get_runtime
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -13,7 +13,7 @@ import pytest
 import synkhronos as synk
 from helpers import child
 from helpers.gpu_env import N_GPUS, needs_gpu
-from synkhronos.runtime import get_runtime
+from synkhronos.runtime.state import get_runtime
 
 pytestmark = needs_gpu
 

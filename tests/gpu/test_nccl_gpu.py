@@ -15,7 +15,7 @@ import pytest
 import synkhronos as synk
 from helpers import child, gpu_env
 from helpers.gpu_env import N_GPUS, needs_cupy, needs_gpu
-from synkhronos.runtime import get_runtime
+from synkhronos.runtime.state import get_runtime
 
 pytestmark = needs_gpu + [needs_cupy]
 

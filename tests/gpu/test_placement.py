@@ -10,7 +10,7 @@ import pytensor.tensor as pt
 import synkhronos as synk
 from helpers import child, gpu_env
 from helpers.gpu_env import N_GPUS, needs_gpu
-from synkhronos import gpu
+from synkhronos.runtime import devices as gpu
 
 pytestmark = needs_gpu
 

@@ -13,9 +13,9 @@ import time
 import traceback
 
 import synkhronos as synk
-from synkhronos.commands import COMMANDS, Command
-from synkhronos.control import run_command
-from synkhronos.runtime import get_runtime
+from synkhronos.runtime.commands import COMMANDS, Command
+from synkhronos.runtime.control import run_command
+from synkhronos.runtime.state import get_runtime
 
 # Test functions travel as GET_VALUE commands tagged with this marker; the
 # handler below passes every other GET_VALUE on to the real one.

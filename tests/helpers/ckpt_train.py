@@ -14,7 +14,7 @@ import pytensor
 import pytensor.tensor as pt
 
 import synkhronos as synk
-from synkhronos import checkpoint
+from synkhronos.variables import checkpoint
 from synkhronos.extensions import layers as L
 from synkhronos.extensions import train
 

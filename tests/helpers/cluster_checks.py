@@ -13,7 +13,7 @@ import pytensor.tensor as T
 
 import synkhronos as synk
 from synkhronos import ingraph
-from synkhronos.runtime import get_runtime
+from synkhronos.runtime.state import get_runtime
 
 L = int(sys.argv[1])
 n = synk.fork(L)

@@ -24,7 +24,7 @@ import pytensor.tensor as T
 import synkhronos as synk
 from procs import FailInRank, SleepIn
 from synkhronos import ingraph
-from synkhronos.runtime import get_runtime
+from synkhronos.runtime.state import get_runtime
 
 
 # LOG=INFO shows every process's side (pids and times) when a run needs explaining.

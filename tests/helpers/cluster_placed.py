@@ -15,9 +15,9 @@ import pytensor
 import pytensor.tensor as T
 
 import synkhronos as synk
-from synkhronos import checkpoint
+from synkhronos.variables import checkpoint
 from synkhronos.extensions.train import make_train_function
-from synkhronos.runtime import get_runtime
+from synkhronos.runtime.state import get_runtime
 
 L = int(sys.argv[1])
 n = synk.fork(L)

@@ -23,7 +23,7 @@ import pytensor
 import pytensor.tensor as pt
 
 import synkhronos as synk
-from synkhronos.runtime import get_runtime
+from synkhronos.runtime.state import get_runtime
 
 from ckpt_train import build
 from procs import FailInRank

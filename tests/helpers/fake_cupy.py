@@ -19,7 +19,7 @@ import types
 
 import numpy as np
 
-from synkhronos.runtime import get_runtime
+from synkhronos.runtime.state import get_runtime
 
 LOG = []          # ("comm", uid), ("group",), ("allReduce", count), ..., in call order
 FAIL = {}         # {"rank": r, "call": k}: the k-th NCCL data call (from 1) of rank r raises

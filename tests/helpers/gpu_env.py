@@ -4,7 +4,7 @@ import importlib.util
 
 import pytest
 
-from synkhronos import gpu
+from synkhronos.runtime import devices as gpu
 
 N_GPUS = gpu.count_gpus()  # NVML or nvidia-smi: no CUDA context in the pytest process
 

@@ -8,7 +8,7 @@ import pytensor.tensor as pt
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 
-from synkhronos.runtime import get_runtime
+from synkhronos.runtime.state import get_runtime
 
 DEADLINE_S = 10.0    # "within a few seconds", with room for a loaded 2-core machine
 

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import pytest
 
 import synkhronos.process  # noqa: F401  (imports every module that registers a handler)
-from synkhronos.commands import COMMANDS, Command, decode, encode, label, register
+from synkhronos.runtime.commands import COMMANDS, Command, decode, encode, label, register
 
 PACKAGE = pathlib.Path(synkhronos.process.__file__).parent
 
@@ -90,7 +90,7 @@ def _names_a_command(path):
                    and node.value.id == "Command"})
 
 
-@pytest.mark.parametrize("module", ["worker.py", "cluster/node.py", "cluster/controller.py"])
+@pytest.mark.parametrize("module", ["runtime/worker.py", "cluster/node.py", "cluster/controller.py"])
 def test_the_loops_that_serve_commands_name_none(module):
     assert _names_a_command(PACKAGE / module) == []
 

@@ -15,7 +15,7 @@ import pytensor
 import pytensor.tensor as pt
 import pytest
 
-from synkhronos import gpu
+from synkhronos.runtime import devices as gpu
 from synkhronos.errors import BackendUnavailableError
 
 SMI_4_GPUS = """\

@@ -79,7 +79,7 @@ def _cycle(graph):
 
 def test_the_package_has_no_import_cycle():
     graph = _graph()
-    assert len(graph) > 20 and "synkhronos.control" in graph["synkhronos.process"]
+    assert len(graph) > 20 and "synkhronos.runtime.control" in graph["synkhronos.process"]
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
 
 

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from helpers.procs import wait_for
-from synkhronos import liveness
+from synkhronos.runtime import liveness
 from synkhronos.errors import CommAborted, SynkError, WorkerDiedError, WorkerStalledError
 
 pytestmark = pytest.mark.timeout(60)
@@ -215,7 +215,7 @@ def test_an_abort_seen_after_the_awaited_rank_arrived_does_not_count():
 
 
 def test_worker_check_ends_a_worker_whose_master_is_gone():
-    code = ("import os; from synkhronos import liveness\n"
+    code = ("import os; from synkhronos.runtime import liveness\n"
             "liveness.worker_check(os.getppid())(); print('kept', flush=True)\n"
             "liveness.worker_check(os.getppid() + 1)(); print('not reached')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)

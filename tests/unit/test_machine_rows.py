@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from synkhronos import placement, split
+from synkhronos.inputs import machine_rows as placement, rank_rows as split
 
 
 @pytest.mark.parametrize("n_local", [[1], [2, 2], [2, 1, 3], [1, 1, 1, 1]])

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from helpers import fake_cupy
-from synkhronos import gpu
+from synkhronos.runtime import devices as gpu
 from synkhronos.comm import choose_backend, get_backend
 from synkhronos.comm import nccl_backend as nb
 from synkhronos.errors import BackendUnavailableError
@@ -167,7 +167,7 @@ def test_host_arrays_stay_and_device_arrays_come_back(cupy_stub):
 
 
 def test_import_synkhronos_stays_light():
-    code = ("import sys, synkhronos, synkhronos.collectives; "
+    code = ("import sys, synkhronos, synkhronos.variables.collectives; "
             "bad = [m for m in ('cupy', 'jax', 'mpi4py') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from synkhronos import reducers
+from synkhronos.comm import reduce_ops as reducers
 
 
 @pytest.fixture

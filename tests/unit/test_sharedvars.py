@@ -12,8 +12,8 @@ import numpy as np
 import pytensor
 import pytest
 
-from synkhronos import sharedvars
-from synkhronos.runtime import Config, Placement, Runtime
+from synkhronos.variables import access as sharedvars
+from synkhronos.runtime.state import Config, Placement, Runtime
 
 
 def _runtime(shareds, n_parallel=3, max_n_var=1000):

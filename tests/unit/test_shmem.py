@@ -8,9 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from synkhronos import shmem
+from synkhronos.runtime import shmem
 from synkhronos.errors import SharedMemoryError
-from synkhronos.shmem import SharedArray
+from synkhronos.runtime.shmem import SharedArray
 
 _count = itertools.count()
 
@@ -64,7 +64,7 @@ def test_attach_sees_the_same_memory(seg):
 
 def test_attach_from_another_process_sees_the_data(seg):
     seg.view(np.float64, (3,))[:] = [1.5, 2.5, 3.5]
-    code = ("import numpy as np; from synkhronos.shmem import SharedArray; "
+    code = ("import numpy as np; from synkhronos.runtime.shmem import SharedArray; "
             f"s = SharedArray.attach({seg.name!r}, {seg.nbytes}); "
             "v = s.view(np.float64, (3,)); print(v.sum()); v[0] = 10.0")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -146,7 +146,8 @@ def test_sweep_stale_removes_runs_whose_lock_is_free_only():
 
 
 def test_sweep_stale_after_a_process_exits_without_unlinking():
-    code = ("import os; from synkhronos import shmem; from synkhronos.shmem import SharedArray; "
+    code = ("import os; from synkhronos.runtime import shmem; "
+            "from synkhronos.runtime.shmem import SharedArray; "
             "p = shmem.run_prefix(os.getpid()); shmem.hold_run_lock(p); "
             "s = SharedArray(p + 'x', 64); print(s.name); os._exit(0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from synkhronos import split
+from synkhronos.inputs import rank_rows as split
 
 
 def _array_split_ranges(n, p):

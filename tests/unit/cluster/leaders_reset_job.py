@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import synkhronos as synk  # noqa: E402
 from procs import FailInRank  # noqa: E402
 from synkhronos import ingraph  # noqa: E402
-from synkhronos.runtime import get_runtime  # noqa: E402
+from synkhronos.runtime.state import get_runtime  # noqa: E402
 
 L = int(sys.argv[1])
 n = synk.fork(L)

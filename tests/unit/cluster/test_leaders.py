@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from synkhronos import reducers
+from synkhronos.comm import reduce_ops as reducers
 from synkhronos.comm import mpi_leaders, mpi_reduce
 
 HERE = os.path.dirname(os.path.abspath(__file__))

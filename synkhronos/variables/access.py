@@ -17,8 +17,9 @@ from pytensor.compile import SharedVariable
 from pytensor.tensor import TensorType
 from pytensor.tensor.sharedvar import TensorSharedVariable
 
-from . import conditioning, data_module, datamaps, gpu
-from . import split as rows
+from ..inputs import conditioning, data_object as data_module, mappings as datamaps
+from ..runtime import devices as gpu
+from ..inputs import rank_rows as rows
 
 
 def resolve(rt, shared_vars, where, unique=True):

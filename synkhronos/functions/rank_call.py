@@ -11,8 +11,12 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
-from . import compat, datamaps, gpu, placement, reducers, sharedvars, split
-from .reductions import AllReduceMsg, all_reduce_local
+from .. import compat
+from ..inputs import mappings as datamaps, machine_rows as placement, rank_rows as split
+from ..runtime import devices as gpu
+from ..comm import reduce_ops as reducers
+from ..variables import access as sharedvars
+from ..variables.reductions import AllReduceMsg, all_reduce_local
 
 
 @dataclass

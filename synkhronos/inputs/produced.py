@@ -15,16 +15,16 @@ import math
 import cloudpickle
 import numpy as np
 
-from . import conditioning, placement
-from .cluster.link import DATA
-from .commands import Command
-from .control import run_command
-from .data_module import Data, data as _plain_data, new_id
-from .datamaps import GROW, PLACED_POSITIONS, PLACED_ROWS, DataDesc, MapMsg, ProduceMsg, SendMsg
-from .errors import MachineLostError, SynkError
-from .placement import Part
-from .runtime import require_forked, serialized
-from .shmem import SharedArray
+from . import conditioning, machine_rows as placement
+from ..cluster.link import DATA
+from ..runtime.commands import Command
+from ..runtime.control import run_command
+from .data_object import Data, data as _plain_data, new_id
+from .mappings import GROW, PLACED_POSITIONS, PLACED_ROWS, DataDesc, MapMsg, ProduceMsg, SendMsg
+from ..errors import MachineLostError, SynkError
+from .machine_rows import Part
+from ..runtime.state import require_forked, serialized
+from ..runtime.shmem import SharedArray
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import time
 
 from .commands import COMMANDS, label
 from .control import ABORTED, FAILED, OK, rank_header
-from .errors import CommAborted
+from ..errors import CommAborted
 
 logger = logging.getLogger(__name__)
 

@@ -7,12 +7,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import sharedvars as sv
-from .control import Command, handler, run_command
-from .data_module import Data
+from . import access as sv
+from ..runtime.control import Command, handler, run_command
+from ..inputs.data_object import Data
 from .reductions import require_collective
-from .runtime import serialized
-from .sharedvars import rows
+from ..runtime.state import serialized
+from .access import rows
 
 
 @serialized

@@ -9,9 +9,9 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from . import placement
-from .commands import Command, handler, register
-from .shmem import SharedArray
+from . import machine_rows as placement
+from ..runtime.commands import Command, handler, register
+from ..runtime.shmem import SharedArray
 
 GROW = 1.5  # headroom of a call's per-machine input memory, so that it is rarely made again
 

@@ -5,11 +5,11 @@ import pickle
 import time
 from typing import NamedTuple
 
-from . import gpu
-from . import sharedvars as sv
-from .control import Command, handler, run_command
-from .errors import SynkStateError
-from .runtime import require_forked, serialized
+from ..runtime import devices as gpu
+from ..variables import access as sv
+from ..runtime.control import Command, handler, run_command
+from ..errors import SynkStateError
+from ..runtime.state import require_forked, serialized
 
 logger = logging.getLogger(__name__)
 

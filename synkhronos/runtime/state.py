@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any, Callable, MutableMapping, Optional
 
-from .errors import SynkStateError
+from ..errors import SynkStateError
 
 
 @dataclass(frozen=True)

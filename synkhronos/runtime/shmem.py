@@ -18,7 +18,7 @@ import secrets
 import numpy as np
 import posix_ipc
 
-from .errors import SharedMemoryError
+from ..errors import SharedMemoryError
 
 logger = logging.getLogger(__name__)
 

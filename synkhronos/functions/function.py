@@ -8,12 +8,15 @@ import logging
 import numpy as np
 import pytensor
 
-from . import conditioning, data_module, execution, gpu, reducers
-from .calls import FusedCall, run_call
-from .comm import compressed
-from .errors import SynkStateError
-from .function_args import parse_outputs, parse_updates, var_list
-from .runtime import require_forked, serialized
+from ..inputs import conditioning, data_object as data_module
+from . import rank_call as execution
+from ..runtime import devices as gpu
+from ..comm import reduce_ops as reducers
+from .call import FusedCall, run_call
+from ..comm import compressed
+from ..errors import SynkStateError
+from .arguments import parse_outputs, parse_updates, var_list
+from ..runtime.state import require_forked, serialized
 
 logger = logging.getLogger(__name__)
 

@@ -9,12 +9,12 @@ import numpy as np
 from pytensor.graph.basic import Variable
 
 from . import conditioning
-from .commands import Command
-from .control import run_command
-from .datamaps import DataAllocMsg, DataDesc, DataFreeMsg, DataSyncMsg
-from .errors import WorkerDiedError
-from .runtime import require_forked, serialized
-from .shmem import SharedArray
+from ..runtime.commands import Command
+from ..runtime.control import run_command
+from .mappings import DataAllocMsg, DataDesc, DataFreeMsg, DataSyncMsg
+from ..errors import WorkerDiedError
+from ..runtime.state import require_forked, serialized
+from ..runtime.shmem import SharedArray
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class Data:
         """Return ``input_data`` as the array ``set_value`` would store.
 
         Lossless casts happen silently; others need ``force_cast``
-        (see ``synkhronos.conditioning``).
+        (see ``synkhronos.inputs.conditioning``).
 
         Raises:
             TypeError: a cast that loses information without ``force_cast``,

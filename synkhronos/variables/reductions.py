@@ -10,13 +10,14 @@ from typing import NamedTuple
 import numpy as np
 from pytensor.tensor.sharedvar import TensorSharedVariable
 
-from . import conditioning, reducers
-from . import sharedvars as sv
-from .comm import compressed
-from .control import Command, handler, run_command
-from .errors import SynkStateError
-from .runtime import require_distributed, serialized
-from .sharedvars import backend_values, transport
+from ..inputs import conditioning
+from ..comm import reduce_ops as reducers
+from . import access as sv
+from ..comm import compressed
+from ..runtime.control import Command, handler, run_command
+from ..errors import SynkStateError
+from ..runtime.state import require_distributed, serialized
+from .access import backend_values, transport
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,8 @@ row checks of its calls."""
 from pytensor.compile import SharedVariable
 from pytensor.graph.basic import Variable
 
-from . import reducers, split
+from ..comm import reduce_ops as reducers
+from ..inputs import rank_rows as split
 
 
 def var_list(value, what, shared=False):

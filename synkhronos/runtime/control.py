@@ -16,8 +16,8 @@ import time
 from typing import NamedTuple
 
 from .commands import COMMANDS, Command, decode, encode, handler
-from .errors import (CommAborted, WorkerDiedError, describe_error, error_record, unpickle_exception,
-                     worker_error_type)
+from ..errors import (CommAborted, WorkerDiedError, describe_error, error_record, unpickle_exception,
+                      worker_error_type)
 from .liveness import spin_until, wait_until
 from .shmem import SharedArray
 

@@ -13,10 +13,10 @@ gradient function holds the GIL; NumPy reductions and copies release it).
 import threading
 from typing import NamedTuple
 
-from . import execution
-from . import sharedvars as sv
-from .comm import compressed
-from .control import Command, handler, run_command
+from . import rank_call as execution
+from ..variables import access as sv
+from ..comm import compressed
+from ..runtime.control import Command, handler, run_command
 
 __all__ = ["step"]
 

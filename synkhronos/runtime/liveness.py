@@ -8,7 +8,7 @@ import os
 import signal
 import time
 
-from .errors import CommAborted, SynkError, WorkerDiedError, WorkerStalledError
+from ..errors import CommAborted, SynkError, WorkerDiedError, WorkerStalledError
 
 CHECK_EVERY_S = 0.01
 SLOW_CHECK_S = 0.25  # how often /proc states and the timeout are looked at

@@ -13,12 +13,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import conditioning, data_module, execution, placed, placement, sharedvars, split
-from .comm import compressed
-from .control import Command, handler, run_command
-from .errors import MachineLostError, SynkStateError
-from .function_args import check_lengths, common_length
-from .runtime import serialized
+from ..inputs import (conditioning, data_object as data_module, produced as placed,
+                      machine_rows as placement, rank_rows as split)
+from . import rank_call as execution
+from ..variables import access as sharedvars
+from ..comm import compressed
+from ..runtime.control import Command, handler, run_command
+from ..errors import MachineLostError, SynkStateError
+from .arguments import check_lengths, common_length
+from ..runtime.state import serialized
 
 logger = logging.getLogger(__name__)
 

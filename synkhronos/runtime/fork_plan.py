@@ -11,9 +11,9 @@ import os
 import resource
 from typing import NamedTuple, Optional
 
-from .comm import backend_names
+from ..comm import backend_names
 from .control import ERR_BYTES, MSG_BYTES, RANK_BASE, RANK_STRIDE
-from .errors import SynkStateError
+from ..errors import SynkStateError
 from .liveness import DEFAULT_TIMEOUT_S
 
 

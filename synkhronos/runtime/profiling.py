@@ -24,8 +24,8 @@ from typing import NamedTuple
 import numpy as np
 
 from .control import Command, handler, run_command
-from .errors import SynkStateError
-from .runtime import require_forked, serialized
+from ..errors import SynkStateError
+from .state import require_forked, serialized
 
 CATEGORIES = ("control", "gather", "compute", "collective", "wait", "reduce")
 

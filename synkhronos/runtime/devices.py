@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from .errors import BackendUnavailableError
+from ..errors import BackendUnavailableError
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from . import conditioning, split
+from . import conditioning, rank_rows as split
 
 
 class Part(NamedTuple):

@@ -23,14 +23,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import sharedvars as sv
-from . import split as rows
-from .control import Command, handler, run_command
-from .data_module import Data
+from . import access as sv
+from ..inputs import rank_rows as rows
+from ..runtime.control import Command, handler, run_command
+from ..inputs.data_object import Data
 from .rank_values import get_lengths, get_shapes, get_value, set_value  # noqa: F401
 from .reductions import all_reduce, check_flags, reduce, require_collective  # noqa: F401
-from .runtime import serialized
-from .sharedvars import backend_values, transport
+from ..runtime.state import serialized
+from .access import backend_values, transport
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Shared variables: collectives, reductions, values in single ranks, checkpoints."""
