@@ -58,7 +58,7 @@ def main():
     x = pt.dmatrix("x")
     f = synk.function([x], (x.sum(axis=0), "sum"))
     synk.distribute()
-    pids = [os.getpid()] + [proc.pid for proc in get_runtime().procs.values()]
+    pids = [os.getpid()] + [proc.pid for proc in get_runtime().processes.procs.values()]
     rows = np.ones((8, 4))
     for _ in range(100):  # warm up: compile, grow the message area, settle the caches
         f(synk.data(rows))

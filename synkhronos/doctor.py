@@ -279,7 +279,7 @@ def check(n_parallel=None, use_gpu=False, timeout=120):
     try:
         try:
             n = synk.fork(n_parallel, use_gpu=use_gpu)
-            steps.append(Step(f"fork ({n} ranks, {get_runtime().device} mode)", True))
+            steps.append(Step(f"fork ({n} ranks, {get_runtime().config.device} mode)", True))
         except Exception as exc:  # noqa: BLE001 - reported as the step's failure
             steps.append(Step("fork", False, _why(exc)))
             return steps

@@ -1,14 +1,11 @@
 """fork() and close(): the worker processes, core pinning, thread limits, liveness, cleanup."""
 
 import atexit
-import contextlib
-import ctypes
 import logging
 import multiprocessing
 import os
 import signal
 import threading
-import time
 import warnings
 import weakref
 
@@ -19,24 +16,23 @@ from .functions import call as calls, distribute, overlap  # noqa: F401
 from .variables import checkpoint, collectives, rank_values, reductions  # noqa: F401
 from .inputs import mappings as datamaps  # noqa: F401
 from .runtime import profiling  # noqa: F401
-from .runtime import devices as gpu, shmem, worker
+from .runtime import devices as gpu, process_setup as setup, shmem, worker
 from .cluster import launch as mpi_launch
 from .cluster.rendezvous import join as join_cluster
 from .runtime.commands import Command, handler
 from .comm import choose_backend, get_backend
+from .comm.base import Wiring
 from .runtime.control import Control, run_command
 from .errors import SynkStateError
 from .runtime.janitor import Janitor
 from .runtime.liveness import Monitor, command_check, stop_process, worker_check
 from .runtime.fork_plan import Machine, environment, plan, process_limit
-from .runtime.state import (Config, Placement, Processes, Registry, Runtime, get_runtime, serialized,
-                            set_runtime)
+from .runtime.state import (Config, MachineRanks, Placement, Processes, Registry, Runtime,
+                            get_runtime, serialized, set_runtime)
 
 logger = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 JOIN_TIMEOUT_S = 5.0
-LOGGING_WAIT_S = 2.0
 
 
 @serialized
@@ -135,7 +131,7 @@ def start(p):
     try:
         rt.control = Control(rt, ctx, p.spin_s)
         rt.backend = get_backend(choose_backend(p.device, p.n_parallel, p.n_gpus,
-                                                p.launch is not None))(rt, p.spin_s)
+                                                p.launch is not None))(_wiring(rt))
     except BaseException:
         if rt.control is not None:
             rt.control.close()
@@ -146,11 +142,11 @@ def start(p):
 
     if gpu_mode:
         # The environment is inherited; each worker narrows it to its own GPU.
-        _select_gpu(rt, p.master_rank)
+        setup.select_gpu(rt, p.master_rank)
     else:
         # Limit thread pools before forking: the children inherit the limits, and
         # changing OpenBLAS's pool after a fork leaves it slowing every round trip.
-        _limit_threads(rt)
+        setup.limit_threads(rt)
         # CPU mode on a machine with GPUs: mode="JAX" must not put every rank on GPU 0.
         rt.processes.restore.append(gpu.keep_jax_on_cpu())
     # The parent-death signal fires when the forking *thread* ends: only the main
@@ -159,7 +155,7 @@ def start(p):
     tie = threading.current_thread() is threading.main_thread()
     rank = None
     try:
-        with _logging_held():
+        with setup.logging_held():
             for rank in rt.worker_ranks:
                 proc = ctx.Process(target=_worker_main, args=(rt, rank, tie),
                                    name=f"synk-rank-{rank}", daemon=True)
@@ -184,7 +180,7 @@ def start(p):
     # while the workers are still there to be told to quit.
     atexit.unregister(_close_at_exit)
     atexit.register(_close_at_exit)
-    pin = (lambda: None) if gpu_mode else (lambda: _pin(rt, rt.place.local_index, restore=True))
+    pin = (lambda: None) if gpu_mode else (lambda: setup.pin(rt, rt.place.local_index, restore=True))
     if p.launch is not None:
         return join_cluster(rt, p.launch, rt.processes.janitor.tell, join_workers, pin)
     pin()
@@ -194,102 +190,19 @@ def start(p):
     return p.n_parallel
 
 
-def _select_gpu(rt, rank):
-    per_gpu = -(-rt.place.n_parallel // rt.config.n_gpus)
-    if rt.is_master:
-        _save_env(rt, ("CUDA_VISIBLE_DEVICES", "XLA_PYTHON_CLIENT_MEM_FRACTION"))
-    gpu.select_device(rt.config.gpu_ids[gpu.device_for_rank(rank, rt.config.n_gpus)], per_gpu)
-
-
-def _save_env(rt, names):
-    """Have close() put these environment variables back as they are now."""
-    saved = {k: os.environ.get(k) for k in names}
-
-    def restore():
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    rt.processes.restore.append(restore)
-
-
-THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
-              "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
-
-
-def _limit_threads(rt):
-    """Limit BLAS/OpenMP pools to one thread per process (undone by close()).
-
-    threadpoolctl limits the pools already loaded; the environment covers
-    those loaded later (PyTensor's compiled code pulls in SciPy's OpenBLAS on
-    first use), which would otherwise start a thread per core and fight the
-    other ranks for them.
-    """
-    from threadpoolctl import threadpool_limits
-
-    _save_env(rt, THREAD_ENV)
-    for k in THREAD_ENV:
-        os.environ[k] = "1"
-    limiter = threadpool_limits(limits=1)
-    rt.processes.restore.append(limiter.restore_original_limits)
-
-
-def _pin(rt, rank, restore=False):
-    """Pin this process to its own core when this machine has enough cores."""
-    if rt.place.n_local <= len(rt.config.cores):
-        before = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, {rt.config.cores[rank]})
-        if restore:
-            rt.processes.restore.append(lambda: os.sched_setaffinity(0, before))
-
-
-@contextlib.contextmanager
-def _logging_held(wait_s=LOGGING_WAIT_S):
-    """Hold every logging handler's lock while forking: no child inherits a record half written.
-
-    logging re-creates its locks in a child, but a thread caught inside a
-    handler's ``emit`` still holds its stream's own lock (a file's buffer):
-    the child's first record there would wait forever.  Locks are taken all
-    or none, with a bounded wait, since handlers may take each other's
-    (MemoryHandler) and logging's module lock, which fork takes too; past
-    ``wait_s`` the fork goes ahead without them.
-    """
-    handlers = [ref() for ref in list(getattr(logging, "_handlerList", ()))]
-    locks = [h.lock for h in handlers if h is not None and getattr(h, "lock", None) is not None]
-    if getattr(logging, "_lock", None) is not None:
-        locks.insert(0, logging._lock)  # held here, fork's own hook takes it at once
-    held = []
-    deadline = time.monotonic() + wait_s
-    while locks and time.monotonic() < deadline:
-        for lock in locks:
-            if not lock.acquire(timeout=0.01):
-                break
-            held.append(lock)
-        else:
-            break
-        while held:
-            held.pop().release()
-    try:
-        yield
-    finally:
-        while held:
-            held.pop().release()
-
-
-def _set_pdeathsig():
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux; the janitor still kills us
-        pass
+def _wiring(rt):
+    """What the run's backend is built from: the placement, names, and the janitor's list."""
+    config = rt.config
+    return Wiring(ranks=rt.place, machine=MachineRanks(rt.place), spin_s=config.spin_s,
+                  prefix=config.prefix, master_pid=config.master_pid, max_dim=config.max_dim,
+                  new_name=rt.segment_name, remove_after_crash=rt.processes.cleanup_dirs.append)
 
 
 def _worker_main(rt, rank, tie):
     mpi_launch.close_launcher_fds()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the master's to handle
     if tie:
-        _set_pdeathsig()
+        setup.set_pdeathsig()
     if os.getppid() != rt.config.master_pid:
         os._exit(1)
     rt.place.local_index = rank
@@ -297,9 +210,9 @@ def _worker_main(rt, rank, tie):
     rt.processes = Processes()
     rt.registry.datas = {}  # this rank's mappings, by Data id
     if rt.config.device == "gpu":
-        _select_gpu(rt, rank)
+        setup.select_gpu(rt, rank)
     else:
-        _pin(rt, rank)
+        setup.pin(rt, rank)
     rt.check = worker_check(rt.config.master_pid)
     rt.backend.bind_check(command_check(rt.check, rt.control.aborted_now))
     worker.loop(rt)

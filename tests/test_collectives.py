@@ -351,7 +351,7 @@ _FROM_AN_OP = {
     "broadcast": lambda: synk.broadcast("s"),
     "gather": lambda: synk.gather("s"),
     "get_value": lambda: synk.get_value(0, "s"),
-    "call": lambda: get_runtime().functions[0](),     # a synkhronos function, without inputs
+    "call": lambda: get_runtime().registry.functions[0](),     # a synkhronos function, without inputs
 }
 
 

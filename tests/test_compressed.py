@@ -132,7 +132,7 @@ class _Counter:
 
 def _exact_and_counted(rt, dtype, op):
     """The result is the model's, bit for bit; the bytes sent are half of float32's."""
-    n, me = rt.n_parallel, rt.rank
+    n, me = rt.place.n_parallel, rt.place.rank
     be = rt.backend.host
     inputs = [_inputs(q) for q in range(n)]
     mine = [a.copy() for a in inputs[me]]
@@ -178,7 +178,7 @@ def _exact_and_counted(rt, dtype, op):
 
 def _float32_sum_would_differ(rt, dtype):
     """1 + 2^-9 (bfloat16) or 1 + 2^-12 (float16) on every rank: each addend rounds to 1."""
-    n = rt.n_parallel
+    n = rt.place.n_parallel
     x = 1.0 + (2.0 ** -9 if dtype == "bfloat16" else 2.0 ** -12)
     a = np.full(100_003, x, np.float32)
     got = compressed.all_reduce(rt.backend.host, [a], "sum", dtype)[0]
@@ -187,7 +187,7 @@ def _float32_sum_would_differ(rt, dtype):
 
 
 def _all_to_all(rt):
-    n, me = rt.n_parallel, rt.rank
+    n, me = rt.place.n_parallel, rt.place.rank
     per_rank = [[np.full(q + 2 + me, 10 * me + q, np.int32), np.arange(q, dtype=np.uint16)]
                 for q in range(n)]
     got = rt.backend.all_to_all(per_rank)
@@ -198,7 +198,7 @@ def _all_to_all(rt):
 
 
 def _shapes_differ(rt, dtype):
-    a = np.ones((4, 3) if rt.rank == 1 else (3, 4), np.float32)
+    a = np.ones((4, 3) if rt.place.rank == 1 else (3, 4), np.float32)
     compressed.all_reduce(rt.backend.host, [a], "sum", dtype)
 
 

@@ -130,7 +130,7 @@ def test_construction_errors(forked):
     with pytest.raises(TypeError, match="dtype"):
         synk.data(np.array(["a", "b"], dtype=object))
     # a failed data() leaves nothing registered behind
-    assert list(rt.datas.values()) == [d]
+    assert list(rt.registry.datas.values()) == [d]
 
 
 @pytest.mark.parametrize("kwargs, exc, words", [
@@ -158,7 +158,7 @@ def test_data_arguments_are_checked_by_name(forked, kwargs, exc, words):
     kwargs.setdefault("dtype", "float32")
     with pytest.raises(exc, match=words):
         synk.data(**kwargs)
-    assert len(rt.datas) == 0
+    assert len(rt.registry.datas) == 0
     assert synk.data(shape=np.array([2, 3]), dtype="float32").shape == (2, 3)
 
 

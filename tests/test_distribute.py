@@ -79,7 +79,7 @@ def test_build_time_argument_checks(forked):
     for exc, words, kwargs in bad:
         with pytest.raises(exc, match=words):
             synk.function(**kwargs)
-    assert get_runtime().functions == []             # nothing half-built was kept
+    assert get_runtime().registry.functions == []             # nothing half-built was kept
     # The runtime is fine: good functions build, distribute and run.
     f = synk.function([x], outputs=(x.sum(axis=0), "sum"), sliceable_shareds=None)
     g = synk.function([x], outputs=x.sum() + t.sum(), sliceable_shareds=[t])

@@ -251,7 +251,7 @@ def test_train_function_options_are_checked_before_building(forked, kwargs, exc,
     for make in (train.make_train_function, train.make_serial_train_function):
         with pytest.raises(exc, match=f"{make.__name__}: {words}"):
             make(loss, [W, b], x, y, update_rule="sgd", update_kwargs=HYPER["sgd"], **kwargs)
-    assert get_runtime().functions == []            # nothing was built
+    assert get_runtime().registry.functions == []            # nothing was built
 
 
 def test_serial_twin_checks_batch_like_the_data_parallel_step(problem):

@@ -55,7 +55,7 @@ class FailIn(Op):
 
     def perform(self, node, inputs, outputs):
         x, ranks = inputs
-        rank = get_runtime().rank
+        rank = get_runtime().place.rank
         if rank in ranks:
             if self.kind == "nopickle":
                 raise NoPickle("no", "pickle")
@@ -133,7 +133,7 @@ def test_exception_in_a_worker_reaches_the_master(forked, rng):
     assert set(info.value.failures) == {0, 2} and "1 other rank" in str(info.value)
     assert "boom in rank 2" in info.value.failures[2]
     np.testing.assert_allclose(f(d, ranks()), x.sum(axis=0), rtol=1e-12)
-    assert all(p.is_alive() for p in get_runtime().procs.values())
+    assert all(p.is_alive() for p in get_runtime().processes.procs.values())
 
 
 def test_the_same_bug_raises_the_same_type_in_every_rank(forked, rng):
@@ -185,8 +185,8 @@ def test_worker_killed_mid_call(forked, rng):
     synk.distribute()
     d = synk.data(rng.standard_normal((6, 2)))
     rt = get_runtime()
-    procs = list(rt.procs.values())
-    victim = rt.procs[2].pid
+    procs = list(rt.processes.procs.values())
+    victim = rt.processes.procs[2].pid
     killer = threading.Timer(0.5, os.kill, (victim, signal.SIGKILL))
     killer.start()
     t0 = time.monotonic()
@@ -215,9 +215,9 @@ def test_worker_killed_while_idle(forked, rng):
     d = synk.data(rng.standard_normal((4, 2)))
     f(d)
     rt = get_runtime()
-    procs = list(rt.procs.values())
-    os.kill(rt.procs[1].pid, signal.SIGKILL)
-    rt.procs[1].join(DEADLINE_S)
+    procs = list(rt.processes.procs.values())
+    os.kill(rt.processes.procs[1].pid, signal.SIGKILL)
+    rt.processes.procs[1].join(DEADLINE_S)
     t0 = time.monotonic()
     with pytest.raises(synk.WorkerDiedError) as info:
         f(d)
@@ -234,9 +234,9 @@ def test_worker_killed_while_idle(forked, rng):
 def test_worker_killed_while_data_allocates(forked):
     forked(3)
     rt = get_runtime()
-    procs = list(rt.procs.values())
-    os.kill(rt.procs[1].pid, signal.SIGKILL)
-    rt.procs[1].join(DEADLINE_S)
+    procs = list(rt.processes.procs.values())
+    os.kill(rt.processes.procs[1].pid, signal.SIGKILL)
+    rt.processes.procs[1].join(DEADLINE_S)
     with pytest.raises(synk.WorkerDiedError) as info:
         synk.data(np.zeros((10, 3)))
     assert info.value.rank == 1
@@ -246,10 +246,10 @@ def test_worker_killed_while_data_allocates(forked):
 def test_close_after_a_worker_died(forked):
     forked(3)
     rt = get_runtime()
-    procs = list(rt.procs.values())
+    procs = list(rt.processes.procs.values())
     synk.data(np.zeros((4, 2)))
-    os.kill(rt.procs[2].pid, signal.SIGKILL)
-    rt.procs[2].join(DEADLINE_S)
+    os.kill(rt.processes.procs[2].pid, signal.SIGKILL)
+    rt.processes.procs[2].join(DEADLINE_S)
     synk.close()                                  # no exception: it cleans up what is left
     _assert_closed_and_clean(procs)
 
@@ -265,8 +265,8 @@ def test_a_stopped_worker_is_named_within_seconds(forked, what):
     synk.distribute()
     d = synk.data(np.ones((6, 2)))
     rt = get_runtime()
-    procs = list(rt.procs.values())
-    os.kill(rt.procs[2].pid, signal.SIGSTOP)
+    procs = list(rt.processes.procs.values())
+    os.kill(rt.processes.procs[2].pid, signal.SIGSTOP)
     t0 = time.monotonic()
     with pytest.raises(synk.WorkerStalledError) as info:
         f(d) if what == "call" else synk.all_reduce(v, "sum")
@@ -286,7 +286,7 @@ def test_a_rank_past_the_timeout_is_named_with_what_it_did(forked):
                       mode="FAST_COMPILE", name="slow_step")
     synk.distribute()
     d = synk.data(np.ones((4, 2)))
-    procs = list(get_runtime().procs.values())
+    procs = list(get_runtime().processes.procs.values())
     assert f(d, synk.data(np.array([-1]))) == 8.0
     t0 = time.monotonic()
     with pytest.raises(synk.WorkerStalledError) as info:
@@ -301,7 +301,7 @@ def test_a_rank_past_the_timeout_is_named_with_what_it_did(forked):
 def test_the_timeout_comes_from_the_environment_and_is_checked(forked, monkeypatch):
     monkeypatch.setenv("SYNK_TIMEOUT_S", "123")
     forked(1)
-    assert get_runtime().monitor.timeout_s == 123.0
+    assert get_runtime().processes.monitor.timeout_s == 123.0
     synk.close()
     for bad in (0, -1, float("nan"), "10", True):
         with pytest.raises(ValueError, match="timeout"):
@@ -325,7 +325,7 @@ MASTER_SCRIPT = textwrap.dedent("""
     d = synk.data(np.ones((10, 2)))
     assert f(d) == 20.0
     rt = get_runtime()
-    print(rt.janitor.pid, *[p.pid for p in rt.procs.values()], flush=True)
+    print(rt.processes.janitor.pid, *[p.pid for p in rt.processes.procs.values()], flush=True)
     print(" ".join(n for n in os.listdir("/dev/shm") if n.startswith(f"synk_{os.getpid()}_")),
           flush=True)
     how = sys.argv[1]
@@ -500,7 +500,7 @@ def test_dropped_data_is_freed_on_every_rank(forked):
     forked(3)
     f = _sum_function()
     synk.distribute()
-    pids = [os.getpid()] + [p.pid for p in get_runtime().procs.values()]
+    pids = [os.getpid()] + [p.pid for p in get_runtime().processes.procs.values()]
     f(synk.data(np.ones((5, 2))))
     gc.collect()
     f(synk.data(np.ones((5, 2))))      # the next command frees the dropped one in the workers
@@ -514,7 +514,7 @@ def test_dropped_data_is_freed_on_every_rank(forked):
     # No growth (counts may drop: garbage of earlier tests, inherited by fork, goes too).
     assert all(a <= b for a, b in zip(after[0], before[0])), (before, after)
     assert after[1] == before[1], (before, after)
-    assert len(get_runtime().datas) <= 3
+    assert len(get_runtime().registry.datas) <= 3
 
 
 def test_guessable_names_do_not_matter(forked):

@@ -376,7 +376,7 @@ def test_as_theano_runs_in_the_master_only(env, xd):
     np.testing.assert_allclose(env.f_single.as_theano(x), x.mean(axis=0), rtol=1e-12)
     env.f_upd.as_theano(x=x)
     per_rank = _per_rank_s(env)
-    master = get_runtime().master_rank
+    master = get_runtime().place.master_rank
     for r, v in enumerate(per_rank):
         want = s0 + x.sum(axis=0) if r == master else s0
         np.testing.assert_allclose(v, want, rtol=1e-12, err_msg=f"rank {r}")

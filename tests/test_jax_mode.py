@@ -72,10 +72,10 @@ def _is_jax(value):
 
 def _kinds(rt, names, jax_arrays):
     """Every rank: the named variables hold JAX arrays (or NumPy arrays)."""
-    for s in rt.shareds:
+    for s in rt.registry.shareds:
         if s.name in names:
             value = s.get_value(borrow=True, return_internal_type=True)
-            assert _is_jax(value) == jax_arrays, (rt.rank, s.name, type(value))
+            assert _is_jax(value) == jax_arrays, (rt.place.rank, s.name, type(value))
 
 
 def _jax_on_cpu(rt):
@@ -126,7 +126,7 @@ def _case_collectives_keep_jax(n):
     for r in range(n):
         synk.set_value(r, v, vals[r])
     synk.broadcast(v)
-    _check_all(n, v, [vals[get_runtime().master_rank]] * n)
+    _check_all(n, v, [vals[get_runtime().place.master_rank]] * n)
     synk.reduce(v, "sum")
     assert _is_jax(v.get_value(borrow=True, return_internal_type=True))
 
@@ -228,8 +228,8 @@ def test_async_jax_calls_finish_before_inputs_are_reused(n):
 
 def _nccl_log(rt, marks, names):
     """Every rank: the NCCL calls logged since ``marks[rank]`` are ``names``."""
-    got = [e[0] for e in fake_cupy.LOG[marks[rt.rank]:]]
-    assert got == names, (rt.rank, got)
+    got = [e[0] for e in fake_cupy.LOG[marks[rt.place.rank]:]]
+    assert got == names, (rt.place.rank, got)
 
 
 def _case_nccl_path(n):
@@ -332,8 +332,8 @@ def _log_marks(run_all):
 
     def after(_):
         parts = rt.backend.collect()
-        return [len(fake_cupy.LOG) if q == rt.rank else int(parts[q][0][0][0])
-                for q in range(rt.n_parallel)]
+        return [len(fake_cupy.LOG) if q == rt.place.rank else int(parts[q][0][0][0])
+                for q in range(rt.place.n_parallel)]
     return run_all(_contribute_log_size, after=after)
 
 
@@ -393,7 +393,7 @@ def _case_gpu_mode_simulated(module, case, n_gpus, *args):
     gpu_env.PLATFORM = "cpu"
     jax.config.update("jax_platforms", "cpu")      # a simulation, even where GPUs exist
     getattr(importlib.import_module(module), case)(*args)
-    assert get_runtime().device == "gpu"
+    assert get_runtime().config.device == "gpu"
 
 
 @pytest.mark.parametrize("module, case, n_gpus, args", [

@@ -44,7 +44,7 @@ def test_fork_from_a_thread_that_ends_keeps_the_workers(forked):
     time.sleep(0.2)     # the parent-death signal, if any, has come by now
     f = _sum_function()
     assert f(np.arange(10.0)) == 45.0
-    assert all(p.is_alive() for p in get_runtime().procs.values())
+    assert all(p.is_alive() for p in get_runtime().processes.procs.values())
 
 
 THREAD_MASTER = textwrap.dedent("""
@@ -55,7 +55,7 @@ THREAD_MASTER = textwrap.dedent("""
     t.start()
     t.join()
     rt = get_runtime()
-    print(rt.janitor.pid, *[p.pid for p in rt.procs.values()], flush=True)
+    print(rt.processes.janitor.pid, *[p.pid for p in rt.processes.procs.values()], flush=True)
     time.sleep(120)
 """)
 
@@ -158,8 +158,8 @@ def test_a_worker_dying_inside_profile_surfaces(forked):
     with pytest.raises(synk.WorkerDiedError):
         with synk.profile():
             f(np.arange(4.0))
-            os.kill(get_runtime().procs[1].pid, signal.SIGKILL)
-            assert wait_for(lambda: not get_runtime().procs[1].is_alive())
+            os.kill(get_runtime().processes.procs[1].pid, signal.SIGKILL)
+            assert wait_for(lambda: not get_runtime().processes.procs[1].is_alive())
             f(np.arange(4.0))
     assert get_runtime() is None
 
@@ -247,7 +247,7 @@ CHILD_MASTER = textwrap.dedent("""
     if child == 0:
         time.sleep(60)
         os._exit(0)
-    print(child, *[p.pid for p in rt.procs.values()], flush=True)
+    print(child, *[p.pid for p in rt.processes.procs.values()], flush=True)
     time.sleep(120)
 """)
 
@@ -286,7 +286,7 @@ class CallsData(Op):
         return Apply(self, [x], [x.type()])
 
     def perform(self, node, inputs, outputs):
-        if get_runtime().rank == 1:
+        if get_runtime().place.rank == 1:
             synk.data(np.ones(2))
         outputs[0][0] = inputs[0].copy()
 

@@ -31,7 +31,7 @@ class ProcessInfo(Op):
     def perform(self, node, inputs, outputs):
         from threadpoolctl import threadpool_info
         threads = max([p["num_threads"] for p in threadpool_info()] or [1])
-        outputs[0][0] = np.array([get_runtime().rank, os.getpid(),
+        outputs[0][0] = np.array([get_runtime().place.rank, os.getpid(),
                                   len(os.sched_getaffinity(0)), threads], dtype=np.float64)
 
 
@@ -46,14 +46,14 @@ def _process_info(n):
 def test_fork_returns_the_number_of_ranks(forked):
     assert forked(3) == 3
     rt = get_runtime()
-    assert rt.n_parallel == 3 and rt.rank == 0 and rt.is_master
-    assert sorted(rt.procs) == [1, 2]
-    assert all(p.is_alive() for p in rt.procs.values())
+    assert rt.place.n_parallel == 3 and rt.place.rank == 0 and rt.is_master
+    assert sorted(rt.processes.procs) == [1, 2]
+    assert all(p.is_alive() for p in rt.processes.procs.values())
 
 
 def test_default_n_parallel_is_the_usable_cores(forked):
     assert forked(None) == N_CORES
-    assert get_runtime().n_parallel == N_CORES
+    assert get_runtime().place.n_parallel == N_CORES
 
 
 @pytest.mark.parametrize("kwargs, exc, name", [
@@ -85,12 +85,12 @@ def test_fork_twice_raises_state_error(forked):
     # Code written for the original catches RuntimeError.
     with pytest.raises(RuntimeError):
         synk.fork(2, use_gpu=False)
-    assert get_runtime().n_parallel == 2      # the first runtime is untouched
+    assert get_runtime().place.n_parallel == 2      # the first runtime is untouched
 
 
 def test_close_joins_workers_and_fork_works_again(forked):
     forked(2)
-    procs = list(get_runtime().procs.values())
+    procs = list(get_runtime().processes.procs.values())
     synk.close()
     assert get_runtime() is None
     assert all(not p.is_alive() for p in procs)
@@ -115,7 +115,7 @@ def test_close_before_fork_warns():
 
 def test_one_rank_runs_in_the_master_alone(forked):
     assert forked(1) == 1
-    assert get_runtime().procs == {}
+    assert get_runtime().processes.procs == {}
     info = _process_info(4)
     assert info[0][:2] == (0, os.getpid())
 
@@ -124,12 +124,13 @@ def test_one_rank_runs_in_the_master_alone(forked):
 def test_master_rank_one_computes_rank_ones_share(forked, n):
     forked(n, master_rank=1)
     rt = get_runtime()
-    assert rt.rank == 1 and rt.is_master and sorted(rt.procs) == [r for r in range(n) if r != 1]
+    assert rt.place.rank == 1 and rt.is_master
+    assert sorted(rt.processes.procs) == [r for r in range(n) if r != 1]
     info = _process_info(n)
     assert [r[0] for r in info] == list(range(n))          # rank order
     assert info[1][1] == os.getpid()                       # the master ran rank 1's rows
-    for r in rt.procs:
-        assert info[r][1] == rt.procs[r].pid
+    for r in rt.processes.procs:
+        assert info[r][1] == rt.processes.procs[r].pid
 
 
 def test_master_rank_one_splits_data_like_any_rank(forked):
@@ -150,7 +151,7 @@ def test_workers_are_pinned_and_single_threaded(forked):
     forked(n)
     rt = get_runtime()
     info = _process_info(n)
-    cores = [os.sched_getaffinity(p.pid) for p in rt.procs.values()]
+    cores = [os.sched_getaffinity(p.pid) for p in rt.processes.procs.values()]
     cores.append(os.sched_getaffinity(0))
     assert all(len(c) == 1 for c in cores)
     assert len(set.union(*cores)) == n                    # one core each
@@ -186,7 +187,7 @@ def test_fork_with_use_gpu_none_runs_in_cpu_mode(forked):
     if gpu.count_gpus():
         pytest.skip("this machine has GPUs")
     assert synk.fork(2) == 2
-    assert get_runtime().device == "cpu"
+    assert get_runtime().config.device == "cpu"
 
 
 def test_profile_workers_writes_one_profile_per_worker(forked, tmp_path, monkeypatch):
@@ -285,7 +286,7 @@ class _FailIn(Op):
         return Apply(self, [x], [x.type()])
 
     def perform(self, node, inputs, outputs):
-        if get_runtime().rank == 1:
+        if get_runtime().place.rank == 1:
             raise ValueError("planted")
         outputs[0][0] = inputs[0]
 

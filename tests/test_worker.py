@@ -37,7 +37,7 @@ class RaiseIn(Op):
 
     def perform(self, node, inputs, outputs):
         x, ranks = inputs
-        rank = get_runtime().rank
+        rank = get_runtime().place.rank
         if rank in ranks:
             if self.kind == "exit":
                 raise SystemExit(f"exit in rank {rank}")
@@ -63,7 +63,7 @@ def _ranks(*rs):
 
 
 def _pids():
-    return {rank: p.pid for rank, p in get_runtime().procs.items()}
+    return {rank: p.pid for rank, p in get_runtime().processes.procs.items()}
 
 
 def test_a_worker_error_carries_the_rank_header_and_the_worker_serves_on(forked, rng):
@@ -99,7 +99,7 @@ def test_a_base_exception_in_a_worker_is_reported_not_fatal(forked, rng, kind, b
     assert err.rank == 1 and set(err.failures) == {1}
     assert base.__name__ in err.failures[1] and "in rank 1" in err.failures[1]
     assert isinstance(err.__cause__, base)
-    assert all(p.is_alive() for p in get_runtime().procs.values())
+    assert all(p.is_alive() for p in get_runtime().processes.procs.values())
     np.testing.assert_allclose(f(d, _ranks()), x.sum(axis=0), rtol=1e-12)
     assert _pids() == pids
 
@@ -128,7 +128,7 @@ def test_an_error_too_big_for_its_slot_keeps_its_type_and_header(forked, rng, ki
 
 def test_quit_ends_every_worker_by_itself(forked):
     forked(3)
-    procs = list(get_runtime().procs.values())
+    procs = list(get_runtime().processes.procs.values())
     assert len(procs) == 2 and all(p.is_alive() for p in procs)
     synk.close()
     # Exit code 0: each worker left its loop on QUIT (a worker killed by close() shows -9).

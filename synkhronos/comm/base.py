@@ -27,6 +27,7 @@ its results as device arrays; ``host`` is the backend that moves host memory
 """
 
 from abc import ABC, abstractmethod
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -42,6 +43,34 @@ def _never_aborted():
     pass
 
 
+class Wiring(NamedTuple):
+    """What a backend is built from: where this process stands among the ranks, and names.
+
+    Attributes:
+        ranks: the ranks the backend serves, read live: ``rank`` (this process's, which
+            fork() sets in each worker), ``n_parallel`` and ``master_rank`` (the root of
+            call results).  The run's placement, or one machine's view of it.
+        machine: this machine's ranks alone, the same way (local indices, the leader as
+            ``master_rank``): what a backend spanning machines moves inside one.
+        spin_s: how long waits spin before sleeping.
+        prefix: every shared-memory segment name of the run starts so.
+        master_pid: the pid of this machine's leader.
+        max_dim: most dimensions of an array in a collective.
+        new_name: ``new_name(tag)``, a fresh shared-memory segment name of the run.
+        remove_after_crash: ``remove_after_crash(path)``: a directory the janitor removes
+            if the leader dies without closing.
+    """
+
+    ranks: object
+    machine: object
+    spin_s: float
+    prefix: str
+    master_pid: int
+    max_dim: int
+    new_name: Callable
+    remove_after_crash: Callable
+
+
 class Backend(ABC):
     """Collectives among the ranks of one run.  Created in the master before fork."""
 
@@ -49,20 +78,28 @@ class Backend(ABC):
     small_all_reduce = None  # a backend with a latency path for small all_reduce sets a method
     scalar_parts = None      # and one that passes float scalars outside its buffers (contribute)
 
-    def __init__(self, rt, spin_s):
-        self.rt = rt
-        self.spin_s = spin_s
+    def __init__(self, wiring):
+        self.wiring = wiring
+        self.ranks = wiring.ranks
+        self.spin_s = wiring.spin_s
+        self.max_dim = wiring.max_dim
         self.seq = 0
-        self.n_parallel = rt.n_parallel
-        self.master_rank = rt.master_rank
-        self.max_n_var = rt.max_n_var
-        self.max_dim = rt.max_dim
         self.check = _never_aborted
 
     @property
     def rank(self):
-        """This process's rank (the runtime's, which fork() sets in each worker)."""
-        return self.rt.rank
+        """This process's rank among ``ranks`` (fork() sets it in each worker)."""
+        return self.ranks.rank
+
+    @property
+    def n_parallel(self):
+        """The ranks this backend serves."""
+        return self.ranks.n_parallel
+
+    @property
+    def master_rank(self):
+        """The rank that collects call results (``collect``)."""
+        return self.ranks.master_rank
 
     @property
     def host(self):

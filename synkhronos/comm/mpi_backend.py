@@ -22,59 +22,27 @@ from .mpi_reduce import reduce_across
 from .shm_backend import ShmBackend
 
 
-class LocalView:
-    """A Runtime as the machine-local backend sees it: local indices, the leader as root."""
-
-    def __init__(self, rt):
-        self._rt = rt
-
-    @property
-    def rank(self):
-        return self._rt.local_index
-
-    @property
-    def n_parallel(self):
-        return self._rt.n_local
-
-    @property
-    def master_rank(self):
-        return self._rt.leader
-
-    def __getattr__(self, name):
-        return getattr(self._rt, name)
-
-
 class MpiBackend(Backend):
     """Collectives across machines: shared memory inside, MPI among the leaders."""
 
-    def __init__(self, rt, spin_s):
-        super().__init__(rt, spin_s)
-        self.local = ShmBackend(LocalView(rt), spin_s)
+    def __init__(self, wiring):
+        super().__init__(wiring)
+        self.machine = wiring.machine
+        self.local = ShmBackend(wiring._replace(ranks=wiring.machine))
         self.link = None     # the leader's cluster.link.Link, after MPI starts
         self.remote = None   # the controller's: the other machines' contributions to a call
         self.mine = None     # a node master's own contribution to a call's outputs
         self.kept = {}       # key -> (leaders' epoch, two buffers MPI reduces into in turn)
 
-    # The run's size is known only once MPI has started (cluster.rendezvous).
-    @property
-    def n_parallel(self):
-        return self.rt.n_parallel
-
-    @n_parallel.setter
-    def n_parallel(self, value):
-        pass
-
-    @property
-    def master_rank(self):
-        return self.rt.master_rank
-
-    @master_rank.setter
-    def master_rank(self, value):
-        pass
-
     @property
     def is_leader(self):
-        return self.rt.local_index == self.rt.leader
+        machine = self.machine
+        return machine.rank == machine.master_rank
+
+    @property
+    def rank_offset(self):
+        """The global rank of this machine's first rank (known once MPI has started)."""
+        return self.ranks.rank - self.machine.rank
 
     def attach(self, link, remote_contributions):
         """In the leader: collectives between machines go through ``link``.
@@ -101,19 +69,19 @@ class MpiBackend(Backend):
 
     @property
     def _multi(self):
-        return self.rt.n_local > 1
+        return self.machine.n_parallel > 1
 
     # -- the machine-level steps ------------------------------------------------------
     def _to_leader(self, arrays):
         """Every local rank's arrays (or None), at the leader; None elsewhere."""
         if not self._multi:
             return [None if arrays is None else list(arrays)]
-        return self.local.gather(arrays, self.rt.leader)
+        return self.local.gather(arrays, self.machine.master_rank)
 
     def _from_leader(self, arrays, out=None, keys=None):
         """The leader's arrays on every local rank (in ``out`` entries that fit)."""
         if self._multi:
-            got = self.local.broadcast(arrays if self.is_leader else None, self.rt.leader,
+            got = self.local.broadcast(arrays if self.is_leader else None, self.machine.master_rank,
                                        out=out, keys=keys)
             if not self.is_leader:
                 return got
@@ -134,7 +102,7 @@ class MpiBackend(Backend):
 
     def reduce(self, arrays, op, root, weight=None, out=None):
         result = self._reduce(arrays, op, weight, out)
-        if self.rt.rank != root:
+        if self.rank != root:
             return None
         return result
 
@@ -191,12 +159,12 @@ class MpiBackend(Backend):
                              out, self.check, into)
 
     def broadcast(self, arrays, root, out=None, keys=None):
-        rt = self.rt
-        here = rt.rank_offset <= root < rt.rank_offset + rt.n_local
-        root_local = root - rt.rank_offset
-        if here and root_local != rt.leader:
+        machine, offset = self.machine, self.rank_offset
+        here = offset <= root < offset + machine.n_parallel
+        root_local = root - offset
+        if here and root_local != machine.master_rank:
             # The root is a worker: every rank here, the leader too, reads it first.
-            got = self.local.broadcast(arrays if rt.rank == root else None, root_local,
+            got = self.local.broadcast(arrays if self.rank == root else None, root_local,
                                        out=out, keys=keys)
             if self.is_leader:
                 self._leaders.broadcast(got, self.link.node, self.check)
@@ -208,9 +176,9 @@ class MpiBackend(Backend):
                 # Results the caller keeps must not be the leaders' buffers (reused).
                 got = [_place(a, parts.out_entry(out, i), copy=True) for i, a in enumerate(got)]
             arrays = got
-        if rt.rank == root:
+        if self.rank == root:
             if self._multi:
-                self.local.broadcast(arrays, rt.leader)
+                self.local.broadcast(arrays, machine.master_rank)
             return list(arrays)
         return self._from_leader(arrays, out=out, keys=keys)
 
@@ -218,7 +186,7 @@ class MpiBackend(Backend):
         got = self._to_leader(None if arrays is None else as_arrays(arrays))
         if self.is_leader:
             every = self._leaders.gather(got, self.link.layout.machine_of(root), self.check)
-            if self.rt.rank == root:
+            if self.rank == root:
                 return [e for machine in every for e in machine]
         if keys is not None and arrays is not None:
             return list(arrays)
@@ -247,23 +215,23 @@ class MpiBackend(Backend):
         return out
 
     def scatter(self, per_rank, root):
-        rt = self.rt
-        if rt.rank == root:
+        me = self.rank
+        if me == root:
             self._check_scatter(per_rank)
         mine_sub = None
         if self.is_leader:
             cl = self.link
             root_machine = cl.layout.machine_of(root)
-            if cl.node == root_machine and rt.rank != root:
+            if cl.node == root_machine and me != root:
                 raise ValueError("scatter in a cluster needs the root to be its machine's leader")
             per_machine = None
-            if rt.rank == root:
+            if me == root:
                 per_machine = [[[np.asarray(a, order="C") for a in per_rank[q]]
                                 for q in cl.layout.ranks(m)] for m in range(cl.layout.n_machines)]
             mine_sub = self._leaders.scatter(per_machine, root_machine, self.check)
         if not self._multi:
             return mine_sub[0]
-        return self.local.scatter(mine_sub, rt.leader)
+        return self.local.scatter(mine_sub, self.machine.master_rank)
 
     # -- call outputs -----------------------------------------------------------------
     def contribute(self, arrays, weight=1.0):
@@ -277,24 +245,23 @@ class MpiBackend(Backend):
 
     def node_contributions(self):
         """Node master, after its machine's end barrier: [(global rank, arrays, weight)]."""
-        rt = self.rt
+        offset, leader = self.rank_offset, self.machine.master_rank
         out = []
         local = self.local.collect() if self._multi else [None]
         for i, entry in enumerate(local):
-            if i == rt.leader:
+            if i == leader:
                 entry = self.mine
             if entry is not None and entry[0] is not None:
-                out.append((rt.rank_offset + i, [np.asarray(a, order="C") for a in entry[0]],
+                out.append((offset + i, [np.asarray(a, order="C") for a in entry[0]],
                             entry[1]))
         return out
 
     def collect(self):
-        rt = self.rt
-        out = [None] * rt.n_parallel
+        out = [None] * self.n_parallel
         if self._multi:
             for i, entry in enumerate(self.local.collect()):
                 out[i] = entry
-        out[rt.rank] = None
+        out[self.rank] = None
         for rank, entry in self.remote().items():
             out[rank] = entry
         return out

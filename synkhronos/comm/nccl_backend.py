@@ -115,10 +115,10 @@ class NcclBackend(Backend):
 
     device_arrays = True
 
-    def __init__(self, rt, spin_s, host_backend=ShmBackend):
-        super().__init__(rt, spin_s)
+    def __init__(self, wiring, host_backend=ShmBackend):
+        super().__init__(wiring)
         self.cupy, self.nccl = gpu.import_cupy()
-        self._host = host_backend(rt, spin_s)
+        self._host = host_backend(wiring)
         self.comm = None
         self._stream = None
 

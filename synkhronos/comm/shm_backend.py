@@ -36,13 +36,14 @@ logger = logging.getLogger(__name__)
 class ShmBackend(ShmReduce, Backend):
     """Collectives through shared memory; the default between processes of one machine."""
 
-    def __init__(self, rt, spin_s):
-        super().__init__(rt, spin_s)
-        self.block = SharedArray(rt.segment_name("comm"), 8 * STRIDE * rt.n_parallel)
+    def __init__(self, wiring):
+        super().__init__(wiring)
+        n = self.n_parallel
+        self.block = SharedArray(wiring.new_name("comm"), 8 * STRIDE * n)
         self.mv = memoryview(self.block.buffer).cast("q")
         self.fv = memoryview(self.block.buffer).cast("d")  # the same slots, as float64
-        homes = Homes(rt.prefix, lambda seg: populate(seg, MADV_POPULATE_WRITE))
-        self.slabs = Slabs(rt, self.mv, rt.prefix + "slab", self.max_dim, homes)
+        homes = Homes(wiring.prefix, lambda seg: populate(seg, MADV_POPULATE_WRITE))
+        self.slabs = Slabs(self.ranks, self.mv, wiring.prefix + "slab", self.max_dim, homes)
         self.homes = homes
         self.k = 0
         self.fence = False

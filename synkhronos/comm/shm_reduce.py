@@ -90,26 +90,26 @@ class ShmReduce:
                 parts.finish(ops[i], got[q][i].reshape(-1)[lo:hi], flats[i][lo:hi], n)
         return result
 
-    def small_all_reduce(self, keys, op):
-        """All-reduce small host shared variables in place on a cached plan; False if it cannot.
+    def small_all_reduce(self, keys, arrays, op):
+        """All-reduce small host arrays in place on a cached plan; False if it cannot.
 
-        The latency path of ``all_reduce`` (every rank calls it with the same
-        ``keys``, indices into ``rt.shareds``, and ``op``).  It writes exactly
-        what ``_reduce`` would for these arrays (the same header and data in
-        this rank's slab), so ranks where it declines, before touching
-        anything, meet the others in the general path; every rank reduces
-        the slabs in rank order, so all get the same bits.  Declines for
-        arrays that are not plain writeable host arrays, results of another
-        dtype, or sizes worth splitting.
+        The latency path of ``all_reduce`` for the values of shared variables
+        (every rank calls it with the same ``keys``, which name the arrays, and
+        ``op``; ``arrays`` are the variables' own host arrays, written in place).
+        It writes exactly what ``_reduce`` would for these arrays (the same
+        header and data in this rank's slab), so ranks where it declines,
+        before touching anything, meet the others in the general path; every
+        rank reduces the slabs in rank order, so all get the same bits.
+        Declines for arrays that are not plain writeable host arrays, results
+        of another dtype, or sizes worth splitting.
         """
         key = (tuple(keys), op)
         plan = self.small_plans.get(key)
         if plan is None:
-            plan = _SmallPlan(self, keys, op)
+            plan = _SmallPlan(self, arrays, op)
             if len(self.small_plans) > 64:
                 self.small_plans.clear()
             self.small_plans[key] = plan
-        arrays = [c.storage[0] for c in plan.containers]
         checked = plan.checked
         for a, b in zip(arrays, checked):
             if a is not b:
@@ -196,26 +196,21 @@ class ShmReduce:
 
 
 class _SmallPlan:
-    """What ``small_all_reduce`` needs for one (variables, op), checked once.
+    """What ``small_all_reduce`` needs for one (arrays, op), checked once.
 
-    ``lay`` is None where the fast path never applies (device variables,
-    more bytes than ``SPLIT_BYTES``, or arrays it does not take).
+    ``lay`` is None where the fast path never applies (more bytes than
+    ``SPLIT_BYTES``, or arrays it does not take).
     """
 
-    __slots__ = ("containers", "checked", "sig", "op", "lay", "header", "spans", "others",
+    __slots__ = ("checked", "sig", "op", "lay", "header", "spans", "others",
                  "ufunc", "scale", "gens", "per_array")
 
-    def __init__(self, be, keys, op):
-        rt = be.rt
-        shareds = [rt.shareds[k] for k in keys]
-        self.containers = [v.container for v in shareds]
-        arrays = [c.storage[0] for c in self.containers]
+    def __init__(self, be, arrays, op):
         self.checked = list(arrays)
         self.sig = [(a.shape, a.dtype) if type(a) is np.ndarray else (None, None) for a in arrays]
         self.op = op
         self.lay = self.header = self.spans = None
-        if (be.n_parallel > 1 and not any(id(v) in rt.device_shareds for v in shareds)
-                and self.takes(arrays)):
+        if be.n_parallel > 1 and self.takes(arrays):
             self.lay = be.slabs.layout(arrays)
             self.header = _HEAD.pack(len(arrays), 1.0, 0) + self.lay.ints
             self.spans = [(off, off + a.nbytes) for a, (_, off, _) in zip(arrays, self.lay.entries)]

@@ -80,23 +80,23 @@ class Slabs:
     where each rank publishes its slab's generation and size.
     """
 
-    def __init__(self, rt, mv, prefix, max_dim, homes):
-        self.rt = rt
+    def __init__(self, ranks, mv, prefix, max_dim, homes):
+        self.ranks = ranks  # read live: a worker learns its rank after fork
         self.homes = homes
         self.mv = mv
         self.prefix = prefix
         self.max_dim = max_dim
-        self.n_parallel = rt.n_parallel
+        self.n_parallel = n = ranks.n_parallel
         self.slabs = {}
-        self.views = {r: {} for r in range(rt.n_parallel)}
-        for r in range(rt.n_parallel):
+        self.views = {r: {} for r in range(n)}
+        for r in range(n):
             self.slabs[r] = [0, SharedArray(self._name(r, 0), INITIAL_SLAB)]
             mv[r * STRIDE + SIZE] = INITIAL_SLAB
         self.layouts = {}
 
     @property
     def rank(self):
-        return self.rt.rank
+        return self.ranks.rank
 
     def _name(self, rank, gen):
         return f"{self.prefix}{rank}_{gen}"

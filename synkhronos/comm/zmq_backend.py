@@ -40,13 +40,12 @@ DIR_PREFIX = "synk_zmq_"
 class ZmqBackend(Backend):
     """Collectives through ZeroMQ messages; select with ``SYNK_BACKEND=zmq``."""
 
-    def __init__(self, rt, spin_s):
-        super().__init__(rt, spin_s)
+    def __init__(self, wiring):
+        super().__init__(wiring)
         _sweep_stale_dirs()
-        self.dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{rt.master_pid}_")
-        # The janitor removes it if the master dies without close().
-        rt.cleanup_dirs.append(self.dir)
-        self.master_pid = rt.master_pid
+        self.dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{wiring.master_pid}_")
+        wiring.remove_after_crash(self.dir)
+        self.master_pid = wiring.master_pid
         self._pid = None
         self._ctx = None
         self._inbox = None

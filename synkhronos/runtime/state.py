@@ -6,7 +6,6 @@ import itertools
 import os
 import threading
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import Any, Callable, MutableMapping, Optional
 
 from ..errors import SynkStateError
@@ -95,25 +94,36 @@ class Processes:
     lock_fd: int = -1                               # the run's lock (shmem.hold_run_lock)
 
 
-def _forward(path, doc, writable=True):
-    get = attrgetter(path)
-    part, name = path.split(".")
-    if not writable:
-        return property(get, doc=doc)
+class MachineRanks:
+    """This machine's ranks, as a backend that moves bytes inside one machine sees them.
 
-    def put(self, value):
-        setattr(getattr(self, part), name, value)
-    return property(get, put, doc=doc)
+    ``rank`` is the local index, ``n_parallel`` the machine's ranks, ``master_rank``
+    its leader; read live from the run's ``Placement``.
+    """
+
+    __slots__ = ("place",)
+
+    def __init__(self, place):
+        self.place = place
+
+    @property
+    def rank(self):
+        return self.place.local_index
+
+    @property
+    def n_parallel(self):
+        return self.place.n_local
+
+    @property
+    def master_rank(self):
+        return self.place.leader
 
 
 @dataclass(slots=True)
 class Runtime:
     """Everything ``fork()`` sets up; ``close()`` drops it.
 
-    Exists in the master and, as a copy made by fork, in every worker.  The
-    parts' fields also read through as attributes (``rt.rank`` is
-    ``rt.place.rank``) for tests and debugging; the library reads the parts,
-    since a forwarding property costs ~40 ns more per read on the call path.
+    Exists in the master and, as a copy made by fork, in every worker.
     """
 
     config: Config
@@ -131,35 +141,6 @@ class Runtime:
     closed: bool = False
     in_call: bool = False               # running a call's graph: in-graph collectives combine ranks
     jax_before_fork: bool = False       # JAX ran in the master before fork(): workers cannot
-
-    rank = _forward("place.rank", "This process's global rank.")
-    n_parallel = _forward("place.n_parallel", "Ranks in the run (every machine).")
-    master_rank = _forward("place.master_rank", "The rank of the process that runs the program.")
-    local_index = _forward("place.local_index", "This process's index among its machine's ranks.")
-    n_local = _forward("place.n_local", "Ranks on this machine.")
-    leader = _forward("place.leader", "Local index of this machine's leader.")
-    rank_offset = _forward("place.rank_offset", "This machine's first global rank.")
-    datas = _forward("registry.datas", "Data by id: the master's objects, a rank's segments.")
-    functions = _forward("registry.functions", "Every synkhronos Function, by id.")
-    shareds = _forward("registry.shareds", "Shared variables known to distribute().")
-    shared_ids = _forward("registry.shared_ids", "id(shared variable) -> index in shareds.")
-    device_shareds = _forward("registry.device_shareds", "Shared variables living on a device.")
-    distributed = _forward("registry.distributed", "Whether distribute() has run.")
-    freed = _forward("registry.freed", "Ids of dropped Data, told to the ranks with the next command.")
-    wire = _forward("registry.wire", "Repeated calls' messages, pickled once.")
-    procs = _forward("processes.procs", "The leader's workers by local index.")
-    monitor = _forward("processes.monitor", "The leader's liveness.Monitor.")
-    restore = _forward("processes.restore", "What close() undoes in this process.")
-    cleanup_dirs = _forward("processes.cleanup_dirs", "Directories the janitor removes after a crash.")
-    janitor = _forward("processes.janitor", "The leader's janitor.Janitor.")
-    prefix = _forward("config.prefix", "The run's segment name prefix.", writable=False)
-    device = _forward("config.device", '"cpu" or "gpu".', writable=False)
-    master_pid = _forward("config.master_pid", "The pid of this machine's leader.", writable=False)
-    max_n_var = _forward("config.max_n_var", "Most variables in one command.", writable=False)
-    max_dim = _forward("config.max_dim", "Most dimensions of a variable.", writable=False)
-    n_gpus = _forward("config.n_gpus", "GPUs this machine's ranks use.", writable=False)
-    gpu_ids = _forward("config.gpu_ids", "CUDA device ids by rank.", writable=False)
-    cores = _forward("config.cores", "Usable cores by local rank.", writable=False)
 
     @property
     def is_master(self):
@@ -206,7 +187,7 @@ def _require_master_process(what):
         return
     if not rt.is_master:
         raise SynkStateError(
-            f"{what}(): called in rank {rt.rank}, a worker{' inside a call' if rt.in_call else ''}"
+            f"{what}(): called in rank {rt.place.rank}, a worker{' inside a call' if rt.in_call else ''}"
             "; synkhronos functions and collectives run from the master's program only, "
             "between calls (inside a graph use synkhronos.ingraph)")
     raise SynkStateError(

@@ -185,10 +185,16 @@ def all_reduce_local(rt, msg):
     Also the second part of a fused training step (``Function`` calls with
     ``then``), inside the CALL command.
     """
-    small = rt.backend.small_all_reduce
-    if small is not None and msg.dtype is None and small(msg.idx, msg.op):
-        return
     shareds = [rt.registry.shareds[i] for i in msg.idx]
+    small = rt.backend.small_all_reduce
+    if small is not None and msg.dtype is None:
+        # Host variables' own arrays, reduced in place on the backend's latency path.
+        arrays = [v.container.storage[0] for v in shareds]
+        device = rt.registry.device_shareds
+        if (all(type(a) is np.ndarray for a in arrays)
+                and not (device and any(id(v) in device for v in shareds))
+                and small(msg.idx, arrays, msg.op)):
+            return
     if msg.dtype is not None:
         host = rt.backend.host
         arrays = backend_values(host, shareds)

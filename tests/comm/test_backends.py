@@ -57,12 +57,12 @@ def _barriers(rt, count):
 
 
 def _all_reduce(rt, op, shapes, dtype, in_place):
-    arrays = [_value(rt.rank, s, dtype, salt=i) for i, s in enumerate(shapes)]
+    arrays = [_value(rt.place.rank, s, dtype, salt=i) for i, s in enumerate(shapes)]
     out = list(arrays) if in_place else None
     got = rt.backend.all_reduce(arrays, op, out=out)
     assert len(got) == len(shapes)
     for i, (g, s) in enumerate(zip(got, shapes)):
-        want = _expect(op, rt.n_parallel, s, dtype, salt=i)
+        want = _expect(op, rt.place.n_parallel, s, dtype, salt=i)
         assert g.shape == tuple(s)
         np.testing.assert_allclose(g, want, rtol=1e-6)
         if in_place and g.dtype == arrays[i].dtype:
@@ -70,47 +70,47 @@ def _all_reduce(rt, op, shapes, dtype, in_place):
 
 
 def _mixed_ops(rt, ops):
-    arrays = [_value(rt.rank, (BIG // 4,), np.float32, salt=i) for i in range(len(ops))]
+    arrays = [_value(rt.place.rank, (BIG // 4,), np.float32, salt=i) for i in range(len(ops))]
     got = rt.backend.all_reduce(arrays, ops)
     for i, (g, op) in enumerate(zip(got, ops)):
-        np.testing.assert_allclose(g, _expect(op, rt.n_parallel, (BIG // 4,), np.float32, i),
+        np.testing.assert_allclose(g, _expect(op, rt.place.n_parallel, (BIG // 4,), np.float32, i),
                                    rtol=1e-6)
 
 
 def _reduce(rt, op, root, shape):
-    a = _value(rt.rank, shape, np.float64)
+    a = _value(rt.place.rank, shape, np.float64)
     before = a.copy()
     got = rt.backend.reduce([a], op, root)
     np.testing.assert_array_equal(a, before)
-    if rt.rank == root:
-        np.testing.assert_allclose(got[0], _expect(op, rt.n_parallel, shape, np.float64))
+    if rt.place.rank == root:
+        np.testing.assert_allclose(got[0], _expect(op, rt.place.n_parallel, shape, np.float64))
     else:
         assert got is None
 
 
 def _weighted_avg(rt):
-    a = np.full(4, float(rt.rank + 1))
-    got = rt.backend.all_reduce([a], "avg", weight=float(rt.rank + 1))
-    w = np.arange(1, rt.n_parallel + 1, dtype=float)
+    a = np.full(4, float(rt.place.rank + 1))
+    got = rt.backend.all_reduce([a], "avg", weight=float(rt.place.rank + 1))
+    w = np.arange(1, rt.place.n_parallel + 1, dtype=float)
     np.testing.assert_allclose(got[0], np.full(4, (w * w).sum() / w.sum()))
 
 
 def _none_contribution(rt):
-    a = None if rt.rank == rt.n_parallel - 1 and rt.n_parallel > 1 else [np.full(3, 2.0)]
+    a = None if rt.place.rank == rt.place.n_parallel - 1 and rt.place.n_parallel > 1 else [np.full(3, 2.0)]
     got = rt.backend.all_reduce(a, "sum")
-    contributors = rt.n_parallel - 1 if rt.n_parallel > 1 else 1
+    contributors = rt.place.n_parallel - 1 if rt.place.n_parallel > 1 else 1
     np.testing.assert_array_equal(got[0], np.full(3, 2.0 * contributors))
 
 
 def _mismatch(rt, big):
     n = BIG if big else 3
-    a = np.ones(n + rt.rank, np.float32)
+    a = np.ones(n + rt.place.rank, np.float32)
     rt.backend.all_reduce([a], "sum")
 
 
 def _broadcast(rt, root, with_out):
     shapes = [(3, 2), (), (BIG,)]
-    if rt.rank == root:
+    if rt.place.rank == root:
         arrays = [_value(root, s, np.float32, i) for i, s in enumerate(shapes)]
         got = rt.backend.broadcast(arrays, root)
     else:
@@ -124,32 +124,33 @@ def _broadcast(rt, root, with_out):
 
 def _gather(rt, root, everyone):
     # Shapes differ across ranks on purpose: a gather must not crop or pad.
-    arrays = [_value(rt.rank, (rt.rank + 1, 2), np.int64), _value(rt.rank, (), np.float32, 1)]
+    me = rt.place.rank
+    arrays = [_value(me, (me + 1, 2), np.int64), _value(me, (), np.float32, 1)]
     got = rt.backend.all_gather(arrays) if everyone else rt.backend.gather(arrays, root)
-    if not everyone and rt.rank != root:
+    if not everyone and rt.place.rank != root:
         assert got is None
         return
-    assert len(got) == rt.n_parallel
+    assert len(got) == rt.place.n_parallel
     for q, entry in enumerate(got):
         np.testing.assert_array_equal(entry[0], _value(q, (q + 1, 2), np.int64))
         np.testing.assert_array_equal(entry[1], _value(q, (), np.float32, 1))
 
 
 def _scatter(rt, root):
-    n = rt.n_parallel
+    n = rt.place.n_parallel
     per_rank = None
-    if rt.rank == root:
+    if rt.place.rank == root:
         per_rank = [[_value(q, (q + 2,), np.float32), _value(q, (2, 2), np.int32, 3)]
                     for q in range(n)]
     got = rt.backend.scatter(per_rank, root)
-    me = rt.rank
+    me = rt.place.rank
     np.testing.assert_array_equal(got[0], _value(me, (me + 2,), np.float32))
     np.testing.assert_array_equal(got[1], _value(me, (2, 2), np.int32, 3))
 
 
 def _sequence(rt):
     """Several collectives in one command reuse buffers; none may see another's data."""
-    n, me = rt.n_parallel, rt.rank
+    n, me = rt.place.n_parallel, rt.place.rank
     for step in range(3):
         big = _value(me, (BIG,), np.float32, step)
         got = rt.backend.all_reduce([big], "sum")
@@ -177,7 +178,7 @@ def _keyed(rt, op, root, keeps_buffers):
     place (as a function updating a variable's storage would), so the next
     all_reduce must give op over ranks q of (x + q).
     """
-    n, me = rt.n_parallel, rt.rank
+    n, me = rt.place.n_parallel, rt.place.rank
     shapes = [(BIG,), (BIG // 2, 2), (3,), (0,), ()]
     keys = [10, 11, 12, 13, 14]
     kept = _KEPT.get(op)
@@ -211,11 +212,12 @@ def _keyed(rt, op, root, keeps_buffers):
 
 def _contribute(rt):
     if not rt.is_master:
-        rt.backend.contribute([np.full(3, float(rt.rank)), np.arange(rt.rank)], weight=rt.rank)
+        me = rt.place.rank
+        rt.backend.contribute([np.full(3, float(me)), np.arange(me)], weight=me)
 
 
 def _fail_in_worker(rt):
-    if rt.rank == rt.n_parallel - 1 and not rt.is_master:
+    if rt.place.rank == rt.place.n_parallel - 1 and not rt.is_master:
         raise RuntimeError("boom in the middle of a collective")
     rt.backend.all_reduce([np.ones(BIG, np.float32)], "sum")
 
@@ -311,7 +313,7 @@ class BackendSuite:
 
         def after(_):
             got = rt.backend.collect()
-            assert got[rt.rank] is None
+            assert got[rt.place.rank] is None
             return [(list(map(np.array, g[0])), g[1]) for g in got if g is not None]
         for _ in range(3):
             got = run(_contribute, after=after)

@@ -35,7 +35,7 @@ def _own_device(rt):
     import jax
     import jax.numpy as jnp
 
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == rt.gpu_ids[rt.rank % rt.n_gpus]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == rt.config.gpu_ids[rt.place.rank % rt.config.n_gpus]
     devices = jax.devices()
     assert len(devices) == 1 and devices[0].platform == "gpu", devices
     assert float(jnp.arange(4.0).sum()) == 6.0
@@ -45,7 +45,7 @@ def _case_gpu_mode_by_default():
     run_all = child.on_every_rank()
     n = synk.fork()
     rt = get_runtime()
-    assert rt.device == "gpu" and n == N_GPUS and rt.n_gpus == N_GPUS
+    assert rt.config.device == "gpu" and n == N_GPUS and rt.config.n_gpus == N_GPUS
     run_all(_own_device)
 
 
@@ -71,7 +71,7 @@ def _case_refuses_after_jax():
         synk.fork()
     assert get_runtime() is None
     synk.fork(1, use_gpu=False)                    # CPU mode still works
-    assert get_runtime().device == "cpu"
+    assert get_runtime().config.device == "cpu"
 
 
 def test_fork_refuses_after_jax_started_cuda():
@@ -80,7 +80,7 @@ def test_fork_refuses_after_jax_started_cuda():
 
 def _case_cpu_mode_on_request():
     synk.fork(2, use_gpu=False)
-    assert get_runtime().device == "cpu"
+    assert get_runtime().config.device == "cpu"
 
 
 def test_use_gpu_false_gives_cpu_mode():

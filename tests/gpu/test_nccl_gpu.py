@@ -25,15 +25,15 @@ OPS = {"avg": np.mean, "sum": np.sum, "prod": np.prod, "max": np.max, "min": np.
 def _on_gpu(rt, names):
     import jax
 
-    for s in rt.shareds:
+    for s in rt.registry.shareds:
         if s.name in names:
             value = s.get_value(borrow=True, return_internal_type=True)
-            assert isinstance(value, jax.Array), (rt.rank, s.name, type(value))
+            assert isinstance(value, jax.Array), (rt.place.rank, s.name, type(value))
             assert {d.platform for d in value.devices()} == {gpu_env.PLATFORM}
 
 
 def _connected(rt):
-    assert rt.backend.device_arrays and rt.backend.comm is not None, rt.rank
+    assert rt.backend.device_arrays and rt.backend.comm is not None, rt.place.rank
 
 
 def _check_all(n, var, per_rank, rtol=1e-6):
@@ -81,7 +81,7 @@ def _case_collectives(n):
     got = synk.reduce(v, "sum", in_place=False)
     np.testing.assert_allclose(np.asarray(got), np.sum(vals, axis=0))
     synk.broadcast(v)
-    _check_all(n, v, [vals[get_runtime().master_rank]] * n)
+    _check_all(n, v, [vals[get_runtime().place.master_rank]] * n)
     for r in range(n):
         synk.set_value(r, v, vals[r])
     np.testing.assert_allclose(np.asarray(synk.gather(v)), np.stack(vals))

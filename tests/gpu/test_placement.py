@@ -19,12 +19,12 @@ def _on_gpu(rt, names):
     """Every rank: the named variables hold JAX arrays in its GPU's memory."""
     import jax
 
-    for s in rt.shareds:
+    for s in rt.registry.shareds:
         if s.name in names:
             value = s.get_value(borrow=True, return_internal_type=True)
-            assert isinstance(value, jax.Array), (rt.rank, s.name, type(value))
+            assert isinstance(value, jax.Array), (rt.place.rank, s.name, type(value))
             assert {d.platform for d in value.devices()} == {gpu_env.PLATFORM}, \
-                (rt.rank, value.devices())
+                (rt.place.rank, value.devices())
 
 
 def _case_mlp_step(n):

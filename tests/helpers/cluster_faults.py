@@ -37,7 +37,7 @@ mode, L = sys.argv[1], int(sys.argv[2])
 # ranks sharing a core while a benchmark ran, so the timeouts here are well above that.
 n = synk.fork(L, timeout={"timeout": 12, "idle": 8}.get(mode))
 rt = get_runtime()
-print("PIDS", " ".join(str(p) for p in rt.cluster.pids), rt.prefix, flush=True)
+print("PIDS", " ".join(str(p) for p in rt.cluster.pids), rt.config.prefix, flush=True)
 x = T.matrix("x")
 f = synk.function([x], T.sum(x))
 bad = synk.function([x], T.sum(FailInRank(n - 1)(x)))

@@ -25,7 +25,7 @@ lay = synk.layout()
 M = lay.n_machines
 rt = get_runtime()
 if rt.cluster is not None:
-    print("PIDS", " ".join(str(p) for p in rt.cluster.pids), rt.prefix, flush=True)
+    print("PIDS", " ".join(str(p) for p in rt.cluster.pids), rt.config.prefix, flush=True)
 F = pytensor.config.floatX
 rng = np.random.default_rng(0)
 N = 37  # no machine count here divides it

@@ -90,8 +90,8 @@ def _data_call(name, count):
     _CALLS[0] += 1
     LOG.append((name, count))
     rt = get_runtime()
-    if FAIL and FAIL.get("rank") == rt.rank and FAIL.get("call") == _CALLS[0]:
-        raise NcclError(f"fake NCCL failure in rank {rt.rank}, call {_CALLS[0]}")
+    if FAIL and FAIL.get("rank") == rt.place.rank and FAIL.get("call") == _CALLS[0]:
+        raise NcclError(f"fake NCCL failure in rank {rt.place.rank}, call {_CALLS[0]}")
     return rt
 
 
@@ -110,7 +110,7 @@ def groupEnd():  # noqa: N802
 class NcclCommunicator:
     def __init__(self, ndev, uid, rank):
         rt = get_runtime()
-        assert rank == rt.rank and ndev == rt.n_parallel, (rank, ndev)
+        assert rank == rt.place.rank and ndev == rt.place.n_parallel, (rank, ndev)
         # NCCL joins ranks holding the same id; check that every rank got the master's.
         ids = rt.backend.host.all_gather([np.array(uid, dtype=np.int64)])
         assert all(np.array_equal(ids[q][0], ids[0][0]) for q in range(ndev)), "uids differ"
@@ -127,12 +127,12 @@ class NcclCommunicator:
         rt = _data_call("reduce", count)
         got = rt.backend.host.reduce([_view(send, count, _DTYPE_OF[dtype]).copy()],
                                 _OP_NAMES[op], root)
-        if rt.rank == root:
+        if rt.place.rank == root:
             _view(recv, count, _DTYPE_OF[dtype])[:] = got[0]
 
     def broadcast(self, send, recv, count, dtype, root, stream):
         rt = _data_call("broadcast", count)
-        mine = rt.rank == root
+        mine = rt.place.rank == root
         data = [_view(send, count, _DTYPE_OF[dtype]).copy()] if mine else None
         got = rt.backend.host.broadcast(data, root)
         if not mine:
@@ -141,8 +141,8 @@ class NcclCommunicator:
     def allGather(self, send, recv, count, dtype, stream):  # noqa: N802
         rt = _data_call("allGather", count)
         got = rt.backend.host.all_gather([_view(send, count, _DTYPE_OF[dtype]).copy()])
-        _view(recv, count * rt.n_parallel, _DTYPE_OF[dtype])[:] = np.concatenate(
-            [got[q][0] for q in range(rt.n_parallel)])
+        _view(recv, count * rt.place.n_parallel, _DTYPE_OF[dtype])[:] = np.concatenate(
+            [got[q][0] for q in range(rt.place.n_parallel)])
 
     def destroy(self):
         LOG.append(("destroy",))

@@ -53,7 +53,7 @@ class SleepIn(Op):
 
     def perform(self, node, inputs, outputs):
         x, ranks = inputs
-        if get_runtime().rank in ranks:
+        if get_runtime().place.rank in ranks:
             time.sleep(self.seconds)
         outputs[0][0] = x.copy()
 
@@ -87,7 +87,7 @@ class FailInRank(Op):
         return Apply(self, [x], [x.type()])
 
     def perform(self, node, inputs, outputs):
-        if get_runtime().rank == self.rank:
+        if get_runtime().place.rank == self.rank:
             if self.how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise ValueError(f"planted failure in rank {self.rank}")

@@ -16,6 +16,7 @@ from helpers import fake_cupy
 from synkhronos.runtime import devices as gpu
 from synkhronos.comm import choose_backend, get_backend
 from synkhronos.comm import nccl_backend as nb
+from synkhronos.comm.base import Wiring
 from synkhronos.errors import BackendUnavailableError
 
 
@@ -37,9 +38,10 @@ def no_cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
 
 
-def _rt(device="gpu", n_parallel=2, n_gpus=2):
-    return types.SimpleNamespace(device=device, n_parallel=n_parallel, n_gpus=n_gpus,
-                                 rank=0, master_rank=0, max_n_var=1000, max_dim=16)
+def _wiring(n_parallel=2):
+    ranks = types.SimpleNamespace(rank=0, n_parallel=n_parallel, master_rank=0)
+    return Wiring(ranks=ranks, machine=ranks, spin_s=0.0, prefix="/synk_test_", master_pid=0,
+                  max_dim=16, new_name=None, remove_after_crash=None)
 
 
 # ---- tables -------------------------------------------------------------------------
@@ -126,13 +128,13 @@ def test_missing_cupy_falls_back_with_a_warning_naming_it(no_cupy, caplog, monke
 class _HostStub:
     """A host backend that records what it was given, for construction tests."""
 
-    def __init__(self, rt, spin_s):
-        self.made = (rt, spin_s)
+    def __init__(self, wiring):
+        self.made = wiring
 
 
 def test_backend_without_cupy_raises_naming_it(no_cupy):
     with pytest.raises(BackendUnavailableError, match="cupy"):
-        nb.NcclBackend(_rt(), 0.0, host_backend=_HostStub)
+        nb.NcclBackend(_wiring(), host_backend=_HostStub)
     with pytest.raises(BackendUnavailableError, match="pip install cupy-cuda12x"):
         gpu.import_cupy()
 
@@ -145,9 +147,9 @@ def test_cupy_without_nccl_raises_naming_nccl(cupy_stub, monkeypatch):
 
 
 def test_backend_wraps_a_host_backend_and_touches_no_device_until_used(cupy_stub):
-    rt = _rt()
-    b = nb.NcclBackend(rt, 0.0, host_backend=_HostStub)
-    assert isinstance(b.host, _HostStub) and b.host.made == (rt, 0.0)
+    wiring = _wiring()
+    b = nb.NcclBackend(wiring, host_backend=_HostStub)
+    assert isinstance(b.host, _HostStub) and b.host.made is wiring
     assert b.device_arrays and b.comm is None    # the first collective connects
     assert b._stream is None                     # no CUDA stream before fork's children use it
 

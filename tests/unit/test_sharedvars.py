@@ -156,7 +156,7 @@ def test_writable_out_only_for_plain_host_storage(vs):
     a.set_value(frozen, borrow=True)
     assert sharedvars.writable_out(rt, a) is None
     a.set_value(np.zeros(3))
-    rt.device_shareds.add(id(a))                                       # values on the device
+    rt.registry.device_shareds.add(id(a))                                       # values on the device
     assert sharedvars.on_device(rt, a) and sharedvars.writable_out(rt, a) is None
 
 
@@ -210,7 +210,7 @@ def test_keep_adopts_on_the_host_and_leaves_device_values(vs):
     buf = np.array([3.0, 3.0, 3.0])
     sharedvars.keep(rt, a, buf)
     assert sharedvars.raw(a) is buf
-    rt.device_shareds.add(id(a))
+    rt.registry.device_shareds.add(id(a))
     sharedvars.keep(rt, a, np.zeros(3))                # a device variable keeps its own value
     assert sharedvars.raw(a) is buf
 

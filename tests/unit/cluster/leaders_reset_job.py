@@ -25,7 +25,7 @@ from synkhronos.runtime.state import get_runtime  # noqa: E402
 L = int(sys.argv[1])
 n = synk.fork(L)
 rt = get_runtime()
-print("PIDS", " ".join(str(p) for p in rt.cluster.pids), rt.prefix, flush=True)
+print("PIDS", " ".join(str(p) for p in rt.cluster.pids), rt.config.prefix, flush=True)
 F = pytensor.config.floatX
 pytensor.config.compiler_verbose = False
 x = T.matrix("x")
