@@ -27,12 +27,14 @@ _default_float32()
 
 from .cluster.layout import Layout, layout  # noqa: E402
 from .inputs.data_object import Data  # noqa: E402
-from .inputs.produced import PlacedData, data  # noqa: E402
+from .inputs.create import data  # noqa: E402
+from .inputs.produced import PlacedData  # noqa: E402
 from .inputs.machine_rows import Part, batches  # noqa: E402
 from .functions.distribute import distribute  # noqa: E402
 from .errors import (BackendUnavailableError, MachineLostError, SharedMemoryError, SynkError,  # noqa: E402
                      SynkStateError, WorkerDiedError, WorkerError, WorkerStalledError)
-from .functions.function import Function, function  # noqa: E402
+from .functions.build import function  # noqa: E402
+from .functions.function import Function  # noqa: E402
 from .process import close, fork  # noqa: E402
 from .runtime.profiling import profile  # noqa: E402
 from .variables.collectives import (all_gather, all_reduce, broadcast, gather, get_lengths, get_shapes,  # noqa: E402

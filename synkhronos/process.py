@@ -12,7 +12,7 @@ import weakref
 # The commands the ranks serve: importing their modules registers the handlers
 # (commands.py), before the workers fork and inherit the table.  Also registering:
 # control (GROW_MESSAGE), cluster.layout (LAYOUT, through cluster.rendezvous), this module (QUIT).
-from .functions import call as calls, distribute, overlap  # noqa: F401
+from .functions import distribute, overlap, rank_call  # noqa: F401
 from .variables import checkpoint, collectives, rank_values, reductions  # noqa: F401
 from .inputs import mappings as datamaps  # noqa: F401
 from .runtime import profiling  # noqa: F401
@@ -295,7 +295,7 @@ def _teardown(rt):
         except Exception:  # noqa: BLE001 - restoring limits is best effort
             pass
     for f in rt.registry.functions:
-        f._detach()
+        f.forget_run()
     set_runtime(None)
     if rt.cluster is not None:
         rt.cluster.heartbeats.close()

@@ -165,6 +165,6 @@ def test_distribute_with_no_functions_and_one_rank(forked, rng):
     forked(1)
     synk.distribute()
     forked_rt = get_runtime()
-    assert forked_rt.distributed
+    assert forked_rt.registry.distributed
     d = synk.data(rng.standard_normal((3, 2)))     # data after distribute()
     assert d.shape == (3, 2)

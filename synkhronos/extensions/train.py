@@ -10,11 +10,9 @@ from pytensor.compile import SharedVariable
 import synkhronos as synk
 
 from ..inputs import conditioning, rank_rows as split
-from ..functions import overlap as _overlap_mod
-from ..functions.call import prepare_call
+from ..functions.overlap import OverlappedStep
 from ..comm import compressed
 from ..inputs.data_object import Data
-from ..errors import SynkStateError
 from . import updates as _updates
 
 logger = logging.getLogger(__name__)
@@ -99,10 +97,13 @@ class TrainFunction:
         self.all_reduce_dtype = all_reduce_dtype
         self.grad_prev = grad_prev
         self.overlap = grad_prev is not None
-        self._pending = False
-        # One command per step: gradient, all-reduce and update run inside the call.
-        self._step = f_grad.then_all_reduce(grad_shared, all_reduce_op, f_update,
-                                            dtype=all_reduce_dtype)
+        if self.overlap:
+            self._step = OverlappedStep(f_grad, f_update, grad_shared, grad_prev, all_reduce_op,
+                                        all_reduce_dtype)
+        else:
+            # One command per step: gradient, all-reduce and update run inside the call.
+            self._step = f_grad.then_all_reduce(grad_shared, all_reduce_op, f_update,
+                                                dtype=all_reduce_dtype)
 
     def __call__(self, *data, batch=None, batch_s=None, num_slices=1):
         """Run one training step on every rank; return the loss (and outputs).  Master only.
@@ -117,12 +118,6 @@ class TrainFunction:
             The loss averaged over the batch, or a list ``[loss, *outputs]``
             when ``outputs`` were given.
         """
-        if self.overlap:
-            call = prepare_call(self.f_grad, self._runtime(), data, {}, None, batch, batch_s,
-                                num_slices)
-            out = self._overlapped(call)
-            self._pending = True
-            return out
         return self._step(*data, batch=batch, batch_s=batch_s, num_slices=num_slices)
 
     def flush(self):
@@ -131,20 +126,8 @@ class TrainFunction:
         Call it at the end of training and before ``checkpoint.save``: an
         overlapped step applies each gradient one step later.
         """
-        if self.overlap and self._pending:
-            self._overlapped(None)
-            self._pending = False
-
-    def _runtime(self):
-        rt = self.f_grad._rt
-        if rt is None or rt.closed or not rt.registry.distributed:
-            raise SynkStateError("call distribute() before the training step (and after fork())")
-        return rt
-
-    def _overlapped(self, call):
-        return _overlap_mod.step(self._runtime(), self.f_grad, self.f_update, self.grad_shared,
-                            self.grad_prev, self.all_reduce_op, self.all_reduce_dtype,
-                            self._pending, call)
+        if self.overlap:
+            self._step.flush()
 
 
 def make_train_function(loss, params, x, y, update_rule="sgd", update_kwargs=None,

@@ -1,93 +1,30 @@
-"""synk.function and Function: build a data-parallel function, and the object the user calls.
+"""Function: the object the user calls, and the master's side of the CALL command.
 
-How a call runs (its checks, the CALL command and its message) is in ``calls``.
+A call checks its arguments (``plan_call``, with the checks of
+``call_inputs``), posts one ``CallMsg`` that every rank runs
+(``rank_call``), and combines the ranks' results (``outputs``).  A loop
+calling with the same Data sends the same message: the Function keeps it,
+checked and pickled, and skips both the next time.
 """
 
 import logging
 
 import numpy as np
-import pytensor
 
-from ..inputs import conditioning, data_object as data_module
-from . import rank_call as execution
-from ..runtime import devices as gpu
-from ..comm import reduce_ops as reducers
-from .call import FusedCall, run_call
-from ..comm import compressed
-from ..errors import SynkStateError
-from .arguments import parse_outputs, parse_updates, var_list
-from ..runtime.state import require_forked, serialized
+from ..comm import compressed, reduce_ops
+from ..errors import MachineLostError, SynkStateError
+from ..inputs import conditioning, rank_rows
+from ..inputs.create import data as new_data
+from ..inputs.data_object import Data
+from ..inputs.produced import place_call_inputs
+from ..runtime.control import Command, run_command
+from ..runtime.state import serialized
+from ..variables.access import resolve
+from . import call_inputs
+from .outputs import collect
+from .rank_call import CallMsg, ThenMsg, execute
 
 logger = logging.getLogger(__name__)
-
-
-@serialized
-def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
-             sliceable_shareds=None, **kwargs):
-    """Build a data-parallel function; use it like ``pytensor.function``.  Master only.
-
-    Call after ``fork()`` and before ``distribute()``.
-
-    Args:
-        inputs: variables whose data is scattered along axis 0 over the ranks.
-        outputs: a variable, ``(variable, op)``, or a list of either.  ``op``
-            is how per-rank results combine: "avg" (default; weighted by rows,
-            so exact for uneven splits), "sum", "prod", "max", "min", None (the
-            list of per-rank results, in rank order) or "gather" (per-rank
-            results concatenated along axis 0, in rank order).
-        bcast_inputs: variables whose data every rank uses whole.
-        updates: ``(shared, update)`` pairs, or ``(shared, update, op)``
-            triples; ``op`` ("avg" default, or sum/prod/max/min) combines the
-            update over slices (``num_slices``) within a rank.  Updates apply in
-            each rank locally.
-        givens: as in ``pytensor.function``.
-        sliceable_shareds: shared variables holding data-parallel data, to be
-            selected by ``batch_s`` and split by ``num_slices``.
-        **kwargs: passed on to every internal ``pytensor.function`` call.
-
-    Returns:
-        Function
-
-    Raises:
-        SynkStateError: not forked yet, or already distributed (a ``RuntimeError``);
-            or a JAX-mode function when JAX ran in this process before fork().
-        TypeError: an argument of the wrong form.
-        ValueError: an unknown reduce op, or a sliceable shared variable the
-            function does not use.
-    """
-    rt = require_forked("function()")
-    if rt.registry.distributed:
-        raise SynkStateError("function() must be called before distribute()")
-    inputs = var_list(inputs, "inputs")
-    bcast_inputs = var_list(bcast_inputs, "bcast_inputs")
-    seen = set()
-    for v in inputs + bcast_inputs:
-        if id(v) in seen:
-            raise ValueError(f"function: variable {v} appears twice among inputs and bcast_inputs")
-        seen.add(id(v))
-    out_vars, out_ops, return_list = parse_outputs(outputs)
-    upd_pairs, upd_ops = parse_updates(updates)
-    sliceable = var_list(sliceable_shareds, "sliceable_shareds", shared=True)
-    if rt.config.device == "gpu":
-        # GPU mode: shared variables live on the device as JAX arrays.
-        kwargs.setdefault("mode", "JAX")
-    fn = pytensor.function(inputs + bcast_inputs, out_vars, updates=upd_pairs or None,
-                           givens=givens, **kwargs)
-    used = {id(s) for s in fn.get_shared()}
-    for s in sliceable:
-        if id(s) not in used:
-            raise ValueError(f"function: sliceable_shareds entry {s} is not used by this function")
-    if gpu.uses_jax(fn) and rt.jax_before_fork:
-        raise SynkStateError(
-            "function: JAX already ran in this process before fork(), so the workers "
-            "cannot run JAX-mode functions (their first JAX call would hang). Call "
-            "synk.fork() before any JAX computation, or use another mode.")
-    spec = execution.FunctionSpec(fn, inputs, bcast_inputs, out_vars, out_ops, return_list,
-                                  upd_pairs, upd_ops, givens, sliceable, kwargs)
-    f = Function(len(rt.registry.functions), spec)
-    f.attach(rt)
-    rt.registry.functions.append(f)
-    return f
 
 
 class Function:
@@ -95,14 +32,16 @@ class Function:
 
     Call it like a PyTensor function, with Data objects (or NumPy arrays) as
     inputs, once ``distribute()`` has run.
+
+    Attributes:
+        spec: what every rank runs (the compiled PyTensor function and its parts).
     """
 
-    def __init__(self, ID, spec):
-        self._ID = ID
+    def __init__(self, spec):
         self.spec = spec
-        self._scratch = {}  # per input: the Data a NumPy value is copied into
-        self._wire = None   # the last call's (message, pickled bytes, ids of its Data)
         self._rt = None
+        self._scratch = {}  # per input: the Data a NumPy value is copied into
+        self._last = None   # the last call without options: (message, its bytes)
         self._all_inputs = spec.inputs + spec.bcast_inputs
         self._what = f"call of {spec.fn.name or 'function'}"  # in profiles and stall errors
         self._dtypes = [np.dtype(v.dtype) for v in self._all_inputs]
@@ -114,6 +53,18 @@ class Function:
         # Inputs are checked in the master (dtype, ndim) before any rank runs,
         # so PyTensor's per-call input validation is skipped.
         self.spec.fn.trust_input = True
+
+    def forget_run(self):
+        """Drop what this Function keeps of its run (its messages and input copies); close() calls it."""
+        self._scratch = {}
+        self._last = None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_scratch"] = {}
+        state["_last"] = None
+        state["_rt"] = None
+        return state
 
     @property
     def name(self):
@@ -130,22 +81,31 @@ class Function:
         """The op that combines each update over slices."""
         return list(self.spec.update_ops)
 
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        state["_scratch"] = {}
-        state["_wire"] = None
-        state["_rt"] = None
-        return state
+    def runtime(self):
+        """Return the run this function belongs to, where it can be called now.  Master only.
 
-    def _detach(self):
-        self._scratch = {}
-        self._wire = None
+        Raises:
+            SynkStateError: the run is closed, not distributed yet, or busy in
+                a call (from inside one of its graph Ops).
+        """
+        rt = self._rt
+        if rt is None or rt.closed:
+            raise SynkStateError("this function belongs to a closed synkhronos run; "
+                                 "build it again after fork()")
+        if not rt.registry.distributed:
+            raise SynkStateError("call distribute() before calling synkhronos functions")
+        if rt.in_call or not rt.is_master:
+            # Inside a graph Op of a running call: the ranks are busy in that call.
+            raise SynkStateError(f"{self._what}: no call inside a call; synkhronos functions "
+                                 "run from the master's program only (called in rank "
+                                 f"{rt.place.rank}{' while it ran a call' if rt.in_call else ''})")
+        return rt
 
     @serialized
     def as_theano(self, *args, **kwargs):
         """Call the underlying PyTensor function in the master only (updates apply there)."""
-        args = [a.data if isinstance(a, data_module.Data) else a for a in args]
-        kwargs = {k: v.data if isinstance(v, data_module.Data) else v for k, v in kwargs.items()}
+        args = [a.data if isinstance(a, Data) else a for a in args]
+        kwargs = {k: v.data if isinstance(v, Data) else v for k, v in kwargs.items()}
         fn = self.spec.fn
         fn.trust_input = False  # user values: let PyTensor check and convert them
         try:
@@ -164,8 +124,8 @@ class Function:
         conditioning.check_bool(force_cast, "build_inputs: force_cast")
         conditioning.check_bool(minibatch, "build_inputs: minibatch")
         values = self._bind(args, kwargs, "build_inputs")
-        out = [data_module.data(value=v, var=var, force_cast=force_cast, oversize=oversize,
-                                minibatch=minibatch)
+        out = [new_data(value=v, var=var, force_cast=force_cast, oversize=oversize,
+                        minibatch=minibatch)
                for var, v in zip(self._all_inputs, values)]
         return out[0] if len(out) == 1 else out
 
@@ -240,7 +200,7 @@ class Function:
                 beyond the master's sliceable shareds (nothing runs).
             WorkerError: a rank raised; the runtime stays usable.
         """
-        return run_call(self, args, kwargs, output_subset, batch, batch_s, num_slices, None)
+        return self._run(args, kwargs, output_subset, batch, batch_s, num_slices, None)
 
     def then_all_reduce(self, shared_vars, op, then, dtype=None):
         """Return a callable that runs this function, an all-reduce and ``then`` as one command.
@@ -267,7 +227,154 @@ class Function:
         if not isinstance(then, Function) or then._all_inputs:
             raise TypeError("then_all_reduce: then must be a synkhronos Function without "
                             f"inputs; got {then!r}")
-        reducers.check_op(op, "then_all_reduce: op")
+        reduce_ops.check_op(op, "then_all_reduce: op")
         if dtype is not None:
             compressed.check(dtype, op, [], "then_all_reduce")
         return FusedCall(self, shared_vars, op, then, dtype)
+
+    def plan_call(self, args, kwargs=None, output_subset=None, batch=None, batch_s=None,
+                  num_slices=1):
+        """Check a call's arguments in the master; return its ``CallMsg`` and the master's arrays.
+
+        What ``__call__`` posts, without running it: NumPy inputs are copied
+        into shared memory (in a cluster, sent to the machines that use them).
+
+        Raises:
+            TypeError, ValueError, IndexError: bad inputs or call options.
+            MachineLostError: a machine was lost while inputs were sent (the call never began).
+        """
+        try:
+            return self._plan_call(args, kwargs, output_subset, batch, batch_s, num_slices)
+        except MachineLostError as exc:
+            if exc.survived:  # lost while the inputs were sent: the call never began
+                exc.settled(False, "the call did not start: call it again")
+            raise
+
+    def _plan_call(self, args, kwargs, output_subset, batch, batch_s, num_slices):
+        rt = self.runtime()
+        name = self.name or "function"
+        spec = self.spec
+        if kwargs or len(args) != len(self._all_inputs):
+            args = self._bind(args, kwargs or {}, name)
+        datas = []
+        n_scattered = len(spec.inputs)
+        spans = rt.cluster is not None
+        for i, v in enumerate(args):
+            # The common case inline: a live Data of the right type with memory.
+            if type(v) is Data and v.ready_for(rt, self._dtypes[i], self._ndims[i]):
+                datas.append(v)
+            elif spans and i < n_scattered and not isinstance(v, Data):
+                # Each machine will be sent only the rows its ranks use.
+                datas.append(call_inputs.Rows(call_inputs.as_array(name, self._all_inputs[i],
+                                                                   v)))
+            else:
+                datas.append(call_inputs.as_data(name, self._all_inputs[i], v, rt, self._scratch,
+                                                 i, placed_ok=i < n_scattered))
+        scattered = datas[:n_scattered]
+        sel = None if batch is None else rank_rows.normalize_batch(batch)
+        n_rows = call_inputs.check_lengths(name, spec.inputs, scattered, sel)
+        if sel is not None:
+            sel = rank_rows.resolve(sel, call_inputs.common_length(scattered))
+        plan = None
+        if spans and any(type(d) is not Data for d in scattered):
+            plan = place_call_inputs(rt, name, scattered, spec.inputs, sel, n_rows,
+                                     self._scratch)
+            datas[:n_scattered] = scattered
+        if type(num_slices) is not int or num_slices != 1:
+            call_inputs.check_num_slices(name, num_slices, spec)
+        sel_s = None
+        if batch_s is not None:
+            sel_s = call_inputs.check_batch_s(name, spec, batch_s, rt.place.rank,
+                                              rt.place.n_parallel)
+        subset = None
+        if output_subset is not None:
+            subset = call_inputs.check_subset(name, len(spec.outputs), output_subset)
+        # tuple.__new__: a named tuple's own constructor runs Python code at every call.
+        msg = tuple.__new__(CallMsg, (spec.id, [d.describe() for d in datas], n_scattered, sel,
+                                      n_rows, sel_s, int(num_slices), subset, None, plan))
+        return msg, [d.memory() for d in datas]
+
+    def _run(self, args, kwargs, output_subset, batch, batch_s, num_slices, then):
+        """Run this function on every rank as one CALL command; return its reduced outputs.
+
+        ``then``, if given, builds the ``ThenMsg`` of a fused step.
+        """
+        rt = self.runtime()
+        prof = rt.profiler
+        if prof is not None:
+            # Checking the arguments is the master's control overhead too.
+            prof.begin(self._what)
+        try:
+            # A loop calling with the same Data sends the same message: it is
+            # checked and pickled once.  Index arrays do not compare as a
+            # whole, so calls with ``batch`` lists are not kept.
+            last = self._last
+            wire = None
+            if (last is not None and then is None and not kwargs and batch is None
+                    and batch_s is None and output_subset is None
+                    and type(num_slices) is int and num_slices == 1
+                    and _same_data(args, last[0].descs)):
+                msg, wire = last
+                arrays = [a.memory() for a in args]
+            else:
+                msg, arrays = self.plan_call(args, kwargs, output_subset, batch, batch_s,
+                                             num_slices)
+                if then is not None:
+                    msg = msg._replace(then=then(rt))
+                if last is not None and msg.sel is None and msg.sel_s is None and last[0] == msg:
+                    wire = last[1]
+            spec = self.spec
+            result = run_command(rt, Command.CALL, msg,
+                                 lambda seq: execute(spec, rt, msg, arrays),
+                                 lambda mine: collect(spec, rt, mine, msg.subset,
+                                                      self._what[len("call of "):]),
+                                 what=self._what, wire=wire)
+            if (wire is None and msg.sel is None and msg.sel_s is None and msg.then is None
+                    and msg.subset is None and msg.num_slices == 1 and not kwargs
+                    and len(args) == len(self._all_inputs)
+                    and all(type(a) is Data for a in args)
+                    and rt.control.last_plain is not None):
+                # Kept only for the call the fast check above stands for: no options.
+                self._last = (msg, rt.control.last_plain)
+            return result
+        finally:
+            if prof is not None:
+                prof.end("control")
+
+
+def _same_data(args, descs):
+    """Whether ``args`` are the very Data of the call that sent ``descs``, unchanged in shape."""
+    if len(args) != len(descs):
+        return False
+    for a, desc in zip(args, descs):
+        # describe() gives the same object while the Data's shape stays (None without memory).
+        if type(a) is not Data or a.describe() is not desc:
+            return False
+    return True
+
+
+class FusedCall:
+    """A function call fused with an all-reduce and a follow-up call (``then_all_reduce``)."""
+
+    def __init__(self, f, shared_vars, op, then, dtype):
+        self.f = f
+        self.shared_vars = shared_vars
+        self.op = op
+        self.then = then
+        self.dtype = dtype
+
+    def _then(self, rt):
+        if self.then._rt is not rt:
+            raise ValueError("then_all_reduce: then belongs to another synkhronos run")
+        idx, _ = resolve(rt, self.shared_vars, "then_all_reduce")
+        if self.dtype is not None:
+            shareds = rt.registry.shareds
+            compressed.check(self.dtype, self.op, [(shareds[i], shareds[i].dtype) for i in idx],
+                             "then_all_reduce")
+        return ThenMsg(idx, self.op, self.then.spec.id, self.dtype)
+
+    @serialized
+    def __call__(self, *args, output_subset=None, batch=None, batch_s=None, num_slices=1,
+                 **kwargs):
+        """Run the fused step; arguments and result as for ``Function.__call__``."""
+        return self.f._run(args, kwargs, output_subset, batch, batch_s, num_slices, self._then)

@@ -13,18 +13,20 @@ gradient function holds the GIL; NumPy reductions and copies release it).
 import threading
 from typing import NamedTuple
 
-from . import rank_call as execution
-from ..variables import access as sv
 from ..comm import compressed
 from ..runtime.control import Command, handler, run_command
+from ..runtime.state import serialized
+from ..variables import access
+from .outputs import collect
+from .rank_call import run_share
 
-__all__ = ["step"]
+__all__ = ["OverlappedStep"]
 
 
 class OverlapMsg(NamedTuple):
     """OVERLAP_STEP: run gradient call ``call`` (or none) while all-reducing the previous one."""
 
-    call: object          # a calls.CallMsg, or None to only flush
+    call: object          # a rank_call.CallMsg, or None to only flush
     grad_id: int          # the gradient function (writes ``cur``)
     update_id: int        # the update function (reads and zeroes ``prev``)
     cur_idx: int
@@ -34,19 +36,61 @@ class OverlapMsg(NamedTuple):
     pending: bool         # ``prev`` holds a gradient to reduce and apply
 
 
-def step(rt, f_grad, f_update, cur, prev, op, dtype, pending, call):
-    """Run one overlapped step (or, with ``call`` None, apply the pending gradient).  Master only.
+class OverlappedStep:
+    """A training step whose all-reduce overlaps the next step's gradient.  Master only.
 
-    Returns the gradient function's outputs, reduced as for a call, or None.
+    ``f_grad`` writes each step's gradient into ``cur``; ``f_update`` applies
+    the gradient in ``prev`` (and zeroes it); the two buffers swap after
+    every step.  ``make_train_function(overlap=True)`` builds one.
+
+    Args:
+        f_grad: the gradient Function (the step's inputs are its inputs).
+        f_update: the update Function, without inputs.
+        cur: the shared variable ``f_grad`` writes.
+        prev: the shared variable ``f_update`` reads.
+        op: "sum" or "avg".
+        dtype: None, or a 16-bit transport type for the all-reduce.
     """
-    msg = OverlapMsg(call, f_grad._ID, f_update._ID, rt.registry.shared_ids[id(cur)],
-                     rt.registry.shared_ids[id(prev)], op, dtype, pending)
-    spec = f_grad.spec
-    after = None
-    if call is not None:
-        def after(mine):
-            return execution.collect(spec, rt, mine, call.subset, f_grad.name or "train step")
-    return run_command(rt, Command.OVERLAP_STEP, msg, lambda seq: _local(rt, msg), after)
+
+    def __init__(self, f_grad, f_update, cur, prev, op, dtype=None):
+        self.f_grad = f_grad
+        self.f_update = f_update
+        self.cur = cur
+        self.prev = prev
+        self.op = op
+        self.dtype = dtype
+        self.pending = False  # ``prev`` holds a gradient not applied yet
+
+    @serialized
+    def __call__(self, *args, batch=None, batch_s=None, num_slices=1):
+        """Run one step: this step's gradient while the previous one is all-reduced and applied.
+
+        Returns the gradient function's outputs, reduced as for a call.
+        """
+        call, arrays = self.f_grad.plan_call(args, None, None, batch, batch_s, num_slices)
+        out = self._run(call, arrays)
+        self.pending = True
+        return out
+
+    @serialized
+    def flush(self):
+        """Apply the gradient still waiting, if any."""
+        if self.pending:
+            self._run(None, None)
+            self.pending = False
+
+    def _run(self, call, arrays):
+        rt = self.f_grad.runtime()
+        ids = rt.registry.shared_ids
+        msg = OverlapMsg(call, self.f_grad.spec.id, self.f_update.spec.id, ids[id(self.cur)],
+                         ids[id(self.prev)], self.op, self.dtype, self.pending)
+        spec = self.f_grad.spec
+        after = None
+        if call is not None:
+            def after(mine):
+                return collect(spec, rt, mine, call.subset, self.f_grad.name or "train step")
+        return run_command(rt, Command.OVERLAP_STEP, msg, lambda seq: _local(rt, msg, arrays),
+                           after)
 
 
 def _reduce(rt, arr, msg):
@@ -56,12 +100,12 @@ def _reduce(rt, arr, msg):
     return compressed.all_reduce(be, [arr], msg.op, msg.dtype, out=[arr])[0]
 
 
-def _local(rt, msg):
+def _local(rt, msg, arrays=None):
     prev, cur = rt.registry.shareds[msg.prev_idx], rt.registry.shareds[msg.cur_idx]
     box = {}
     thread = None
     if msg.pending:
-        arr = sv.get_array(prev)
+        arr = access.get_array(prev)
 
         def communicate():
             try:
@@ -73,7 +117,8 @@ def _local(rt, msg):
     results, weight = None, 1.0
     try:
         if msg.call is not None:
-            results, weight = execution.run_share(rt.registry.functions[msg.grad_id].spec, rt, msg.call)
+            results, weight = run_share(rt.registry.functions[msg.grad_id].spec, rt, msg.call,
+                                        arrays)
     finally:
         if thread is not None:
             thread.join()
@@ -82,7 +127,7 @@ def _local(rt, msg):
     if msg.pending:
         # Others may still read this rank's buffers: meet before anyone packs results.
         rt.backend.barrier()
-        sv.adopt(rt, prev, box["out"])
+        access.adopt(rt, prev, box["out"])
         rt.registry.functions[msg.update_id].spec.fn()   # applies the rule, zeroes ``prev``
     if msg.call is not None:
         # Double buffering: this step's gradient waits in ``prev`` for the next step.

@@ -1,97 +1,116 @@
-"""Running a call on one rank: input views, batch_s, slices, and combining results by op.
+"""The CALL command on every rank: its message, its handler, and running a rank's share.
 
-Every rank runs ``execute`` on the same call message; the master then runs
-``collect`` once the end barrier has passed.  Both read the function from its
-``FunctionSpec``, the part of a Function that travels to every rank.
+Every rank runs ``execute`` on the same ``CallMsg`` (the master through
+``Function``, the workers through the handler); the master then combines the
+results (``outputs.collect``) once the end barrier has passed.  The function
+comes from its ``FunctionSpec``, the part of a Function that travels to every rank.
 """
 
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
-from .. import compat
-from ..inputs import mappings as datamaps, machine_rows as placement, rank_rows as split
-from ..runtime import devices as gpu
-from ..comm import reduce_ops as reducers
-from ..variables import access as sharedvars
+from ..comm import reduce_ops
+from ..compat import call_subset
+from ..inputs import machine_rows, mappings, rank_rows
+from ..runtime import devices
+from ..runtime.commands import Command, handler
+from ..variables import access
 from ..variables.reductions import AllReduceMsg, all_reduce_local
+from .outputs import fold, unfold
 
 
-@dataclass
-class FunctionSpec:
-    """What every rank needs to run a synkhronos function: the compiled function and its parts."""
+class CallMsg(NamedTuple):
+    """CALL: run function ``function_id`` on every rank's share of the inputs.
 
-    fn: object                  # the compiled pytensor function
-    inputs: list                # scattered inputs
-    bcast_inputs: list
-    outputs: list
-    output_ops: list
-    return_list: bool
-    updates: list               # (shared, update) pairs
-    update_ops: list
-    givens: object
-    sliceable: list
-    kwargs: dict
-    variants: dict = field(default_factory=dict)  # per process: compiled slicing variants
-    simple: bool = field(init=False)              # one output with a collective op
-    collective: bool = field(init=False)          # the graph holds in-graph collectives
-    jax: bool = field(init=False)                 # runs on PyTensor's JAX backend
+    ``descs`` name the input Data (scattered ones first, ``n_scattered`` of
+    them); ``sel`` selects ``n_rows`` rows of them before the split; ``sel_s``
+    is each rank's ``batch_s`` selection; ``subset`` the outputs to return.
+    """
 
-    def __post_init__(self):
-        self.simple = len(self.outputs) == 1 and self.output_ops[0] in reducers.COLLECTIVE_OPS
-        self.collective = _holds_collective(self.fn.maker.fgraph, set())
-        self.jax = gpu.uses_jax(self.fn)
+    function_id: int
+    descs: list
+    n_scattered: int
+    sel: object
+    n_rows: int
+    sel_s: object
+    num_slices: int
+    subset: object
+    then: object = None         # a ThenMsg: a fused step's all-reduce and follow-up call
+    plan: object = None         # cluster: {first rank of a machine: its machine_rows.MachinePlan}
 
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        state["variants"] = {}  # compiled again where needed
-        return state
+    def to_wire(self):
+        """This message as plain tuples, the cheapest to pickle (every call sends one)."""
+        then = self[8]
+        return (self[0], [tuple(d) for d in self[1]]) + self[2:8] + (
+            None if then is None else tuple(then), self[9])
 
-
-def _holds_collective(fgraph, seen):
-    """Whether a graph holds an in-graph collective, also inside inner graphs (Scan, OpFromGraph)."""
-    for node in fgraph.apply_nodes:
-        op = node.op
-        if getattr(op, "synk_collective", False):
-            return True
-        inner = getattr(op, "fgraph", None)
-        if hasattr(inner, "apply_nodes") and id(inner) not in seen:
-            seen.add(id(inner))
-            if _holds_collective(inner, seen):
-                return True
-    return False
+    @classmethod
+    def from_wire(cls, raw):
+        """Rebuild a message sent by ``to_wire``."""
+        # tuple.__new__ directly: the named tuples' own constructors run Python code.
+        new = tuple.__new__
+        then = raw[8]
+        descs = [new(mappings.DataDesc, d) for d in raw[1]]
+        return new(cls, (raw[0], descs) + raw[2:8] + (None if then is None else new(ThenMsg, then),
+                                                     raw[9]))
 
 
-def execute(spec, rt, msg):
-    """Run this rank's share of a call (a ``CallMsg``) and take part in the reduction."""
-    results, weight = run_share(spec, rt, msg)
+class ThenMsg(NamedTuple):
+    """What every rank does after its share of a fused call: all-reduce, then a call."""
+
+    idx: list                   # shared variables to all-reduce, by index in rt.registry.shareds
+    op: str
+    function_id: int            # the function to call next, without inputs
+    dtype: object = None        # a 16-bit transport type ("bfloat16", "float16"), or None
+
+
+def _label(rt, msg):
+    return f"call of {rt.registry.functions[msg.function_id].name or 'function'}"
+
+
+@handler(Command.CALL, CallMsg, collected=True, label=_label)
+def _call_worker(rt, msg):
+    execute(rt.registry.functions[msg.function_id].spec, rt, msg)
+
+
+def execute(spec, rt, msg, arrays=None):
+    """Run this rank's share of a call (a ``CallMsg``) and take part in the reduction.
+
+    ``arrays``: the master's own arrays of the inputs (workers map them from
+    the message).  Returns, in the master, ``(results, weight)`` or None.
+    """
+    results, weight = run_share(spec, rt, msg, arrays)
     if rt.is_master:
         return None if results is None else (results, weight)
     rt.backend.contribute(results, weight)
 
 
-def run_share(spec, rt, msg):
-    """Run this rank's share of a call; return ``(results or None, weight)``."""
+def run_share(spec, rt, msg, arrays=None):
+    """Run this rank's share of a call; return ``(results or None, weight)``.
+
+    ``arrays``: the inputs' arrays in this process, or None to map them from
+    the message's descriptors (a worker's way).
+    """
     rank = rt.place.rank
     prof = rt.profiler
     descs = msg.descs
-    if rt.is_master:
-        datas = rt.registry.datas
-        arrays = [datas[d.data_id]._data for d in descs]
+    if arrays is None:
+        arrays = [mappings.view(rt, d) for d in descs]
     else:
-        arrays = [datamaps.view(rt, d) for d in descs]
+        arrays = list(arrays)
     rows = None
     sel = msg.sel
     if msg.plan is not None and msg.n_scattered:
         # Cluster: this machine's rows, some held here only (placement.py).
-        rows = placement.take_share(rt, arrays, descs, msg.n_scattered, sel,
+        rows = machine_rows.take_share(rt, arrays, descs, msg.n_scattered, sel,
                                     msg.plan[rt.place.rank_offset])
     elif msg.n_scattered:
-        lo, hi = split.rank_range(msg.n_rows, rt.place.n_parallel, rank)
+        lo, hi = rank_rows.rank_range(msg.n_rows, rt.place.n_parallel, rank)
         for i in range(msg.n_scattered):
-            arrays[i] = split.take(arrays[i], sel, lo, hi, descs[i].minibatch and sel is not None)
+            arrays[i] = rank_rows.take(arrays[i], sel, lo, hi, descs[i].minibatch and sel is not None)
         rows = hi - lo
     if prof is not None:
         prof.lap("gather")
@@ -103,10 +122,10 @@ def run_share(spec, rt, msg):
         for s in sliceable:
             value = s.get_value(borrow=True)
             my = None if msg.sel_s is None else msg.sel_s[rank]
-            my = split.resolve(my, len(value))
-            length = split.selection_length(my, len(value))
-            if my is not None and split.rows_needed(my, len(value)) > len(value):
-                raise IndexError(f"batch_s selects row {split.rows_needed(my, len(value)) - 1}"
+            my = rank_rows.resolve(my, len(value))
+            length = rank_rows.selection_length(my, len(value))
+            if my is not None and rank_rows.rows_needed(my, len(value)) > len(value):
+                raise IndexError(f"batch_s selects row {rank_rows.rows_needed(my, len(value)) - 1}"
                                  f" but shared variable {s} has {len(value)} rows in rank {rank}")
             shared_sel.append((value, my, length))
         if rows is None:
@@ -131,7 +150,7 @@ def run_share(spec, rt, msg):
         try:
             if shared_sel is None and (num_slices == 1 or not msg.n_scattered):
                 results = spec.fn(*arrays) if subset is None else \
-                    compat.call_subset(spec.fn, arrays, subset)
+                    call_subset(spec.fn, arrays, subset)
             else:
                 out_idx = list(range(len(spec.outputs))) if subset is None else subset
                 # More slices than rows would only add empty calls: cost stays that of
@@ -162,7 +181,7 @@ def _run_collective(spec, rt, arrays, msg, shared_sel, subset):
     rt.in_call = True
     try:
         if shared_sel is None:
-            results = compat.call_subset(spec.fn, arrays, subset)
+            results = call_subset(spec.fn, arrays, subset)
         else:
             out_idx = list(range(len(spec.outputs))) if subset is None else subset
             results = run_slices(spec, rt, arrays, msg.n_scattered, shared_sel, 1, out_idx)
@@ -211,7 +230,7 @@ def _wait_device(spec, results=()):
     rank finishes before its command ends and the master may reuse them.
     """
     if spec.jax:
-        gpu.wait(list(results) + [sharedvars.raw(var) for var, _ in spec.updates])
+        devices.wait(list(results) + [access.raw(var) for var, _ in spec.updates])
 
 
 def variant(spec, slice_shareds, defer):
@@ -244,8 +263,8 @@ def run_slices(spec, rt, arrays, n_scattered, shared_sel, num_slices, out_idx):
     fn = variant(spec, shared_sel is not None, defer)
     n_out = len(spec.outputs)
     scat_len = len(arrays[0]) if n_scattered else None
-    scat_parts = split.split_ranges(scat_len, num_slices) if n_scattered else None
-    sh_parts = [split.split_ranges(length, num_slices) for _, _, length in shared_sel] \
+    scat_parts = rank_rows.split_ranges(scat_len, num_slices) if n_scattered else None
+    sh_parts = [rank_rows.split_ranges(length, num_slices) for _, _, length in shared_sel] \
         if shared_sel else None
     acc_out = [None] * n_out
     acc_upd = [None] * len(spec.updates)
@@ -260,7 +279,7 @@ def run_slices(spec, rt, arrays, n_scattered, shared_sel, num_slices, out_idx):
         if shared_sel:
             for j, (value, my, _) in enumerate(shared_sel):
                 lo, hi = sh_parts[j][k]
-                call.append(split.take(value, my, lo, hi))
+                call.append(rank_rows.take(value, my, lo, hi))
             if not n_scattered:
                 w = float(sh_parts[0][k][1] - sh_parts[0][k][0])
         if w == 0 and num_slices > 1:
@@ -269,83 +288,11 @@ def run_slices(spec, rt, arrays, n_scattered, shared_sel, num_slices, out_idx):
         if not defer:
             return [res[i] for i in out_idx]
         for i in out_idx:
-            acc_out[i] = _fold(spec.output_ops[i], acc_out[i], res[i], w_acc, w)
+            acc_out[i] = fold(spec.output_ops[i], acc_out[i], res[i], w_acc, w)
         for j, op in enumerate(spec.update_ops):
-            acc_upd[j] = reducers.accumulate(op, acc_upd[j], res[n_out + j], w_acc, w)
+            acc_upd[j] = reduce_ops.accumulate(op, acc_upd[j], res[n_out + j], w_acc, w)
         w_acc += w
     for (var, _), value in zip(spec.updates, acc_upd):
         if value is not None:
-            sharedvars.adopt(rt, var, value)  # a JAX function's variable stays on the device
-    return [_finish_fold(spec.output_ops[i], acc_out[i]) for i in out_idx]
-
-
-def collect(spec, rt, mine, subset, name):
-    """In the master, after the end barrier: combine every rank's results by op."""
-    if not spec.outputs:
-        return []
-    scalar_parts = rt.backend.scalar_parts
-    if scalar_parts is not None and spec.simple and subset is None and mine is not None:
-        # One float scalar from every rank (a loss): straight from the control slots.
-        a = mine[0][0]
-        if a.ndim == 0:
-            got = scalar_parts(a.dtype)
-            if got is not None:
-                got[rt.place.rank] = (float(a), mine[1])
-                out = reducers.combine_floats(spec.output_ops[0], [g[0] for g in got],
-                                              [g[1] for g in got], a.dtype)
-                return [out] if spec.return_list else out
-    parts = rt.backend.collect()
-    parts[rt.place.rank] = mine
-    if spec.simple and subset is None and None not in parts:
-        # Fast path: one reducible output, every rank contributed.
-        values = [p[0][0] for p in parts]
-        if len({v.shape for v in values}) == 1:
-            out = reducers.combine(spec.output_ops[0], values, [p[1] for p in parts])
-            return [out] if spec.return_list else out
-    out_idx = range(len(spec.outputs)) if subset is None else subset
-    final = []
-    for j, i in enumerate(out_idx):
-        op = spec.output_ops[i]
-        if op is None:
-            final.append([None if p is None else np.array(p[0][j]) for p in parts])
-            continue
-        have = [p for p in parts if p is not None]
-        if op == "gather":
-            final.append(_concat([p[0][j] for p in have]))
-            continue
-        if not have:
-            final.append(None)
-            continue
-        values = [p[0][j] for p in have]
-        shapes = {v.shape for v in values}
-        if len(shapes) > 1:
-            raise ValueError(
-                f"{name}: output {i} has different shapes across ranks "
-                f"({', '.join(str(v.shape) for v in values)}); op {op!r} needs equal shapes "
-                "(use 'gather' or None)")
-        final.append(reducers.combine(op, values, [p[1] for p in have]))
-    return final if spec.return_list else final[0]
-
-
-def _fold(op, acc, value, w_acc, w):
-    if op == "gather":
-        if np.ndim(value) == 0:
-            # A rank's 0-d result has no rows to concatenate: its slices add up,
-            # so the master still gets one value per rank.
-            return reducers.accumulate("sum", acc, value)
-        return (acc or []) + [np.asarray(value)]
-    return reducers.accumulate(op, acc, value, w_acc, w)
-
-
-def _finish_fold(op, acc):
-    if op == "gather" and isinstance(acc, list):
-        return _concat(acc)
-    return acc
-
-
-def _concat(parts):
-    if not parts:
-        return None
-    if np.ndim(parts[0]) == 0:
-        return np.stack(parts)
-    return np.concatenate(parts, axis=0)
+            access.adopt(rt, var, value)  # a JAX function's variable stays on the device
+    return [unfold(spec.output_ops[i], acc_out[i]) for i in out_idx]

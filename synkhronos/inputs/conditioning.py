@@ -145,3 +145,20 @@ def _convert(value, dtype, where, what, force_cast):
         raise TypeError(f"{where}: {what} needs dtype {dtype}; its values change when cast "
                         "(pass force_cast=True to cast)")
     return arr
+
+
+def rows_written(arr, k):
+    """The item range ``arr[k] = v`` can have written: its rows for an int or slice, else all."""
+    if arr.ndim == 0:
+        return 0, arr.size
+    row = arr.size // len(arr) if len(arr) else 0
+    if isinstance(k, tuple) and k:
+        k = k[0] if len(k) == 1 or isinstance(k[0], (numbers.Integral, slice)) else None
+    if isinstance(k, numbers.Integral) and not isinstance(k, bool):
+        i = int(k) + (len(arr) if k < 0 else 0)
+        return i * row, (i + 1) * row
+    if isinstance(k, slice):
+        lo, hi, step = k.indices(len(arr))
+        if step > 0:
+            return lo * row, max(lo, hi) * row
+    return 0, arr.size

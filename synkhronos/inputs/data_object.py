@@ -19,15 +19,8 @@ from ..runtime.shmem import SharedArray
 logger = logging.getLogger(__name__)
 
 
-@serialized
-def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=False,
-         force_cast=False, oversize=1, name=None):
-    """Return a new ordinary (replicated) Data object.  Master only.
-
-    ``synk.data`` (placed.data) with no ``produce``: its docstring gives the
-    arguments and what each raises.
-    """
-    rt = require_forked("data()")
+def replicated(rt, value, var, dtype, ndim, shape, minibatch, force_cast, oversize, name):
+    """Return a new ordinary Data object of run ``rt``: ``synk.data()`` without ``produce``."""
     force_cast = conditioning.check_bool(force_cast, "data: force_cast")
     minibatch = conditioning.check_bool(minibatch, "data: minibatch")
     conditioning.check_name(name, "data")
@@ -88,7 +81,7 @@ class Data:
     memory in the master at once and in the workers with the next command.
     """
 
-    _placed = False  # rows held machine by machine (placed.PlacedData)
+    placed = False  # whether machines hold different rows of it (Data produced where it is used)
 
     def __init__(self, ID, dtype, ndim, minibatch=False, name=None):
         rt = require_forked("Data")
@@ -174,7 +167,7 @@ class Data:
         arr = self._require_data()
         arr[k] = v
         if self._rt.cluster is not None:
-            self._mirror(*_rows_written(arr, k))
+            self._mirror(*conditioning.rows_written(arr, k))
 
     def __repr__(self):
         return (f"Data(name={self._name!r}, dtype={self._dtype}, shape={self.shape}, "
@@ -186,13 +179,40 @@ class Data:
         return self._data
 
     def describe(self):
-        """Return what a rank needs to find this Data's memory: a ``DataDesc``."""
+        """Return what a rank needs to find this Data's memory (a ``DataDesc``), or None.
+
+        The same object while the shape stays the same, so a call can tell
+        that it got the very Data of its last call (``is``).  None without memory.
+        """
+        data = self._data
+        if data is None:
+            return None
         desc = self._desc
-        shape = self._data.shape
-        if desc is None or desc.shape != shape:
+        if desc is None or desc.shape != data.shape:
             # Made again only when the shape changes: calls repeat the same ones.
-            desc = self._desc = DataDesc(self._ID, self._dtype.str, shape, self._minibatch)
+            desc = self._desc = DataDesc(self._ID, self._dtype.str, data.shape, self._minibatch)
         return desc
+
+    def belongs_to(self, rt):
+        """Whether this Data belongs to run ``rt`` (and not to a run closed since)."""
+        return self._rt is rt
+
+    def ready_for(self, rt, dtype, ndim):
+        """Whether a command of run ``rt`` can read this Data in place as ``dtype`` and ``ndim``.
+
+        The common case of a call's input, checked fast; ``check_data`` says
+        what is wrong otherwise.  ``dtype`` is a NumPy dtype.
+        """
+        return (self._rt is rt and self._data is not None and self._dtype == dtype
+                and self._ndim == ndim)
+
+    def memory(self):
+        """This process's array of this Data (a view of its shared memory), or None.
+
+        For Data produced where it is used, this machine's rows.  Writable:
+        only the library writes through it (writes must reach every machine).
+        """
+        return self._data
 
     def condition_data(self, input_data, force_cast=False, where="condition_data"):
         """Return ``input_data`` as the array ``set_value`` would store.
@@ -355,25 +375,8 @@ def check_data(value, rt, dtype, ndim, where, what, placed_ok=False):
         raise TypeError(f"{where}: {what} needs dtype {dtype}; got Data of {value.dtype}")
     if value.ndim != ndim:
         raise TypeError(f"{where}: {what} needs ndim {ndim}; got Data of ndim {value.ndim}")
-    if value._placed and not placed_ok:
+    if value.placed and not placed_ok:
         raise TypeError(f"{where}: {what} is a Data produced where it is used; only a "
                         "function's scattered inputs take one")
     if value._data is None:
         raise ValueError(f"{where}: {what} is a Data object holding no memory")
-
-
-def _rows_written(arr, k):
-    """The item range ``arr[k] = v`` can have written: its rows for an int or slice, else all."""
-    if arr.ndim == 0:
-        return 0, arr.size
-    row = arr.size // len(arr) if len(arr) else 0
-    if isinstance(k, tuple) and k:
-        k = k[0] if len(k) == 1 or isinstance(k[0], (numbers.Integral, slice)) else None
-    if isinstance(k, numbers.Integral) and not isinstance(k, bool):
-        i = int(k) + (len(arr) if k < 0 else 0)
-        return i * row, (i + 1) * row
-    if isinstance(k, slice):
-        lo, hi, step = k.indices(len(arr))
-        if step > 0:
-            return lo * row, max(lo, hi) * row
-    return 0, arr.size

@@ -213,7 +213,7 @@ def batches(data, batch_size, rng=None):
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batches: batch_size must be an int >= 1; got {batch_size!r}")
     rng = np.random.default_rng() if rng is None else rng
-    if getattr(data, "_placed", False):
+    if getattr(data, "placed", False):
         parts = data.parts
     else:
         n = data if isinstance(data, int) and not isinstance(data, bool) else len(data)

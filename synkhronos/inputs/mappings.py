@@ -89,10 +89,8 @@ def _free_worker(rt, msg):
 
 
 def view(rt, desc):
-    """Return this rank's NumPy view of the Data a ``DataDesc`` names."""
+    """Return this rank's NumPy view of the Data a ``DataDesc`` names (a worker's, by its mapping)."""
     seg = rt.registry.datas[desc.data_id]
-    if rt.is_master:
-        return seg._data
     if desc.placed:
         return seg  # this machine holds some rows only: placement.take_share views them
     return seg.cached_view(desc.dtype, desc.shape)

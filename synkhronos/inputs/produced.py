@@ -15,20 +15,17 @@ import math
 import cloudpickle
 import numpy as np
 
-from . import conditioning, machine_rows as placement
+from . import machine_rows as placement
 from ..cluster.link import DATA
 from ..runtime.commands import Command
 from ..runtime.control import run_command
-from .data_object import Data, data as _plain_data, new_id
+from .data_object import Data, new_id
 from .mappings import GROW, PLACED_POSITIONS, PLACED_ROWS, DataDesc, MapMsg, ProduceMsg, SendMsg
 from ..errors import MachineLostError, SynkError
 from .machine_rows import Part
-from ..runtime.state import require_forked, serialized
 from ..runtime.shmem import SharedArray
 
 logger = logging.getLogger(__name__)
-
-
 
 
 class PlacedData(Data):
@@ -39,7 +36,7 @@ class PlacedData(Data):
     are written where they are made: there is no ``set_value``.
     """
 
-    _placed = True
+    placed = True
 
     def __init__(self, ID, dtype, ndim, minibatch, name, kind, layout):
         super().__init__(ID, dtype, ndim, minibatch=minibatch, name=name)
@@ -104,6 +101,10 @@ class PlacedData(Data):
     def _make_desc(self):
         return DataDesc(self._ID, self._dtype.str, self._whole, self._minibatch, self._kind)
 
+    def placed_on(self, layout):
+        """Whether this Data was placed on the machines of ``layout``."""
+        return self._layout is layout
+
     def check_layout(self, rt, where):
         """Raise unless the machines this Data was placed on are the run's machines still."""
         if rt.cluster is not None and rt.cluster.layout is not self._layout:
@@ -126,79 +127,8 @@ class PlacedData(Data):
         return True
 
 
-@serialized
-def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=False,
-         force_cast=False, oversize=1, name=None, produce=None, length=None):
-    """Return a new Data object, for input to functions and collectives.  Master only.
-
-    Like a PyTensor variable, a Data object has a fixed ``dtype`` and ``ndim``;
-    they come from ``var``, else from ``dtype``/``ndim``, else from ``value``.
-    Giving ``value`` or ``shape`` allocates shared memory at once.
-
-    With ``produce``, the rows are made where they are used: ``produce(part)``
-    runs on every machine (``part``: a ``synk.Part``) and returns that
-    machine's rows, which only that machine holds (docs/data.md).  On one
-    machine it runs once, for every row, and the result is an ordinary Data.
-
-    Args:
-        value: initial contents (anything ``numpy.asarray`` takes).
-        var: a PyTensor variable to take ``dtype`` and ``ndim`` from.
-        dtype: the dtype, if not implied by ``var``.
-        ndim: the number of dimensions, if not implied by ``var``.
-        shape: allocate this shape (contents undefined) if no ``value``.
-        minibatch: treat as minibatch data in calls with ``batch`` (see
-            ``Function.__call__``).
-        force_cast: cast a ``value`` (or what ``produce`` returns) of another
-            dtype instead of raising.
-        oversize: allocate this factor (1 to 2) more memory than needed, so
-            that growing later does not reallocate.
-        name: a name, as for PyTensor variables.
-        produce: a function of a ``synk.Part`` returning that machine's rows
-            (anything ``numpy.asarray`` takes).  It is pickled by value
-            (cloudpickle), so a lambda or closure works; it runs in each
-            machine's leader process.
-        length: with ``produce``: the rows of the whole.  Machine ``m`` is
-            asked for rows ``part.lo:part.hi``, in proportion to its ranks.
-            None: each machine returns the rows it has (``part.lo`` and
-            ``part.hi`` are None), stacked in machine order.
-
-    Returns:
-        Data
-
-    Raises:
-        SynkStateError: called before ``fork()``.
-        TypeError: ``dtype`` or ``ndim`` cannot be determined, ``value``
-            does not cast to ``dtype`` without loss and ``force_cast`` is
-            False, ``value`` has the wrong ndim, a flag is not a bool,
-            ``shape`` is not a list or tuple of ints, ``produce`` is not
-            callable or does not pickle, or it returned the wrong rows.
-        ValueError: ``shape`` has negative entries or disagrees with
-            ``ndim``, ``oversize`` is outside [1, 2], ``produce`` is given
-            with ``value`` or ``shape``, or ``length`` is not an int >= 0.
-        WorkerError: ``produce`` raised on some machine (nothing is kept).
-    """
-    if produce is None:
-        if length is not None:
-            raise ValueError("data: length goes with produce; give shape for an ordinary Data")
-        return _plain_data(value, var, dtype, ndim, shape, minibatch, force_cast, oversize, name)
-    rt = require_forked("data()")
-    if value is not None or shape is not None:
-        raise ValueError("data: give produce, or value or shape, not both")
-    if not callable(produce):
-        raise TypeError(f"data: produce must be callable; got {type(produce).__name__}")
-    if length is not None and (isinstance(length, bool) or not isinstance(length, int)
-                               or length < 0):
-        raise ValueError(f"data: length must be an int >= 0 or None; got {length!r}")
-    force_cast = conditioning.check_bool(force_cast, "data: force_cast")
-    if rt.cluster is None:
-        rows = produce(Part(0, 1, 0 if length is not None else None, length))
-        rows = placement.check_rows(rows, var, dtype, ndim, force_cast, length, 0)
-        return _plain_data(rows, var, rows.dtype, rows.ndim, None, minibatch, False, oversize,
-                           name)
-    return _produce(rt, produce, var, dtype, ndim, minibatch, force_cast, name, length)
-
-
-def _produce(rt, produce, var, dtype, ndim, minibatch, force_cast, name, length):
+def produce(rt, produce, var, dtype, ndim, minibatch, force_cast, name, length):
+    """A Data made on every machine by ``produce`` (``synk.data(produce=...)`` in a cluster)."""
     layout = rt.cluster.layout
     try:
         fn = cloudpickle.dumps(produce)
@@ -268,7 +198,37 @@ def _forget(rt, obj, exc):
     rt.registry.datas.pop(obj._ID, None)
 
 
-def scratch(rt, var):
+def place_call_inputs(rt, name, datas, inputs, sel, n_rows, scratch):
+    """Cluster: which machine uses which rows of a call; send each machine its rows of NumPy inputs.
+
+    ``datas`` are the call's scattered inputs: Data, or ``Rows`` of a NumPy
+    input (replaced here by a Data placed machine by machine, kept in
+    ``scratch`` by input index).  Returns {first rank of each machine: its
+    ``machine_rows.MachinePlan``}.
+    """
+    layout = rt.cluster.layout
+    placed_in = [(d, var) for d, var in zip(datas, inputs) if isinstance(d, PlacedData)]
+    for d, var in placed_in:
+        d.check_layout(rt, name)
+        if d.parts != placed_in[0][0].parts:
+            raise ValueError(f"{name}: inputs {placed_in[0][1]} and {var} are placed on the "
+                             f"machines in different parts ({placed_in[0][0].parts} and "
+                             f"{d.parts}); a call pairs rows machine by machine")
+    if placed_in:
+        plans = placement.owner_plan(sel, placed_in[0][0].parts)
+    else:
+        plans = placement.even_plan(sel, n_rows, layout.n_local)
+    for i, d in enumerate(datas):
+        if not isinstance(d, Data):
+            kept = scratch.get(i)
+            if kept is None or not isinstance(kept, PlacedData) or not kept.placed_on(layout):
+                kept = scratch[i] = _scratch(rt, inputs[i])
+            send_rows(rt, kept, d.array, plans)
+            datas[i] = kept
+    return {layout.offsets[m]: p for m, p in enumerate(plans)}
+
+
+def _scratch(rt, var):
     """A call input's per-machine memory in a cluster (its rows are sent by ``send_rows``)."""
     return PlacedData(new_id(rt), var.dtype, var.ndim, False, None, PLACED_POSITIONS, rt.cluster.layout)
 

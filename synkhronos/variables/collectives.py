@@ -162,7 +162,7 @@ def scatter(shared_vars, values, batch=None):
                 per_rank[r].append(rows.take(arr, s, lo, hi))
     msg = ScatterMsg(idx, sv.descs(items), [s if isinstance(v, Data) else None
                                             for s, v in zip(sels, items)])
-    run_command(rt, Command.SCATTER, msg, lambda seq: _scatter_local(rt, msg, per_rank))
+    run_command(rt, Command.SCATTER, msg, lambda seq: _scatter_local(rt, msg, per_rank, items))
 
 
 class ScatterMsg(NamedTuple):
@@ -173,7 +173,8 @@ class ScatterMsg(NamedTuple):
     sels: list
 
 
-def _scatter_local(rt, msg, per_rank=None):
+def _scatter_local(rt, msg, per_rank=None, items=None):
+    """Every rank: store its rows; ``per_rank`` and ``items`` (the values given) in the master."""
     shareds = [rt.registry.shareds[i] for i in msg.idx]
     via = [k for k, d in enumerate(msg.descs) if d is None]
     root = rt.place.master_rank
@@ -181,10 +182,11 @@ def _scatter_local(rt, msg, per_rank=None):
         got = rt.backend.scatter(per_rank if rt.place.rank == root else None, root)
         for k, value in zip(via, got):
             sv.store(rt, shareds[k], value)
-    for var, desc, s in zip(shareds, msg.descs, msg.sels):
+    for k, (var, desc, s) in enumerate(zip(shareds, msg.descs, msg.sels)):
         if desc is not None:
-            view = sv.data_view(rt, desc)
-            lo, hi = rows.rank_range(rows.selection_length(s, len(view)), rt.place.n_parallel, rt.place.rank)
+            view = sv.data_view(rt, desc) if items is None else items[k].memory()
+            lo, hi = rows.rank_range(rows.selection_length(s, len(view)), rt.place.n_parallel,
+                                     rt.place.rank)
             sv.store(rt, var, rows.take(view, s, lo, hi))
 
 
