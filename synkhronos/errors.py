@@ -1,6 +1,7 @@
 """The exceptions synkhronos raises, and how they cross between processes."""
 
 import copy
+import os
 import pickle
 import traceback
 
@@ -195,3 +196,8 @@ def _shortened(exc, n):
     except Exception:  # noqa: BLE001 - a type that does not copy is sent as text only
         return None
     return short
+
+
+def rank_header(rank, n_parallel):
+    """The line that opens a rank's traceback text."""
+    return f"rank {rank} of {n_parallel} (pid {os.getpid()})"

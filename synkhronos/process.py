@@ -22,7 +22,8 @@ from .cluster.rendezvous import join as join_cluster
 from .runtime.commands import Command, handler
 from .comm import choose_backend, get_backend
 from .comm.base import Wiring
-from .runtime.control import Control, run_command
+from .runtime.control import Control
+from .runtime.run import run_command
 from .errors import SynkStateError
 from .runtime.janitor import Janitor
 from .runtime.liveness import Monitor, command_check, stop_process, worker_check
@@ -162,7 +163,9 @@ def start(p):
                 proc.start()
                 rt.processes.procs[rank] = proc
             rank = None
-            rt.processes.monitor = rt.check = Monitor(rt.processes.procs, p.timeout_s, rt.control.pending)
+            rt.processes.monitor = Monitor(rt.processes.procs, p.timeout_s, rt.control.pending,
+                                           rt.place, lambda: rt.peers.late_ranks())
+            rt.check = _leader_check(rt)
             rt.backend.bind_check(command_check(rt.check, rt.control.aborted_now))
             rt.processes.janitor = Janitor(prefix, rt.processes.cleanup_dirs,
                                  [proc.pid for proc in rt.processes.procs.values()],
@@ -188,6 +191,16 @@ def start(p):
                 p.n_parallel - 1, p.device, p.master_rank, p.n_parallel,
                 p.n_gpus if gpu_mode else len(p.cores), "GPUs" if gpu_mode else "cores")
     return p.n_parallel
+
+
+def _leader_check(rt):
+    """The check of a machine's leader while it waits: its workers, then the other machines."""
+    monitor = rt.processes.monitor
+
+    def check():
+        monitor()
+        rt.peers.poll()
+    return check
 
 
 def _wiring(rt):
@@ -255,8 +268,7 @@ def join_workers(rt):
 def abandon(rt, reason):
     """Kill every worker and free everything after a failure the runtime can't survive."""
     logger.error("stopping all workers: %s", reason)
-    if rt.cluster is not None:
-        rt.cluster.end()  # every node master stops too (or its sentinel kills it)
+    rt.peers.end()  # in a cluster, every node master stops too (or its sentinel kills it)
     _stop_workers(rt, grace_s=0)
     _teardown(rt)
 
@@ -279,7 +291,7 @@ def _teardown(rt):
     rt.closed = True  # once, even if a step below fails
     for data in list(rt.registry.datas.values()):
         # The master's are Data objects; a node master's, segments it mapped.
-        release = getattr(data, "_release", None)
+        release = getattr(data, "detach", None)
         (data.close if release is None else release)()
     rt.registry.datas.clear()
     rt.backend.close()
@@ -297,11 +309,7 @@ def _teardown(rt):
     for f in rt.registry.functions:
         f.forget_run()
     set_runtime(None)
-    if rt.cluster is not None:
-        rt.cluster.heartbeats.close()
-        if not rt.cluster.broken:
-            # After this mpiexec lets the node masters end; MPI cannot start again here.
-            mpi_launch.finalize(rt.cluster.link.MPI)
+    rt.peers.close()
 
 
 def _close_at_exit():

@@ -18,7 +18,7 @@ import pytest
 import synkhronos as synk
 from synkhronos.comm import compressed, parts
 from synkhronos.runtime.commands import COMMANDS, Command
-from synkhronos.runtime.control import run_command
+from synkhronos.runtime.run import run_command
 from synkhronos.runtime.state import get_runtime
 
 pytestmark = pytest.mark.timeout(100)

@@ -10,9 +10,10 @@ controller's command ends when its own ranks and every report are in.
 import struct
 from typing import NamedTuple, Optional
 
+from ..errors import MachineLostError, SynkError, WorkerDiedError, unpickle_exception
 from ..runtime.commands import COMMANDS, encode
-from ..errors import MachineLostError, SynkError, unpickle_exception
-from .launch import end_launcher_at_exit
+from ..runtime.peers import Peers
+from .launch import end_launcher_at_exit, finalize
 from .link import ABORT, CMD, CMD_HEAD, DATA, DONE, REPORT
 from .recovery import going_on, relayout, settle_local, shrink
 
@@ -36,16 +37,20 @@ class NodeReport(NamedTuple):
 DONE_REPORT = NodeReport(None, [], [], None)
 
 
-class Controller:
-    """The controller's view of the other machines.
+class Controller(Peers):
+    """The controller's view of the other machines: the ``Peers`` of a cluster's one program.
 
     Args:
+        rt: the controller's Runtime (its control block, its ranks' liveness, abandon).
         link: the ``Link`` to the node masters.
         heartbeats: the sentinels' connections (``Heartbeats``).
         pids: each machine's node master pid (machine 0: the controller).
     """
 
-    def __init__(self, link, heartbeats, pids):
+    copies = True  # every machine holds every (replicated) Data
+
+    def __init__(self, rt, link, heartbeats, pids):
+        self.rt = rt
         self.link = link
         self.layout = link.layout
         self.heartbeats = heartbeats
@@ -54,7 +59,7 @@ class Controller:
         self.reports = {}      # machine -> NodeReport of the current command
         self.pending = False   # reports of the current command still to take
         self.failed = False    # a machine reported a failure in this command
-        self.control = None    # the local control block (its abort flag)
+        self.control = rt.control  # the local control block (its abort flag)
         self.broken = False    # a machine failed: MPI is not used again (nor finalised)
         self.local_done = 0    # the last command this machine's own ranks finished
         self.survivors, self.done = [], []  # after a loss: machines left, what each finished
@@ -64,7 +69,9 @@ class Controller:
         self.node_only = False  # the current command runs on the node masters only
 
     def forward(self, cmd, data):
-        """Send a posted command's bytes to every node master."""
+        """Send a posted command's bytes to every node master (unless it stays on this machine)."""
+        if COMMANDS[cmd].local:
+            return
         link = self.link
         self.seq += 1
         link.begin(self.seq)
@@ -78,6 +85,30 @@ class Controller:
         for m in link.others:
             link.send_bytes(m, CMD, msg)
         self.pending = True
+
+    def finish(self, check):
+        """After this machine's end barrier: wait for every node master's report (``wait_reports``)."""
+        if not self.pending:
+            return None
+        self.local_done = self.seq  # a machine lost now finds this one's share made
+        return self.wait_reports(check)
+
+    def mirror(self, cmd, payload, attachment):
+        """Run ``cmd`` on the node masters only, ``attachment`` after it (``send_command``).
+
+        A lost machine ends the run here unless the run goes on (then every
+        machine left got the bytes).
+        """
+        try:
+            self.send_command(cmd, payload, attachment, self.rt.check)
+        except WorkerDiedError as exc:
+            if not getattr(exc, "survived", False):
+                self.rt.abandon(self.rt, "a machine died while Data was mirrored")
+            raise
+
+    def send_data(self, machine, buffer):
+        """Send ``buffer`` to ``machine`` as data of the command in flight (its node step receives it)."""
+        self.link.send_bytes(machine, DATA, buffer)
 
     def wait_reports(self, check):
         """Wait for every node master's report; return {rank: (text, exc)} failures.
@@ -238,7 +269,7 @@ class Controller:
 
     def go_on(self, exc):
         """Shrink to the machines left, renumber every rank; return the error for the user."""
-        rt = self.control.rt
+        rt = self.rt
         before = self.layout
         survivors, done = shrink(self.link, self.local_done)
         lost = [m for m in range(before.n_machines) if m not in survivors]
@@ -267,6 +298,13 @@ class Controller:
                                  "answering")
         self.heartbeats.close()
         self.broken = True
+
+    def close(self):
+        """At the run's end: stop the heartbeats; then MPI ends (the node masters may go)."""
+        self.heartbeats.close()
+        if not self.broken:
+            # After this mpiexec lets the node masters end; MPI cannot start again here.
+            finalize(self.link.MPI)
 
 
 def _outcome(done, seq, survivors):

@@ -83,6 +83,6 @@ def layout():
         lay.n_machines, lay.n_local, lay.ranks(1)   # 2, [2, 2], range(2, 4)
     """
     rt = require_forked("layout()")
-    if rt.cluster is not None:
-        return rt.cluster.layout
+    if rt.peers.layout is not None:
+        return rt.peers.layout
     return Layout([rt.place.n_parallel], [socket.gethostname()])

@@ -12,11 +12,13 @@ import signal
 import struct
 
 from ..runtime.commands import COMMANDS, decode
-from ..runtime.control import rank_header, run_command
+from ..runtime.run import run_command
+from ..errors import rank_header
 from ..errors import (CommAborted, MachineLostError, WorkerDiedError, WorkerError, describe_error,
                       pickle_exception)
 from ..runtime.liveness import no_check, stop_process
 from ..runtime.shmem import SharedArray
+from ..runtime.peers import Peers
 from . import recovery
 from .controller import NodeReport
 from .launch import exit_finalized, finalize
@@ -32,8 +34,8 @@ class _Ended(BaseException):
     """This machine's ranks died: stop serving."""
 
 
-class NodeMaster:
-    """One machine's leader in a cluster.
+class NodeMaster(Peers):
+    """One machine's leader in a cluster, and the ``Peers`` its commands see.
 
     Args:
         rt: the Runtime (this process is its machine's leader).
@@ -79,7 +81,7 @@ class NodeMaster:
             self.done_seq = self.link.seq  # this machine's share was made: the controller asks
         return exc
 
-    def check(self):
+    def poll(self):
         """The check while this node master waits: an abort order from the controller."""
         got = self.link.probe(0, ABORT)
         if got is None:
@@ -197,7 +199,8 @@ def _serve_one(rt, node, alone, going_on):
     link = node.link
     # Between commands nothing runs here, so no command timeout applies: only
     # the controller's orders (and the sentinel, for its death) end the wait.
-    cmd, payload, frees = decode(node.receive_command(node.check))
+    raw = node.receive_command(node.poll)
+    cmd, payload, frees = decode(raw)
     spec = COMMANDS[cmd]
     if spec.final:
         # A normal end: the sentinel must not take the controller's exit,
@@ -206,8 +209,8 @@ def _serve_one(rt, node, alone, going_on):
     if frees:
         node.free_segments(frees)
         rt.registry.unmap(frees)
-        rt.registry.freed.extend(frees)
-    failures, died, contributions = _run(rt, node, cmd, spec, payload, alone, going_on)
+    failures, died, contributions = _run(rt, node, cmd, spec, payload, frees, raw, alone,
+                                         going_on)
     node.done_seq = link.seq
     link.retire_sends()  # an aborted collective's sends nobody will receive
     node.report(failures, contributions, died)
@@ -219,18 +222,26 @@ def _serve_one(rt, node, alone, going_on):
     return spec.final
 
 
-def _run(rt, node, cmd, spec, payload, alone, going_on):
-    """Run one command on this machine; return (failures, why the ranks died, contributions)."""
+def _run(rt, node, cmd, spec, payload, frees, raw, alone, going_on):
+    """Run one command on this machine; return (failures, why the ranks died, contributions).
+
+    The ranks get the controller's bytes (``raw``, Data to unmap included) as
+    they came, unless the command's node step changed the payload.
+    """
     failures, died, contributions = [], None, []
     try:
+        wire = raw
         if spec.node is not None:
             payload = spec.node(node, payload)
             if payload is None:
                 return failures, died, contributions  # the node master's step was all of it
+            wire = None
+            if frees:
+                rt.registry.freed.extend(frees)  # the payload is encoded anew: they go along
         if alone and not spec.final:
             failures = _run_alone(rt, cmd, spec, payload)
         else:
-            run_command(rt, cmd, payload, local=lambda seq: spec.run(rt, payload))
+            run_command(rt, cmd, payload, local=lambda seq: spec.run(rt, payload), wire=wire)
         if spec.collected:
             contributions = rt.backend.node_contributions()
     except MachineLostError as exc:

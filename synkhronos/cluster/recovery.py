@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from ..runtime.commands import Command
-from ..runtime.control import run_command
+from ..runtime.run import run_command
 from ..errors import SynkError
 from ..runtime.liveness import wait_until
 from .launch import lost_a_process
@@ -98,7 +98,6 @@ def relayout(rt, layout, node):
     offset = layout.offsets[node]
     run_command(rt, Command.LAYOUT, LayoutMsg(offset, layout.n_parallel),
                 local=lambda seq: set_layout(rt, offset, layout.n_parallel))
-    rt.processes.monitor.offset = offset
 
 
 def settle_local(rt, seq, leader_ok):

@@ -12,9 +12,9 @@ import struct
 import numpy as np
 
 from ..runtime.commands import Command
-from ..runtime.control import run_command
+from ..runtime.run import run_command
 from ..errors import SynkError
-from ..runtime.liveness import command_check, deadline_check, wait_until
+from ..runtime.liveness import deadline_check, wait_until
 from .controller import Controller
 from .launch import init_mpi, mpi_segments
 from .layout import Layout, LayoutMsg, set_layout
@@ -51,28 +51,13 @@ def join(rt, launch, tell_janitor, join_workers, pin):
     offset = layout.offsets[link.node]
     run_command(rt, Command.LAYOUT, LayoutMsg(offset, layout.n_parallel),
                 local=lambda seq: set_layout(rt, offset, layout.n_parallel))
-    monitor = rt.processes.monitor
-    monitor.offset = offset
     if link.node == 0:
-        controller = Controller(link, heartbeats, pids)
-        controller.control = rt.control
-        rt.cluster = controller
-        rt.survive = controller.survive
-        monitor.remote = controller.late_ranks
-        rt.backend.attach(link, controller.contributions)
-        poll = controller.poll
+        rt.peers = Controller(rt, link, heartbeats, pids)
+        rt.backend.attach(link, rt.peers.contributions)
     else:
-        node = NodeMaster(rt, link, sentinel)
-        rt.survive = node.survive
+        node = rt.peers = NodeMaster(rt, link, sentinel)
         rt.registry.datas = {}  # segments mapped here, as in a worker (Data objects live in the controller)
         rt.backend.attach(link, None)
-        poll = node.check
-
-    def check():
-        monitor()
-        poll()
-    rt.check = check
-    rt.backend.bind_check(command_check(check, rt.control.aborted_now))
     pin()
     if link.node != 0:
         serve(rt, node, join_workers)  # never returns

@@ -7,7 +7,8 @@ from typing import NamedTuple
 
 from ..runtime import devices as gpu
 from ..variables import access as sv
-from ..runtime.control import Command, handler, run_command
+from ..runtime.commands import Command, handler
+from ..runtime.run import run_command
 from ..errors import SynkStateError
 from ..runtime.state import require_forked, serialized
 

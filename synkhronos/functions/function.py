@@ -17,7 +17,8 @@ from ..inputs import conditioning, rank_rows
 from ..inputs.create import data as new_data
 from ..inputs.data_object import Data
 from ..inputs.produced import place_call_inputs
-from ..runtime.control import Command, run_command
+from ..runtime.commands import Command
+from ..runtime.run import run_command
 from ..runtime.state import serialized
 from ..variables.access import resolve
 from . import call_inputs
@@ -258,7 +259,7 @@ class Function:
             args = self._bind(args, kwargs or {}, name)
         datas = []
         n_scattered = len(spec.inputs)
-        spans = rt.cluster is not None
+        spans = rt.peers.layout is not None
         for i, v in enumerate(args):
             # The common case inline: a live Data of the right type with memory.
             if type(v) is Data and v.ready_for(rt, self._dtypes[i], self._ndims[i]):

@@ -14,7 +14,8 @@ import threading
 from typing import NamedTuple
 
 from ..comm import compressed
-from ..runtime.control import Command, handler, run_command
+from ..runtime.commands import Command, handler
+from ..runtime.run import run_command
 from ..runtime.state import serialized
 from ..variables import access
 from .outputs import collect

@@ -71,7 +71,7 @@ def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=Fals
                                or length < 0):
         raise ValueError(f"data: length must be an int >= 0 or None; got {length!r}")
     force_cast = conditioning.check_bool(force_cast, "data: force_cast")
-    if rt.cluster is None:
+    if rt.peers.layout is None:
         rows = produce(Part(0, 1, 0 if length is not None else None, length))
         rows = machine_rows.check_rows(rows, var, dtype, ndim, force_cast, length, 0)
         return replicated(rt, rows, var, rows.dtype, rows.ndim, None, minibatch, False, oversize,

@@ -10,9 +10,8 @@ from pytensor.graph.basic import Variable
 
 from . import conditioning
 from ..runtime.commands import Command
-from ..runtime.control import run_command
+from ..runtime.run import run_command
 from .mappings import DataAllocMsg, DataDesc, DataFreeMsg, DataSyncMsg
-from ..errors import WorkerDiedError
 from ..runtime.state import require_forked, serialized
 from ..runtime.shmem import SharedArray
 
@@ -120,7 +119,7 @@ class Data:
         which only writes through the Data API (``set_value``, ``data[k] = v``,
         ``set_shape``...) keep up to date.
         """
-        if self._rt.cluster is not None and self._data is not None:
+        if self._rt.peers.copies and self._data is not None:
             ro = self._data.view()
             ro.flags.writeable = False
             return ro
@@ -157,7 +156,7 @@ class Data:
         return len(self._data)
 
     def __getitem__(self, k):
-        if self._rt.cluster is not None:
+        if self._rt.peers.copies:
             self._require_data()
             return self.data[k]  # read-only: a write through a view would not be mirrored
         return self._require_data()[k]
@@ -166,7 +165,7 @@ class Data:
     def __setitem__(self, k, v):
         arr = self._require_data()
         arr[k] = v
-        if self._rt.cluster is not None:
+        if self._rt.peers.copies:
             self._mirror(*conditioning.rows_written(arr, k))
 
     def __repr__(self):
@@ -248,19 +247,12 @@ class Data:
         self._mirror(0, self._data.size)
 
     def _mirror(self, lo, hi):
-        """Cluster: copy items ``lo:hi`` to the other machines (nothing on one machine)."""
-        rt = self._rt
-        if rt.cluster is None or hi <= lo:
-            return
-        size = self._dtype.itemsize
-        raw = memoryview(self._seg.buffer)[lo * size:hi * size]
-        try:
-            rt.cluster.send_command(Command.DATA_SYNC, DataSyncMsg(self._ID, lo * size, len(raw)),
-                                    raw, rt.check)
-        except WorkerDiedError as exc:
-            if not getattr(exc, "survived", False):  # else every machine left got the rows
-                rt.abandon(rt, "a machine died while Data was mirrored")
-            raise
+        """Copy items ``lo:hi`` to the other machines' copies (none on one machine)."""
+        peers = self._rt.peers
+        if peers.copies and hi > lo:
+            size = self._dtype.itemsize
+            raw = memoryview(self._seg.buffer)[lo * size:hi * size]
+            peers.mirror(Command.DATA_SYNC, DataSyncMsg(self._ID, lo * size, len(raw)), raw)
 
     @serialized
     def set_length(self, length, oversize=1):
@@ -337,8 +329,8 @@ class Data:
         self._alloc_size = n_items
         logger.debug("data %s: allocated %d bytes", self._name or self._ID, nbytes)
 
-    def _release(self):
-        """Called by close(): forget the segment but keep views the user holds valid."""
+    def detach(self):
+        """Forget the shared memory at close(); views the user holds stay valid."""
         if self._seg is not None:
             self._seg.unlink()
         self._seg = self._box[0] = None

@@ -16,9 +16,8 @@ import cloudpickle
 import numpy as np
 
 from . import machine_rows as placement
-from ..cluster.link import DATA
 from ..runtime.commands import Command
-from ..runtime.control import run_command
+from ..runtime.run import run_command
 from .data_object import Data, new_id
 from .mappings import GROW, PLACED_POSITIONS, PLACED_ROWS, DataDesc, MapMsg, ProduceMsg, SendMsg
 from ..errors import MachineLostError, SynkError
@@ -107,7 +106,8 @@ class PlacedData(Data):
 
     def check_layout(self, rt, where):
         """Raise unless the machines this Data was placed on are the run's machines still."""
-        if rt.cluster is not None and rt.cluster.layout is not self._layout:
+        layout = rt.peers.layout
+        if layout is not None and layout is not self._layout:
             raise SynkError(f"{where}: Data {self._name or self._ID} was placed on machines "
                             "of which one was lost since; make it again")
 
@@ -129,7 +129,7 @@ class PlacedData(Data):
 
 def produce(rt, produce, var, dtype, ndim, minibatch, force_cast, name, length):
     """A Data made on every machine by ``produce`` (``synk.data(produce=...)`` in a cluster)."""
-    layout = rt.cluster.layout
+    layout = rt.peers.layout
     try:
         fn = cloudpickle.dumps(produce)
     except Exception as exc:  # noqa: BLE001 - any pickling failure means the same to the user
@@ -194,7 +194,7 @@ def _forget(rt, obj, exc):
         except Exception:  # noqa: BLE001 - the first error is the one to raise
             logger.debug("freeing a Data that failed to be made failed too", exc_info=True)
     if obj._seg is not None:
-        obj._release()
+        obj.detach()
     rt.registry.datas.pop(obj._ID, None)
 
 
@@ -206,7 +206,7 @@ def place_call_inputs(rt, name, datas, inputs, sel, n_rows, scratch):
     ``scratch`` by input index).  Returns {first rank of each machine: its
     ``machine_rows.MachinePlan``}.
     """
-    layout = rt.cluster.layout
+    layout = rt.peers.layout
     placed_in = [(d, var) for d, var in zip(datas, inputs) if isinstance(d, PlacedData)]
     for d, var in placed_in:
         d.check_layout(rt, name)
@@ -230,7 +230,8 @@ def place_call_inputs(rt, name, datas, inputs, sel, n_rows, scratch):
 
 def _scratch(rt, var):
     """A call input's per-machine memory in a cluster (its rows are sent by ``send_rows``)."""
-    return PlacedData(new_id(rt), var.dtype, var.ndim, False, None, PLACED_POSITIONS, rt.cluster.layout)
+    return PlacedData(new_id(rt), var.dtype, var.ndim, False, None, PLACED_POSITIONS,
+                      rt.peers.layout)
 
 
 def send_rows(rt, obj, arr, plans):
@@ -239,7 +240,7 @@ def send_rows(rt, obj, arr, plans):
     Machine ``m`` is sent ``arr[plans[m].sel]`` only; ``obj`` (``scratch``)
     then stands for ``arr`` in the call.
     """
-    link = rt.cluster.link
+    peers = rt.peers
     rows = [placement.gather_rows(arr, p.sel) for p in plans]
     rows = [r if r.flags.c_contiguous else np.ascontiguousarray(r) for r in rows]
     new = obj._own_segment(rows[0].nbytes, GROW)
@@ -247,8 +248,8 @@ def send_rows(rt, obj, arr, plans):
                   tuple(r.nbytes for r in rows))
 
     def local(seq):
-        for m in link.others:
-            link.send_bytes(m, DATA, rows[m].reshape(-1).view(np.uint8))
+        for m in range(1, len(rows)):
+            peers.send_data(m, rows[m].reshape(-1).view(np.uint8))
         obj._data = obj._seg.view(obj._dtype, rows[0].shape)
         obj._data[...] = rows[0]
     obj._whole = (sum(p.n for p in plans),) + arr.shape[1:]

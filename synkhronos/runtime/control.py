@@ -10,15 +10,13 @@ checking that the other side is alive and that no rank aborted.
 """
 
 import logging
-import os
 import pickle
-import time
 from typing import NamedTuple
 
-from .commands import COMMANDS, Command, decode, encode, handler
-from ..errors import (CommAborted, WorkerDiedError, describe_error, error_record, unpickle_exception,
-                      worker_error_type)
+from ..errors import error_record, unpickle_exception
+from .commands import Command, decode, encode, handler
 from .liveness import spin_until, wait_until
+from .run import run_command
 from .shmem import SharedArray
 
 logger = logging.getLogger(__name__)
@@ -71,8 +69,9 @@ class Control:
 
         Data objects the master dropped since the last command travel along,
         so the workers unmap them first.  ``wire``, if given, is this very
-        message as an earlier post pickled it (``last_plain``): a loop that
-        repeats a collective skips the pickling.
+        message as an earlier post pickled it (``last_plain``: a loop that
+        repeats a collective skips the pickling), or as the controller sent
+        it (a node master posts those bytes as they came).
         """
         freed = rt.registry.freed
         if wire is not None and not freed:
@@ -80,9 +79,10 @@ class Control:
         else:
             frees = [freed.popleft() for _ in range(len(freed))] if freed else None
             data = encode(cmd, payload, frees)
-            if len(data) > self.msg.nbytes:
-                self._grow_message(rt, len(data))
             wire = None if frees else data
+        if len(data) > self.msg.nbytes:
+            # (bytes another machine sent, too: each machine grows its own area)
+            self._grow_message(rt, len(data))
         self.last = data  # what a cluster's controller forwards to the other machines
         self.last_plain = wire  # the message without frees, which can be posted again
         self.msg.buffer[: len(data)] = data
@@ -225,103 +225,3 @@ def _grow_message_worker(rt, msg):
     new = SharedArray.attach(msg.name, msg.size)
     old, rt.control.msg = rt.control.msg, new
     old.close()
-
-
-def rank_header(rank, n_parallel):
-    """The line that opens a rank's traceback text."""
-    return f"rank {rank} of {n_parallel} (pid {os.getpid()})"
-
-
-def run_command(rt, cmd, payload, local=None, after=None, what=None, wire=None):
-    """Run ``cmd`` on every worker and ``local(seq)`` in the master; return its result.
-
-    ``after(result)``, if given, runs once every worker has finished without
-    error and returns the final result.  If any rank raised, the master
-    included, raises ``WorkerError`` after every rank has finished (end
-    barrier), carrying every failing rank's traceback.  ``what`` describes
-    the command in errors about ranks that stall (default: its name).
-    ``wire`` is the message pickled by an earlier post (``Control.post``).
-    """
-    control = rt.control
-    t0 = time.perf_counter()
-    prof = rt.profiler
-    if prof is not None:
-        prof.begin(what or cmd.name.lower())
-    seq = control.post(rt, cmd, payload, wire)
-    cluster = rt.cluster  # the controller's link to the other machines (None elsewhere)
-    result = None
-    local_exc = None
-    local_ok = False  # the master's own share finished (a lost machine asks)
-    try:
-        if cluster is not None and not COMMANDS[cmd].local:
-            cluster.forward(cmd, control.last)
-        rt.processes.monitor.begin(what or cmd)  # a Command is named only if a rank stalls
-        if prof is not None:
-            prof.lap("control")
-        rt.backend.begin(seq)
-        try:
-            if local is not None:
-                result = local(seq)
-                if prof is not None:
-                    prof.lap("collective")  # what the local part did not book itself
-            local_ok = True
-        except CommAborted:
-            pass
-        except WorkerDiedError:
-            raise
-        except KeyboardInterrupt:
-            rt.abandon(rt, "interrupted while running %s" % cmd.name)
-            raise
-        except BaseException as exc:  # noqa: BLE001 - reported after the end barrier
-            local_exc = exc
-            control.abort(seq)
-        control.wait_done(rt, seq, rt.check)
-        if cluster is not None:
-            cluster.local_done = cluster.seq  # a machine lost now finds this one's share made
-        remote = None if cluster is None else cluster.wait_reports(rt.check)
-        if prof is not None:
-            prof.lap("wait")
-    except WorkerDiedError as exc:
-        # A cluster that lost a machine may go on with the others (cluster/recovery.py).
-        goes_on = None if rt.survive is None else rt.survive(rt, exc, seq, local_ok)
-        if goes_on is None:
-            rt.abandon(rt, "a worker died")
-            raise
-        if goes_on is exc:
-            raise
-        raise goes_on from exc
-    except KeyboardInterrupt:
-        rt.abandon(rt, "interrupted while waiting for workers")
-        raise
-    if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("master ran %s in %.6f s", cmd.name, time.perf_counter() - t0)
-    if local_exc is not None or control.any_failed() or remote:
-        failures = control.failures()
-        if local_exc is not None:
-            text, _ = describe_error(rank_header(rt.place.rank, rt.place.n_parallel), local_exc)
-            failures[rt.place.rank] = (text, local_exc)
-        if remote:
-            failures.update(remote)
-        if prof is not None:
-            prof.end("reduce")  # a failed command is still one record, and the next one starts clean
-        raise _worker_error(cmd, failures)
-    if after is not None:
-        result = after(result)
-    if prof is not None:
-        prof.end("reduce")
-    return result
-
-
-def _worker_error(cmd, failures):
-    """One WorkerError for every failing rank: the same type whichever rank failed."""
-    first = min(failures)
-    text, exc = failures[first]
-    others = len(failures) - 1
-    msg = f"{cmd.name.lower()} failed in rank {first}"
-    if others:
-        msg += f" (and {others} other rank{'s' if others > 1 else ''})"
-    msg += ":\n" + text
-    err = worker_error_type(exc)(msg, first, {r: t for r, (t, _) in failures.items()},
-                                 {r: e for r, (_, e) in failures.items()})
-    err.__cause__ = exc
-    return err

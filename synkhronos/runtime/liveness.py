@@ -106,14 +106,17 @@ class Monitor:
     command running past ``timeout_s`` within ``SLOW_CHECK_S``.
 
     Args:
-        procs: rank to ``multiprocessing.Process``, the master's workers.
+        procs: local index to ``multiprocessing.Process``, the leader's workers.
         timeout_s: the longest a command may run (``math.inf``: no limit).
-        pending: returns the ranks that have not finished the current command.
+        pending: returns the local indices that have not finished the current command.
+        place: where this machine's ranks stand (its ``rank_offset`` turns local
+            indices into the global ranks that messages name), read live.
+        remote: returns the global ranks of other machines still busy (a cluster).
     """
 
-    def __init__(self, procs, timeout_s, pending):
-        self.offset = 0  # procs and pending() hold local indices; messages name global ranks
-        self.remote = None  # cluster: returns the ranks of machines still busy
+    def __init__(self, procs, timeout_s, pending, place, remote):
+        self.place = place
+        self.remote = remote
         self.procs = procs
         self.timeout_s = timeout_s
         self.pending = pending
@@ -129,6 +132,10 @@ class Monitor:
     def _doing(self):
         what = self.what
         return what if isinstance(what, str) else what.name.lower()
+
+    @property
+    def offset(self):
+        return self.place.rank_offset
 
     def __call__(self):
         for rank, p in self.procs.items():
@@ -151,9 +158,7 @@ class Monitor:
                     "every worker and is closed, call fork() to start again",
                     rank + self.offset, None)
         if ran > self.timeout_s:
-            late = [r + self.offset for r in self.pending()]
-            if self.remote is not None:
-                late += self.remote()
+            late = [r + self.offset for r in self.pending()] + self.remote()
             late = late or [r + self.offset for r in sorted(self.procs)] or [self.offset]
             ranks = ", ".join(str(r) for r in late)
             raise WorkerStalledError(

@@ -23,7 +23,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .control import Command, handler, run_command
+from .commands import Command, handler
+from .run import run_command
 from ..errors import SynkStateError
 from .state import require_forked, serialized
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, MutableMapping, Optional
 
 from ..errors import SynkStateError
+from .peers import ALONE, Peers
 
 
 @dataclass(frozen=True)
@@ -134,8 +135,7 @@ class Runtime:
     backend: Optional[Any] = None       # comm.base.Backend
     check: Optional[Callable] = None    # raises if another rank died or stalled (liveness)
     abandon: Optional[Callable] = None  # process.abandon: stop everything after a fatal failure
-    cluster: Optional[Any] = None       # the controller's cluster.controller.Controller
-    survive: Optional[Callable] = None  # survive(rt, exc, seq): a lost machine's error, if the run goes on
+    peers: Peers = ALONE                # the other machines (cluster: the controller, a node master)
     profiler: Optional[Any] = None      # profiling.Profiler while synk.profile() records
     counter: Any = field(default_factory=itertools.count)
     closed: bool = False

@@ -5,7 +5,8 @@ import os
 import time
 
 from .commands import COMMANDS, label
-from .control import ABORTED, FAILED, OK, rank_header
+from .control import ABORTED, FAILED, OK
+from ..errors import rank_header
 from ..errors import CommAborted
 
 logger = logging.getLogger(__name__)

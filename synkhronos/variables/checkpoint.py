@@ -24,7 +24,8 @@ from . import checkpoint_file as cf
 from ..runtime import devices as gpu
 from . import rank_values
 from . import access as sv
-from ..runtime.control import Command, handler, run_command
+from ..runtime.commands import Command, handler
+from ..runtime.run import run_command
 from ..runtime.state import get_runtime
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,8 @@ import numpy as np
 
 from . import access as sv
 from ..inputs import rank_rows as rows
-from ..runtime.control import Command, handler, run_command
+from ..runtime.commands import Command, handler
+from ..runtime.run import run_command
 from ..inputs.data_object import Data
 from .rank_values import get_lengths, get_shapes, get_value, set_value  # noqa: F401
 from .reductions import all_reduce, check_flags, reduce, require_collective  # noqa: F401

@@ -8,7 +8,8 @@ from typing import NamedTuple
 import numpy as np
 
 from . import access as sv
-from ..runtime.control import Command, handler, run_command
+from ..runtime.commands import Command, handler
+from ..runtime.run import run_command
 from ..inputs.data_object import Data
 from .reductions import require_collective
 from ..runtime.state import serialized

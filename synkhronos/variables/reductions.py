@@ -14,7 +14,8 @@ from ..inputs import conditioning
 from ..comm import reduce_ops as reducers
 from . import access as sv
 from ..comm import compressed
-from ..runtime.control import Command, handler, run_command
+from ..runtime.commands import Command, handler
+from ..runtime.run import run_command
 from ..errors import SynkStateError
 from ..runtime.state import require_distributed, serialized
 from .access import backend_values, transport

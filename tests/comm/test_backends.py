@@ -16,7 +16,7 @@ import synkhronos as synk
 from helpers import fake_cupy
 from synkhronos.comm import backend_names
 from synkhronos.runtime.commands import COMMANDS, Command
-from synkhronos.runtime.control import run_command
+from synkhronos.runtime.run import run_command
 from synkhronos.errors import WorkerError
 from synkhronos.runtime.state import get_runtime
 

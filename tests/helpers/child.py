@@ -14,7 +14,7 @@ import traceback
 
 import synkhronos as synk
 from synkhronos.runtime.commands import COMMANDS, Command
-from synkhronos.runtime.control import run_command
+from synkhronos.runtime.run import run_command
 from synkhronos.runtime.state import get_runtime
 
 # Test functions travel as GET_VALUE commands tagged with this marker; the

@@ -18,7 +18,7 @@ from synkhronos.runtime.state import get_runtime
 L = int(sys.argv[1])
 n = synk.fork(L)
 lay = synk.layout()
-print("PIDS", " ".join(str(p) for p in get_runtime().cluster.pids), get_runtime().config.prefix,
+print("PIDS", " ".join(str(p) for p in get_runtime().peers.pids), get_runtime().config.prefix,
       flush=True)
 F = pytensor.config.floatX
 rng = np.random.default_rng(0)

@@ -37,7 +37,7 @@ mode, L = sys.argv[1], int(sys.argv[2])
 # ranks sharing a core while a benchmark ran, so the timeouts here are well above that.
 n = synk.fork(L, timeout={"timeout": 12, "idle": 8}.get(mode))
 rt = get_runtime()
-print("PIDS", " ".join(str(p) for p in rt.cluster.pids), rt.config.prefix, flush=True)
+print("PIDS", " ".join(str(p) for p in rt.peers.pids), rt.config.prefix, flush=True)
 x = T.matrix("x")
 f = synk.function([x], T.sum(x))
 bad = synk.function([x], T.sum(FailInRank(n - 1)(x)))
@@ -68,7 +68,7 @@ if mode == "remote-error":
     synk.close()
     print("CLOSED", flush=True)
 elif mode in ("kill-node", "stop-node"):
-    os.kill(rt.cluster.pids[1], signal.SIGKILL if mode == "kill-node" else signal.SIGSTOP)
+    os.kill(rt.peers.pids[1], signal.SIGKILL if mode == "kill-node" else signal.SIGSTOP)
     t0 = time.monotonic()
     try:
         for _ in range(100000):

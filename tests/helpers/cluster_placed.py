@@ -24,8 +24,8 @@ n = synk.fork(L)
 lay = synk.layout()
 M = lay.n_machines
 rt = get_runtime()
-if rt.cluster is not None:
-    print("PIDS", " ".join(str(p) for p in rt.cluster.pids), rt.config.prefix, flush=True)
+if rt.peers.layout is not None:
+    print("PIDS", " ".join(str(p) for p in rt.peers.pids), rt.config.prefix, flush=True)
 F = pytensor.config.floatX
 rng = np.random.default_rng(0)
 N = 37  # no machine count here divides it

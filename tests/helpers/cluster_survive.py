@@ -32,7 +32,7 @@ from procs import FailInRank
 def lose_last_machine():
     """SIGKILL the last machine's node master (its workers and sentinel then end by themselves)."""
     rt = get_runtime()
-    os.kill(rt.cluster.pids[-1], signal.SIGKILL)
+    os.kill(rt.peers.pids[-1], signal.SIGKILL)
     return time.monotonic()
 
 
@@ -48,7 +48,7 @@ def _ranges(n, k):
 def calls(per_machine, rank_dies):
     synk.fork(per_machine)
     rt = get_runtime()
-    print("PIDS", " ".join(str(p) for p in rt.cluster.pids), rt.config.prefix, flush=True)
+    print("PIDS", " ".join(str(p) for p in rt.peers.pids), rt.config.prefix, flush=True)
     x = pt.matrix("x")
     w = pytensor.shared(np.zeros(3, dtype=pytensor.config.floatX), name="w")
     f_avg = synk.function([x], (pt.mean(x, axis=0), "avg"))
@@ -106,7 +106,7 @@ def train(n_steps, kill_at, use_data):
     step, x_data, y_data = build(dropout=False)
     if cluster:
         rt = get_runtime()
-        print("PIDS", " ".join(str(p) for p in rt.cluster.pids), rt.config.prefix, flush=True)
+        print("PIDS", " ".join(str(p) for p in rt.peers.pids), rt.config.prefix, flush=True)
     synk.distribute()
     if use_data:  # the loss is then noticed inside the call, not while sending its inputs
         x_data, y_data = synk.data(x_data), synk.data(y_data)

@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 
 import pytest
 
@@ -238,10 +239,9 @@ class FakeProc:
 Cmd = enum.IntEnum("Cmd", ["ALL_REDUCE"])
 
 
-def _monitor(procs, pending, timeout_s=math.inf, offset=0):
-    m = liveness.Monitor(procs, timeout_s, lambda: list(pending))
-    m.offset = offset
-    return m
+def _monitor(procs, pending, timeout_s=math.inf, offset=0, remote=()):
+    place = types.SimpleNamespace(rank_offset=offset)
+    return liveness.Monitor(procs, timeout_s, lambda: list(pending), place, lambda: list(remote))
 
 
 def test_monitor_is_quiet_while_every_worker_runs():
@@ -295,8 +295,7 @@ def test_monitor_names_every_late_rank_past_the_timeout():
     assert info.value.rank == 3 and "ranks 3, 1 ran call of step for" in msg
     assert "past the timeout of 0 s" in msg
     # A cluster adds the ranks of machines still busy; nothing pending here names every rank.
-    m = _monitor(procs, [], timeout_s=0.0, offset=10)
-    m.remote = lambda: [20, 21]
+    m = _monitor(procs, [], timeout_s=0.0, offset=10, remote=[20, 21])
     with pytest.raises(WorkerStalledError, match=r"ranks 20, 21 ran nothing"):
         m()
     m = _monitor(procs, [], timeout_s=0.0)

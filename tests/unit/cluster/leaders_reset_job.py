@@ -25,7 +25,7 @@ from synkhronos.runtime.state import get_runtime  # noqa: E402
 L = int(sys.argv[1])
 n = synk.fork(L)
 rt = get_runtime()
-print("PIDS", " ".join(str(p) for p in rt.cluster.pids), rt.config.prefix, flush=True)
+print("PIDS", " ".join(str(p) for p in rt.peers.pids), rt.config.prefix, flush=True)
 F = pytensor.config.floatX
 pytensor.config.compiler_verbose = False
 x = T.matrix("x")
@@ -82,13 +82,13 @@ def check_all(tag):
 check_all("before")
 for round_ in range(2):
     for r, f in fails.items():
-        gen = rt.cluster.gen
+        gen = rt.peers.gen
         try:
             f(d)
             raise AssertionError("the planted failure did not raise")
         except ValueError as exc:
             assert exc.rank == r, exc
-        assert rt.cluster.gen == gen + 1, (rt.cluster.gen, gen)
+        assert rt.peers.gen == gen + 1, (rt.peers.gen, gen)
         check_all(f"after a failure in rank {r} ({round_})")
 synk.close()
 print("ALL OK", flush=True)

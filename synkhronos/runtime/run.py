@@ -1,0 +1,103 @@
+"""run_command: one command on every rank of every machine, from the leader that posts it.
+
+Post the message, forward it to the other machines (``Peers``), run this
+process's share, wait at the end barrier and for the other machines, then
+turn every rank's failure into one ``WorkerError``.  What a dead rank means
+is not decided here: the peers say whether the run goes on (a cluster that
+lost a machine), else the run is abandoned (``Runtime.abandon``).
+"""
+
+import logging
+import time
+
+from ..errors import CommAborted, WorkerDiedError, describe_error, rank_header, worker_error_type
+
+logger = logging.getLogger(__name__)
+
+
+def run_command(rt, cmd, payload, local=None, after=None, what=None, wire=None):
+    """Run ``cmd`` on every rank and ``local(seq)`` here; return its result.  Leader only.
+
+    ``after(result)``, if given, runs once every rank has finished without
+    error and returns the final result.  If any rank raised, this one
+    included, raises ``WorkerError`` after every rank has finished (end
+    barrier), carrying every failing rank's traceback.  ``what`` describes
+    the command in profiles and in errors about ranks that stall (default:
+    its name).  ``wire`` is the message pickled by an earlier post
+    (``Control.post``).
+    """
+    control = rt.control
+    peers = rt.peers
+    t0 = time.perf_counter()
+    prof = rt.profiler
+    if prof is not None:
+        prof.begin(what or cmd.name.lower())
+    seq = control.post(rt, cmd, payload, wire)
+    result = local_exc = remote = None
+    local_ok = False  # this process's own share finished (a lost machine asks)
+    try:
+        peers.forward(cmd, control.last)
+        rt.processes.monitor.begin(what or cmd)  # a Command is named only if a rank stalls
+        if prof is not None:
+            prof.lap("control")
+        rt.backend.begin(seq)
+        try:
+            if local is not None:
+                result = local(seq)
+                if prof is not None:
+                    prof.lap("collective")  # what the local part did not book itself
+            local_ok = True
+        except CommAborted:
+            pass
+        except (WorkerDiedError, KeyboardInterrupt):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - reported after the end barrier
+            local_exc = exc
+            control.abort(seq)
+        control.wait_done(rt, seq, rt.check)
+        remote = peers.finish(rt.check)
+        if prof is not None:
+            prof.lap("wait")
+    except WorkerDiedError as exc:
+        goes_on = peers.survive(rt, exc, seq, local_ok)
+        if goes_on is None:
+            rt.abandon(rt, "a worker died")
+            raise
+        if goes_on is exc:
+            raise
+        raise goes_on from exc
+    except KeyboardInterrupt:
+        rt.abandon(rt, f"interrupted while running {cmd.name}")
+        raise
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("rank %d ran %s in %.6f s", rt.place.rank, cmd.name, time.perf_counter() - t0)
+    if local_exc is not None or remote or control.any_failed():
+        if prof is not None:
+            prof.end("reduce")  # a failed command is still one record, and the next one starts clean
+        raise _worker_error(rt, cmd, local_exc, remote)
+    if after is not None:
+        result = after(result)
+    if prof is not None:
+        prof.end("reduce")
+    return result
+
+
+def _worker_error(rt, cmd, local_exc, remote):
+    """One WorkerError for every failing rank: the same type whichever rank failed."""
+    failures = rt.control.failures()
+    if local_exc is not None:
+        text, _ = describe_error(rank_header(rt.place.rank, rt.place.n_parallel), local_exc)
+        failures[rt.place.rank] = (text, local_exc)
+    if remote:
+        failures.update(remote)
+    first = min(failures)
+    text, exc = failures[first]
+    others = len(failures) - 1
+    msg = f"{cmd.name.lower()} failed in rank {first}"
+    if others:
+        msg += f" (and {others} other rank{'s' if others > 1 else ''})"
+    msg += ":\n" + text
+    err = worker_error_type(exc)(msg, first, {r: t for r, (t, _) in failures.items()},
+                                 {r: e for r, (_, e) in failures.items()})
+    err.__cause__ = exc
+    return err
