@@ -3,12 +3,14 @@
 For a change that should not move the figures (a refactoring): check out the
 version before it somewhere (``git worktree add /tmp/before <commit>``) and run
 
-    python bench/before_after.py --before /tmp/before [--rounds 3]
+    python bench/before_after.py --before /tmp/before [--rounds 3] [--cluster 2x1,2x2]
 
 Each round runs bench/call_overhead.py and the 4-byte all_reduce of
 bench/collectives.py once with each version, alternating, so both see the
 same machine; the figures printed are the medians over the rounds (the best
-for the call overhead, as bench/call_overhead.py reports it).
+for the call overhead, as bench/call_overhead.py reports it).  ``--cluster``
+adds, per layout (machines x ranks per machine, on simulated machines: root),
+bench/cluster_call.py's call with a 1 MB output, tiny call and 4-byte all_reduce.
 """
 
 import argparse
@@ -42,7 +44,7 @@ def run(tree, script, args, timeout):
     return out.stdout
 
 
-def figures(tree, steps, calls):
+def figures(tree, steps, calls, cluster):
     text = run(tree, "call_overhead.py", ["--steps", str(steps), "--calls", str(calls)], 900)
     text += run(tree, "collectives.py", ["--backends", "shm", "--sizes", "4", "--no-torch",
                                          "--no-mpi"], 300)
@@ -50,7 +52,21 @@ def figures(tree, steps, calls):
     for name, pattern in PATTERNS.items():
         m = re.search(pattern, text, re.M)
         got[name] = float(m.group(1)) if m else float("nan")
+    for layout in cluster:
+        machines, local = layout.split("x")
+        text = run(tree, "cluster_call.py", ["--machines", machines, "--local", local,
+                                              "--rounds", "1"], 1800)
+        m = re.search(rf"^\| {machines} x {local} \| ([\d.]+) (us|ms) \| ([\d.]+) (us|ms) "
+                      rf"\| ([\d.]+) (us|ms) \|", text, re.M)
+        for k, name in enumerate(CLUSTER_FIGURES):
+            value = float("nan")
+            if m:
+                value = float(m.group(1 + 2 * k)) * (1e3 if m.group(2 + 2 * k) == "ms" else 1.0)
+            got[f"{layout}: {name} (us)"] = value
     return got
+
+
+CLUSTER_FIGURES = ("call, 1 MB output", "tiny call", "all_reduce 4 B")
 
 
 def main():
@@ -59,19 +75,22 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--calls", type=int, default=4000)
+    ap.add_argument("--cluster", default="",
+                    help="layouts on simulated machines, e.g. 2x1,2x2 (machines x ranks each)")
     args = ap.parse_args()
     trees = {"before": os.path.abspath(args.before), "after": AFTER}
+    cluster = [v for v in args.cluster.split(",") if v]
     seen = {k: [] for k in trees}
     t0 = time.perf_counter()
     for r in range(args.rounds):
         for which in (("before", "after") if r % 2 == 0 else ("after", "before")):
-            seen[which].append(figures(trees[which], args.steps, args.calls))
+            seen[which].append(figures(trees[which], args.steps, args.calls, cluster))
             print(f"# round {r + 1}: {which} done", file=sys.stderr, flush=True)
     print(f"# {args.rounds} alternating rounds, {time.perf_counter() - t0:.0f} s; "
           f"before = {trees['before']}, after = {trees['after']}")
     print("| figure | before | after | after / before |")
     print("|---|---|---|---|")
-    for name in PATTERNS:
+    for name in seen["after"][0]:
         b = statistics.median(f[name] for f in seen["before"])
         a = statistics.median(f[name] for f in seen["after"])
         print(f"| {name} | {b:.1f} | {a:.1f} | {a / b:.2f} |")

@@ -244,6 +244,8 @@ def _run(rt, node, cmd, spec, payload, frees, raw, alone, going_on):
             run_command(rt, cmd, payload, local=lambda seq: spec.run(rt, payload), wire=wire)
         if spec.collected:
             contributions = rt.backend.node_contributions()
+            if spec.combine is not None:
+                contributions = spec.combine(rt, payload, contributions)
     except MachineLostError as exc:
         if going_on:
             raise  # another machine's loss (an MPI error): the serve loop goes on without it

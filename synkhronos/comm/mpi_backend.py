@@ -139,23 +139,28 @@ class MpiBackend(Backend):
         return into
 
     def _reduce(self, arrays, op, weight, out, into=None):
-        """The reduced arrays at every leader (None elsewhere)."""
+        """The reduced arrays at every leader (None elsewhere).
+
+        The machine's ranks reduce to their leader first, through shared
+        memory (each reducing its part of large arrays), then the leaders
+        combine their machines' partials.
+        """
         arrays = as_arrays(arrays)
-        mine = arrays if arrays is None or weight is None \
-            else list(arrays) + [np.array(weight, dtype=np.float64)]
-        got = self._to_leader(mine)
-        if not self.is_leader:
-            return None
-        have = [g for g in got if g is not None]
-        if not have:
+        if self._multi:
+            partials, mass = self.local.reduce_with_mass(arrays, op, self.machine.master_rank,
+                                                         weight)
+            if not self.is_leader:
+                return None
+        else:
+            partials = arrays
+            mass = None if arrays is None else (1.0 if weight is None else float(weight))
+        if not partials:
             # The other leaders are inside the reduction by now: this error aborts the
             # command, and the leaders' communicator is renewed after it.
-            raise SynkError(f"reduce across machines: no rank of {self.link.layout.describe(self.link.node)} "
-                            "gave arrays; every machine must contribute")
-        weighted = weight is not None
-        n = len(have[0]) - (1 if weighted else 0)
-        ws = [float(g[-1]) for g in have] if weighted else None
-        return reduce_across(self._leaders, [g[:n] for g in have], parts.op_list(op, n), ws,
+            raise SynkError(f"reduce across machines: no rank of "
+                            f"{self.link.layout.describe(self.link.node)} gave arrays; every "
+                            "machine must contribute")
+        return reduce_across(self._leaders, partials, parts.op_list(op, len(partials)), mass,
                              out, self.check, into)
 
     def broadcast(self, arrays, root, out=None, keys=None):

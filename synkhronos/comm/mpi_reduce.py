@@ -1,10 +1,12 @@
 """Reductions between machines: each machine's partial, then MPI's all-reduce among the leaders.
 
-A leader first reduces its machine's contributions to one partial per array.
-Where MPI reduces the array's dtype exactly as NumPy does (``mpi_leaders.
-mpi_reduces``), the partials go through ``Iallreduce``: small arrays of one
-(op, dtype) packed into one message, large ones each as they are; ``avg``
-travels as a weighted sum with the machines' masses beside it and is divided
+A leader's partial is its machine's contributions reduced already (by the
+shared-memory backend, every local rank reducing its part of large arrays),
+with its mass: the sum of its contributors' weights.  Where MPI reduces the
+array's dtype exactly as NumPy does (``mpi_leaders.mpi_reduces``), the
+partials go through ``Iallreduce``: small arrays of one (op, dtype) packed
+into one message, large ones each as they are; ``avg`` travels as a
+weighted sum (partial times mass) with the masses beside it and is divided
 after, so every leader computes the same bytes from the same sums.  The rest
 (float16, bool, complex, float max/min) is exchanged with ``Iallgather`` and
 combined here in machine order, as on one machine.
@@ -17,63 +19,44 @@ from . import parts
 from .mpi_leaders import PACK_BYTES, c_order, mpi_reduces
 
 
-def reduce_across(leaders, vals, ops, weights, out, check, into=None):
-    """Reduce this machine's contributions with every other machine's; the same result on every leader.
+def reduce_across(leaders, partials, ops, mass, out, check, into=None):
+    """Reduce this machine's partials with every other machine's; the same result on every leader.
 
     Args:
         leaders: the ``mpi_leaders.Leaders``.
-        vals: per local contributor, its list of arrays.
+        partials: per array, this machine's reduction of it (for ``avg``, the
+            weighted mean of its contributors).
         ops: one op per array.
-        weights: per contributor, its weight for ``avg``; None: one each.
+        mass: the sum of this machine's contributors' weights (``avg``).
         out: per array, a buffer for the result, or None.
         check: the liveness check.
         into: per array, None or a buffer the caller keeps for MPI to write the
             result into (then it is the result: no copy); it must not be given
             again after the leaders' communicator was renewed.
     """
-    n = len(vals[0])
-    mass = float(sum(weights)) if weights is not None else float(len(vals))
+    n = len(partials)
     result = [None] * n
     direct = [i for i in range(n)
-              if mpi_reduces(ops[i], reducers.result_dtype(ops[i], vals[0][i].dtype))]
+              if mpi_reduces(ops[i], reducers.result_dtype(ops[i], partials[i].dtype))]
     if direct:
-        _by_mpi(leaders, vals, ops, weights, mass, direct, out, into, result, check)
+        _by_mpi(leaders, partials, ops, mass, direct, out, into, result, check)
     rest = [i for i in range(n) if result[i] is None]
     if rest:
-        _by_exchange(leaders, vals, ops, weights, mass, rest, out, result, check)
+        _by_exchange(leaders, partials, ops, mass, rest, out, result, check)
     return result
 
 
-def _weighted_sum(vals, i, weights, dtype):
-    """Sum of ``weights[c] * vals[c][i]`` in ``dtype`` (no copy for one plain contribution)."""
-    first = vals[0][i]
-    if len(vals) == 1 and weights is None and first.dtype == dtype:
-        return first
-    acc = np.zeros(first.shape, dtype)
-    for c, v in enumerate(vals):
-        if weights is None:
-            np.add(acc, v[i], out=acc, casting="unsafe")
-        else:
-            acc += np.multiply(v[i], weights[c], dtype=dtype)
-    return acc
-
-
-def _partial(vals, i, op, weights, dtype):
-    if op == "avg":
-        return _weighted_sum(vals, i, weights, dtype)
-    if len(vals) == 1:
-        return vals[0][i]
-    return reducers.combine(op, [v[i] for v in vals])
-
-
-def _by_mpi(leaders, vals, ops, weights, mass, idx, out, into, result, check):
-    partials = {}
+def _by_mpi(leaders, partials, ops, mass, idx, out, into, result, check):
+    sent = {}
     groups = {}   # (op, dtype) -> indices of small arrays, packed in one message
     large = []
     for i in idx:
-        dtype = reducers.result_dtype(ops[i], vals[0][i].dtype)
-        p = c_order(_partial(vals, i, ops[i], weights, dtype))
-        partials[i] = p
+        dtype = reducers.result_dtype(ops[i], partials[i].dtype)
+        p = partials[i]
+        if ops[i] == "avg" and mass != 1.0:
+            p = np.multiply(p, mass, dtype=dtype)  # a weighted sum: the masses divide it after
+        p = c_order(p.astype(dtype, copy=False))
+        sent[i] = p
         if p.nbytes < PACK_BYTES:
             groups.setdefault((ops[i], dtype.str), []).append(i)
         else:
@@ -82,12 +65,12 @@ def _by_mpi(leaders, vals, ops, weights, mass, idx, out, into, result, check):
     mass_at = None   # where the sum of the masses comes back: (send index, element)
     for j, ((op, dstr), members) in enumerate(groups.items()):
         dtype = np.dtype(dstr)
-        count = sum(partials[i].size for i in members) + (op == "avg")
+        count = sum(sent[i].size for i in members) + (op == "avg")
         buf = leaders.buffer(("r", len(sends)), count * dtype.itemsize).view(dtype)
         at = 0
         for i in members:
-            k = partials[i].size
-            buf[at:at + k] = partials[i].reshape(-1)
+            k = sent[i].size
+            buf[at:at + k] = sent[i].reshape(-1)
             places.append((i, len(sends), at))
             at += k
         if op == "avg" and mass_at is None:
@@ -97,7 +80,7 @@ def _by_mpi(leaders, vals, ops, weights, mass, idx, out, into, result, check):
             buf[at] = 0  # the masses travel once
         sends.append((buf, op, None))
     for i in large:
-        p = partials[i]
+        p = sent[i]
         dst = parts.out_entry(into, i)
         if dst is not None and (dst.shape != p.shape or dst.dtype != p.dtype):
             dst = None
@@ -112,7 +95,7 @@ def _by_mpi(leaders, vals, ops, weights, mass, idx, out, into, result, check):
     total = None if mass_at is None else \
         float(got[mass_at[0]].view(sends[mass_at[0]][0].dtype)[mass_at[1]])
     for i, s, at in places:
-        p = partials[i]
+        p = sent[i]
         dst = sends[s][2]
         if dst is not None:
             if ops[i] == "avg":
@@ -128,12 +111,10 @@ def _by_mpi(leaders, vals, ops, weights, mass, idx, out, into, result, check):
         result[i] = dst
 
 
-def _by_exchange(leaders, vals, ops, weights, mass, idx, out, result, check):
+def _by_exchange(leaders, partials, ops, mass, idx, out, result, check):
     # What MPI cannot reduce as NumPy does: every leader gets every partial (Iallgather)
     # and combines them in machine order, so all hold the same bytes.
-    partials = [c_order(reducers.combine(ops[i], [v[i] for v in vals], weights)
-                                     if len(vals) > 1 or ops[i] == "avg"
-                                     else vals[0][i]) for i in idx]
+    partials = [c_order(partials[i]) for i in idx]
     sizes = [p.nbytes for p in partials]
     mine = np.empty(8 + sum(sizes), np.uint8)
     mine[:8].view(np.float64)[0] = mass

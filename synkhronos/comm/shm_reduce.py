@@ -22,23 +22,37 @@ class ShmReduce:
     """The reductions of ``ShmBackend`` (mixed into it)."""
 
     def reduce(self, arrays, op, root, weight=None, out=None):
-        return self._reduce(arrays, op, weight, root, out)
+        return self._reduce(arrays, op, weight, root, out)[0]
 
     def all_reduce(self, arrays, op, weight=None, out=None, keys=None):
-        return self._reduce(arrays, op, weight, None, out, keys)
+        return self._reduce(arrays, op, weight, None, out, keys)[0]
 
-    def _reduce(self, arrays, op, weight, root, out, keys=None):
+    def reduce_with_mass(self, arrays, op, root, weight=None, out=None):
+        """``reduce``, and the mass behind the result: the sum of the contributors' weights.
+
+        Each contributing rank weighs ``weight`` (1 when None).  Returns
+        ``(results, mass)`` at the root, ``(None, None)`` elsewhere.  What a
+        leader sends on to other machines: a machine's partial and its mass.
+        """
+        return self._reduce(arrays, op, weight, root, out, weigh=True)
+
+    def _reduce(self, arrays, op, weight, root, out, keys=None, weigh=False):
+        """Reduce; return ``(results, mass)`` where results are wanted, else ``(None, None)``.
+
+        The mass is only counted when ``weigh`` (else None).
+        """
         self._start()
         n = self.n_parallel
         me = self.rank
         wants = root is None or root == me
         arrays = as_arrays(arrays)
         if n == 1:
-            return self._one_rank(arrays, op, out)
+            return (self._one_rank(arrays, op, out),
+                    0.0 if arrays is None else (1.0 if weight is None else float(weight)))
         ops = None if arrays is None else parts.op_list(op, len(arrays))
         plan = self._split_plan(arrays, ops, weight)
         if plan is not None and keys is not None:
-            return self._all_reduce_homes(arrays, ops, keys, plan)
+            return self._all_reduce_homes(arrays, ops, keys, plan), float(n)
         skip = None if plan is None else parts.skips(plan[me], len(arrays))
         lay = self.slabs.pack(arrays, 1.0 if weight is None else weight, skip)
         self.barrier()
@@ -52,9 +66,10 @@ class ShmReduce:
             got = [self.slabs.unpack(q) for q in range(n)]
             ranks = [q for q in range(n) if got[q] is not None]
             if not ranks:
-                return [] if wants else None
+                return ([], 0.0) if wants else (None, None)
             flags = [self.slabs.flag(q) for q in ranks]
             parts.check_alike(got, ranks, flags)
+        mass = float(sum(self.slabs.weight(q) for q in ranks)) if wants and weigh else None
         if flags[0] and len(ranks) < n:
             # A rank gave nothing, so nobody reduces its part: contributors fill
             # in the part they skipped and everyone reduces whole arrays.
@@ -66,12 +81,12 @@ class ShmReduce:
             plan = None
         if plan is None:
             if not wants:
-                return None
+                return None, None
             first = got[ranks[0]]
             ops = parts.op_list(op, len(first))
             w = None if weight is None else [self.slabs.weight(q) for q in ranks]
             return [parts.combine(ops[i], [got[q][i] for q in ranks], w, parts.out_entry(out, i))
-                    for i in range(len(first))]
+                    for i in range(len(first))], mass
         # Reduce-scatter: this rank reduces its part of every array into its slab,
         # reading its own contribution from its own array (never packed).
         for i, lo, hi in plan[me]:
@@ -81,14 +96,14 @@ class ShmReduce:
         self.barrier()
         self._done()
         if not wants:
-            return None
+            return None, None
         # All-gather: copy every rank's reduced part out, scaling averages on the way.
         result = [parts.result_buffer(a, parts.out_entry(out, i)) for i, a in enumerate(arrays)]
         flats = [r.reshape(-1) for r in result]
         for q in range(n):
             for i, lo, hi in plan[q]:
                 parts.finish(ops[i], got[q][i].reshape(-1)[lo:hi], flats[i][lo:hi], n)
-        return result
+        return result, mass
 
     def small_all_reduce(self, keys, arrays, op):
         """All-reduce small host arrays in place on a cached plan; False if it cannot.

@@ -4,6 +4,8 @@
 contributed (``Backend.contribute``), reduced by each output's op.
 """
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..comm import reduce_ops
@@ -36,25 +38,106 @@ def collect(spec, rt, mine, subset, name):
     final = []
     for j, i in enumerate(out_idx):
         op = spec.output_ops[i]
+        entries = _entries(parts, j)
         if op is None:
-            final.append([None if p is None else np.array(p[0][j]) for p in parts])
+            final.append([None if e is None else np.array(e[0]) for e in entries])
             continue
-        have = [p for p in parts if p is not None]
+        have = [e for e in entries if e is not None]
         if op == "gather":
-            final.append(concat([p[0][j] for p in have]))
+            final.append(concat([e[0] for e in have]))
             continue
         if not have:
             final.append(None)
             continue
-        values = [p[0][j] for p in have]
+        values = [e[0] for e in have]
         shapes = {v.shape for v in values}
         if len(shapes) > 1:
             raise ValueError(
                 f"{name}: output {i} has different shapes across ranks "
                 f"({', '.join(str(v.shape) for v in values)}); op {op!r} needs equal shapes "
                 "(use 'gather' or None)")
-        final.append(reduce_ops.combine(op, values, [p[1] for p in have]))
+        final.append(reduce_ops.combine(op, values, [e[1] for e in have]))
     return final if spec.return_list else final[0]
+
+
+# A cluster's machine combines its ranks' outputs of at least this many bytes before they
+# travel; smaller ones (losses, accuracies) travel per rank and combine as on one machine.
+MACHINE_PART_BYTES = 1 << 16
+
+
+class MachinePart(NamedTuple):
+    """One machine's ranks' results of a call, combined by op before they travel (a cluster).
+
+    Attributes:
+        outputs: per output, ``(value, weight)`` for the machine's ranks combined, or
+            a list with one ``(value, weight)`` or None per rank of the machine.
+        n_ranks: the machine's ranks, whose results this stands for.
+    """
+
+    outputs: list
+    n_ranks: int
+
+
+def machine_part(spec, subset, entries, offset, n_ranks):
+    """A node master's contributions ``[(rank, arrays, weight)]`` combined output by output.
+
+    Outputs under a reduce op of ``MACHINE_PART_BYTES`` or more are reduced
+    here, and gathered ones concatenated, so each travels once per machine;
+    the rest (op None, small ones, shapes that differ) stay per rank.
+    Returns the entries to send: one ``(offset, MachinePart, weight)``, or
+    ``entries`` unchanged where combining saves nothing.
+    """
+    if len(entries) < 2:
+        return entries
+    out_idx = range(len(spec.outputs)) if subset is None else subset
+    outputs, combined = [], False
+    for j, i in enumerate(out_idx):
+        op = spec.output_ops[i]
+        values = [np.asarray(a[j]) for _, a, _ in entries]
+        big = values[0].nbytes >= MACHINE_PART_BYTES
+        if op == "gather" and big and all(v.ndim for v in values):
+            outputs.append((concat(values), None))
+            combined = True
+        elif op in reduce_ops.COLLECTIVE_OPS and big and len({v.shape for v in values}) == 1:
+            weights = [w for _, _, w in entries]
+            outputs.append((reduce_ops.combine(op, values, weights), float(sum(weights))))
+            combined = True
+        else:
+            per = [None] * n_ranks
+            for (rank, _, w), v in zip(entries, values):
+                per[rank - offset] = (v, w)
+            outputs.append(per)
+    if not combined:
+        return entries
+    return [(offset, MachinePart(outputs, n_ranks), float(sum(w for _, _, w in entries)))]
+
+
+def _entries(parts, j):
+    """Output ``j``'s contributions in rank order: ``(value, weight)`` or None per rank.
+
+    A machine's combined contribution (``MachinePart``) stands once, for all
+    its ranks.
+    """
+    out = []
+    skip = 0
+    for p in parts:
+        if skip:
+            skip -= 1  # a rank the machine's part stands for
+            continue
+        if p is None:
+            out.append(None)
+            continue
+        arrays, weight = p
+        if type(arrays) is MachinePart:
+            skip = arrays.n_ranks - 1
+            v = arrays.outputs[j]
+            if type(v) is list:
+                out.extend(v)
+            else:
+                out.append(v)
+            continue
+        out.append((arrays[j], weight))
+    return out
 
 
 def fold(op, acc, value, w_acc, w):

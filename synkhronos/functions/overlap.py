@@ -18,7 +18,7 @@ from ..runtime.commands import Command, handler
 from ..runtime.run import run_command
 from ..runtime.state import serialized
 from ..variables import access
-from .outputs import collect
+from .outputs import collect, machine_part
 from .rank_call import run_share
 
 __all__ = ["OverlappedStep"]
@@ -141,7 +141,16 @@ def _local(rt, msg, arrays=None):
     return results, weight
 
 
-@handler(Command.OVERLAP_STEP, OverlapMsg, collected=True)
+def _combine(rt, msg, entries):
+    """A node master: its machine's ranks' outputs of the gradient call, combined before they travel."""
+    if msg.call is None:
+        return entries
+    place = rt.place
+    return machine_part(rt.registry.functions[msg.grad_id].spec, msg.call.subset, entries,
+                        place.rank_offset, place.n_local)
+
+
+@handler(Command.OVERLAP_STEP, OverlapMsg, collected=True, combine=_combine)
 def _overlap_worker(rt, msg):
     results, weight = _local(rt, msg)
     if msg.call is not None:

@@ -19,7 +19,7 @@ from ..runtime import devices
 from ..runtime.commands import Command, handler
 from ..variables import access
 from ..variables.reductions import AllReduceMsg, all_reduce_local
-from .outputs import fold, unfold
+from .outputs import fold, machine_part, unfold
 
 
 class CallMsg(NamedTuple):
@@ -71,7 +71,14 @@ def _label(rt, msg):
     return f"call of {rt.registry.functions[msg.function_id].name or 'function'}"
 
 
-@handler(Command.CALL, CallMsg, collected=True, label=_label)
+def _combine(rt, msg, entries):
+    """A node master: its machine's ranks' outputs, combined before they travel."""
+    place = rt.place
+    return machine_part(rt.registry.functions[msg.function_id].spec, msg.subset, entries,
+                        place.rank_offset, place.n_local)
+
+
+@handler(Command.CALL, CallMsg, collected=True, combine=_combine, label=_label)
 def _call_worker(rt, msg):
     execute(rt.registry.functions[msg.function_id].spec, rt, msg)
 

@@ -53,6 +53,9 @@ class CommandSpec(NamedTuple):
         from_wire: the message's ``from_wire``, or None.
         collected: cluster: each machine's ranks leave results (``Backend.contribute``)
             that its node master sends to the controller.
+        combine: cluster: ``combine(rt, payload, entries)`` turns a machine's
+            collected ``[(rank, arrays, weight)]`` into what travels (e.g. one partial
+            per machine), or None: they travel per rank.
         local: stays on the machine that posts it (never forwarded to other machines).
         node: cluster: ``node(machine, payload)`` runs in a node master before the
             command is posted to its ranks and returns the payload to post, or None
@@ -66,6 +69,7 @@ class CommandSpec(NamedTuple):
     to_wire: Optional[Callable] = None
     from_wire: Optional[Callable] = None
     collected: bool = False
+    combine: Optional[Callable] = None
     local: bool = False
     node: Optional[Callable] = None
     final: bool = False
@@ -75,8 +79,8 @@ class CommandSpec(NamedTuple):
 COMMANDS = {}
 
 
-def register(cmd, run, message=None, *, collected=False, local=False, node=None, final=False,
-             label=None):
+def register(cmd, run, message=None, *, collected=False, combine=None, local=False, node=None,
+             final=False, label=None):
     """Register ``run(rt, payload)`` as the handler of ``cmd``; see ``CommandSpec``.
 
     ``message``, the command's NamedTuple, travels as a plain tuple (pickling
@@ -85,7 +89,7 @@ def register(cmd, run, message=None, *, collected=False, local=False, node=None,
     """
     COMMANDS[cmd] = CommandSpec(
         run, message, getattr(message, "to_wire", None), getattr(message, "from_wire", None),
-        collected, local, node, final, label)
+        collected, combine, local, node, final, label)
 
 
 def handler(cmd, message=None, **travel):

@@ -64,6 +64,11 @@ W = pytensor.shared(np.zeros((2, 3), dtype=F), name="W")
 fw = synk.function([x], T.sum(T.dot(x[:, :2], W)))
 fin = synk.function([x], [(ingraph.psum(T.sum(x, axis=0)), "avg"),
                           (T.sum(ingraph.all_gather(T.sum(x, axis=1))), "avg")])
+# Outputs large enough (>= 64 KiB a rank) that each machine combines its ranks' before they travel.
+xb = T.matrix("xb", dtype="float64")
+fbig = synk.function([xb], [(T.sum(xb, axis=0), "sum"), (T.mean(xb, axis=0), "avg"),
+                            (T.max(xb, axis=0), "max"), (2 * xb, "gather"),
+                            (T.sum(xb, axis=0), None), (T.mean(xb), "avg")])
 synk.distribute()
 
 X = (1 + 0.01 * rng.normal(size=(23, 3))).astype(F)
@@ -97,6 +102,22 @@ sel = rng.permutation(23)[:17]
 check_f(f(d, batch=sel), sel, "call batch")
 check_f(f(d, batch=sel, num_slices=2), sel, "call batch num_slices")
 check_f(f(X[:11]), np.arange(11), "call numpy input")
+
+XB = rng.normal(size=(4 * n + 3, 9000))
+db = synk.data(XB)
+for rows, batch in ((np.arange(len(XB)), None), (rng.permutation(len(XB))[:3 * n + 1], "list")):
+    got = fbig(db, batch=None if batch is None else rows)
+    picked = XB[rows]
+    ranges = rank_ranges(len(rows))
+    close(got[0], picked.sum(axis=0), rtol=1e-12)
+    close(got[1], picked.mean(axis=0), rtol=1e-12)
+    np.testing.assert_array_equal(got[2], picked.max(axis=0))
+    np.testing.assert_array_equal(got[3], 2 * picked)
+    assert len(got[4]) == n
+    for r, (lo, hi) in enumerate(ranges):
+        close(got[4][r], picked[lo:hi].sum(axis=0), rtol=1e-12)
+    close(got[5], picked.mean(), rtol=1e-12)
+ok("large outputs combined machine by machine")
 
 # -- Data mirroring ---------------------------------------------------------------------------
 X[3] = 5.0
