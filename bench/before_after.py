@@ -37,6 +37,9 @@ PATTERNS = {
 
 def run(tree, script, args, timeout):
     env = dict(os.environ, PYTHONPATH=tree)
+    if script == "cluster_call.py":
+        # Its outer process uses this tree's test helpers; the MPI jobs run ``tree``.
+        env = dict(os.environ, BENCH_TREE=tree)
     out = subprocess.run([sys.executable, os.path.join(HERE, script)] + args, env=env,
                          capture_output=True, text=True, timeout=timeout, cwd=tree)
     if out.returncode != 0:

@@ -73,9 +73,8 @@ def measure(n_machines, local, output_bytes, rounds, reps):
         for _ in range(rounds):
             args = [os.path.abspath(__file__), "--job", "--local", str(local),
                     "--output-bytes", str(output_bytes), "--reps", str(reps)]
-            # The version under test is the one this process imports (before_after.py sets
-            # PYTHONPATH), not the tree these helpers come from.
-            tree = os.path.dirname(os.path.dirname(os.path.abspath(synk_file())))
+            # The version under test: BENCH_TREE (set by before_after.py), else this one.
+            tree = os.environ.get("BENCH_TREE") or os.path.dirname(HERE)
             rc, out, _ = mpirun(m, n_machines, args, timeout=900, PYTHONPATH=tree)
             lines = [ln for ln in out.splitlines() if ln.startswith("JSON ")]
             if rc != 0 or not lines:
@@ -84,11 +83,6 @@ def measure(n_machines, local, output_bytes, rounds, reps):
             for k, v in json.loads(lines[-1][5:]).items():
                 got[k].append(v)
     return {k: statistics.median(v) for k, v in got.items()}
-
-
-def synk_file():
-    import synkhronos
-    return synkhronos.__file__
 
 
 def _fmt(t):

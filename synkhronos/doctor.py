@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .runtime.fork_plan import SETTINGS, environment, setting_problems
+from .fork_plan import SETTINGS, environment, setting_problems
 
 # Packages whose versions the report lists when they are installed.
 PACKAGES = ("pytensor", "numpy", "scipy", "numba", "jax", "jaxlib", "cupy", "mpi4py", "pymc",
@@ -131,9 +131,9 @@ def _cpu():
 
 
 def _gpus():
-    from .runtime import devices as gpu
+    from .runtime import devices
 
-    n = gpu.count_gpus()
+    n = devices.count_gpus()
     items = [("count", f"{n} (NVML or nvidia-smi; no CUDA context made)")]
     try:
         import pynvml

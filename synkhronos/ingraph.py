@@ -120,7 +120,7 @@ def _gather_grad(n_rows, dtype, g):
 class _CollectiveOp(Op):
     """What every in-graph collective shares: never folded, marked for execution."""
 
-    # execution.py reads this mark: a graph holding such an Op runs on every
+    # functions/build.py reads this mark: a graph holding such an Op runs on every
     # rank, also one with no rows, so that every rank reaches the Op.
     synk_collective = True
 

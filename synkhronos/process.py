@@ -10,13 +10,13 @@ import warnings
 import weakref
 
 # The commands the ranks serve: importing their modules registers the handlers
-# (commands.py), before the workers fork and inherit the table.  Also registering:
+# (runtime/commands.py), before the workers fork and inherit the table.  Also registering:
 # control (GROW_MESSAGE), cluster.layout (LAYOUT, through cluster.rendezvous), this module (QUIT).
 from .functions import distribute, overlap, rank_call  # noqa: F401
 from .variables import checkpoint, collectives, rank_values, reductions  # noqa: F401
-from .inputs import mappings as datamaps  # noqa: F401
+from .inputs import mappings  # noqa: F401
 from .runtime import profiling  # noqa: F401
-from .runtime import devices as gpu, process_setup as setup, shmem, worker
+from .runtime import devices, process_setup, shmem, worker
 from .cluster import launch as mpi_launch
 from .cluster.rendezvous import join as join_cluster
 from .runtime.commands import Command, handler
@@ -27,7 +27,7 @@ from .runtime.run import run_command
 from .errors import SynkStateError
 from .runtime.janitor import Janitor
 from .runtime.liveness import Monitor, command_check, stop_process, worker_check
-from .runtime.fork_plan import Machine, environment, plan, process_limit
+from .fork_plan import Machine, environment, plan, process_limit
 from .runtime.state import (Config, MachineRanks, Placement, Processes, Registry, Runtime,
                             get_runtime, serialized, set_runtime)
 
@@ -100,10 +100,10 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
 
 def probe(use_gpu):
     """What ``fork()`` needs to know about this machine and process (``plan.Machine``)."""
-    n_gpus = gpu.count_gpus() if use_gpu is not False else 0
+    n_gpus = devices.count_gpus() if use_gpu is not False else 0
     launch = mpi_launch.launched()
     return Machine(cores=tuple(sorted(os.sched_getaffinity(0))), n_gpus=n_gpus,
-                   cuda_user=gpu.cuda_in_use() if n_gpus else None, launch=launch,
+                   cuda_user=devices.cuda_in_use() if n_gpus else None, launch=launch,
                    cluster_finished=launch is not None and mpi_launch.finished(),
                    env=environment(), max_procs=process_limit(), shm_free=shmem.shm_space()[0])
 
@@ -116,14 +116,14 @@ def start(p):
     lock_fd = shmem.hold_run_lock(prefix)
     config = Config(master_pid=os.getpid(), prefix=prefix, device=p.device,
                     max_n_var=p.max_n_var, max_dim=p.max_dim, n_gpus=p.n_gpus,
-                    gpu_ids=tuple(gpu.visible_ids(p.n_gpus)), cores=p.cores,
+                    gpu_ids=tuple(devices.visible_ids(p.n_gpus)), cores=p.cores,
                     profile_workers=p.profile_workers, spin_s=p.spin_s, timeout_s=p.timeout_s)
     place = Placement(rank=p.master_rank, n_parallel=p.n_parallel, master_rank=p.master_rank,
                       local_index=p.master_rank, n_local=p.n_parallel, leader=p.master_rank)
     rt = Runtime(config, place, Registry(datas=weakref.WeakValueDictionary()),
                  Processes(lock_fd=lock_fd), abandon=abandon)
     gpu_mode = p.device == "gpu"
-    if not gpu_mode and p.n_parallel > 1 and gpu.jax_initialised():
+    if not gpu_mode and p.n_parallel > 1 and devices.jax_initialised():
         # The workers inherit JAX's backend without its threads: their first
         # JAX call would hang.  function() refuses JAX-mode functions then.
         rt.jax_before_fork = True
@@ -143,20 +143,20 @@ def start(p):
 
     if gpu_mode:
         # The environment is inherited; each worker narrows it to its own GPU.
-        setup.select_gpu(rt, p.master_rank)
+        process_setup.select_gpu(rt, p.master_rank)
     else:
         # Limit thread pools before forking: the children inherit the limits, and
         # changing OpenBLAS's pool after a fork leaves it slowing every round trip.
-        setup.limit_threads(rt)
+        process_setup.limit_threads(rt)
         # CPU mode on a machine with GPUs: mode="JAX" must not put every rank on GPU 0.
-        rt.processes.restore.append(gpu.keep_jax_on_cpu())
+        rt.processes.restore.append(devices.keep_jax_on_cpu())
     # The parent-death signal fires when the forking *thread* ends: only the main
     # thread lives as long as the process.  Otherwise the workers' own check on
     # their parent (liveness.worker_check) and the janitor end them.
     tie = threading.current_thread() is threading.main_thread()
     rank = None
     try:
-        with setup.logging_held():
+        with process_setup.logging_held():
             for rank in rt.worker_ranks:
                 proc = ctx.Process(target=_worker_main, args=(rt, rank, tie),
                                    name=f"synk-rank-{rank}", daemon=True)
@@ -183,7 +183,7 @@ def start(p):
     # while the workers are still there to be told to quit.
     atexit.unregister(_close_at_exit)
     atexit.register(_close_at_exit)
-    pin = (lambda: None) if gpu_mode else (lambda: setup.pin(rt, rt.place.local_index, restore=True))
+    pin = (lambda: None) if gpu_mode else (lambda: process_setup.pin(rt, rt.place.local_index, restore=True))
     if p.launch is not None:
         return join_cluster(rt, p.launch, rt.processes.janitor.tell, join_workers, pin)
     pin()
@@ -215,7 +215,7 @@ def _worker_main(rt, rank, tie):
     mpi_launch.close_launcher_fds()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the master's to handle
     if tie:
-        setup.set_pdeathsig()
+        process_setup.set_pdeathsig()
     if os.getppid() != rt.config.master_pid:
         os._exit(1)
     rt.place.local_index = rank
@@ -223,9 +223,9 @@ def _worker_main(rt, rank, tie):
     rt.processes = Processes()
     rt.registry.datas = {}  # this rank's mappings, by Data id
     if rt.config.device == "gpu":
-        setup.select_gpu(rt, rank)
+        process_setup.select_gpu(rt, rank)
     else:
-        setup.pin(rt, rank)
+        process_setup.pin(rt, rank)
     rt.check = worker_check(rt.config.master_pid)
     rt.backend.bind_check(command_check(rt.check, rt.control.aborted_now))
     worker.loop(rt)

@@ -221,7 +221,7 @@ class Controller(Peers):
         """Run ``cmd`` on the node masters only, sending ``attachment`` (bytes) after it.
 
         What the node masters do with it is the command's ``node`` step
-        (commands.py); here, e.g., writes to a Data reach the machines' copies.
+        (runtime/commands.py); here, e.g., writes to a Data reach the machines' copies.
         If a machine is lost meanwhile and the run goes on, the command runs
         again on the machines left (each then holds what it sent) before the
         MachineLostError is raised.

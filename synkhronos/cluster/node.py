@@ -1,7 +1,7 @@
 """The node master: a cluster machine's leader, serving the controller's commands until QUIT.
 
 It receives each command's bytes from the controller, runs the command's
-``node`` step if it declares one (commands.py), posts it to its ranks and
+``node`` step if it declares one (runtime/commands.py), posts it to its ranks and
 runs its own share as a master does, then sends one report.  It holds this
 machine's copy of every Data (the segments its ranks map).
 """

@@ -4,7 +4,7 @@ import importlib
 import logging
 import os
 
-from ..runtime import devices as gpu
+from ..runtime import devices
 from ..errors import BackendUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def choose_backend(device, n_parallel, n_gpus, cluster=False):
         return name
     if device != "gpu":
         return "shm"
-    why = gpu.nccl_unavailable(n_parallel, n_gpus)
+    why = devices.nccl_unavailable(n_parallel, n_gpus)
     if why:
         logger.warning("NCCL not used (%s); GPU collectives go through host memory", why)
         return "shm"

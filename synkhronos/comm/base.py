@@ -31,7 +31,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from . import reduce_ops as reducers
+from . import reduce_ops
 from . import parts
 
 # Below this many bytes in all, splitting a reduction across ranks costs more
@@ -237,7 +237,7 @@ class Backend(ABC):
         """
         if (arrays is None or weight is not None
                 or sum(a.nbytes for a in arrays) < SPLIT_BYTES
-                or any(reducers.result_dtype(o, a.dtype) != a.dtype
+                or any(reduce_ops.result_dtype(o, a.dtype) != a.dtype
                        for o, a in zip(ops, arrays))):
             return None
         return parts.plan(arrays, self.n_parallel)

@@ -13,7 +13,7 @@ in the shared-memory stages.
 
 import numpy as np
 
-from . import reduce_ops as reducers
+from . import reduce_ops
 from ..errors import SynkError
 from . import parts
 from .base import Backend, as_arrays
@@ -127,7 +127,7 @@ class MpiBackend(Backend):
         epoch = self._leaders.epoch
         into = []
         for a, o, k in zip(arrays, ops, keys):
-            dtype = reducers.result_dtype(o, a.dtype)
+            dtype = reduce_ops.result_dtype(o, a.dtype)
             if a.nbytes < PACK_BYTES or not mpi_reduces(o, dtype):
                 into.append(None)
                 continue

@@ -14,7 +14,7 @@ combined here in machine order, as on one machine.
 
 import numpy as np
 
-from . import reduce_ops as reducers
+from . import reduce_ops
 from . import parts
 from .mpi_leaders import PACK_BYTES, c_order, mpi_reduces
 
@@ -37,7 +37,7 @@ def reduce_across(leaders, partials, ops, mass, out, check, into=None):
     n = len(partials)
     result = [None] * n
     direct = [i for i in range(n)
-              if mpi_reduces(ops[i], reducers.result_dtype(ops[i], partials[i].dtype))]
+              if mpi_reduces(ops[i], reduce_ops.result_dtype(ops[i], partials[i].dtype))]
     if direct:
         _by_mpi(leaders, partials, ops, mass, direct, out, into, result, check)
     rest = [i for i in range(n) if result[i] is None]
@@ -51,7 +51,7 @@ def _by_mpi(leaders, partials, ops, mass, idx, out, into, result, check):
     groups = {}   # (op, dtype) -> indices of small arrays, packed in one message
     large = []
     for i in idx:
-        dtype = reducers.result_dtype(ops[i], partials[i].dtype)
+        dtype = reduce_ops.result_dtype(ops[i], partials[i].dtype)
         p = partials[i]
         if ops[i] == "avg" and mass != 1.0:
             p = np.multiply(p, mass, dtype=dtype)  # a weighted sum: the masses divide it after
@@ -128,13 +128,13 @@ def _by_exchange(leaders, partials, ops, mass, idx, out, result, check):
     for i, p in zip(idx, partials):
         got = [row[at:at + p.nbytes].view(p.dtype).reshape(p.shape) for row in every]
         at += p.nbytes
-        result[i] = reducers.combine(ops[i], got, masses if ops[i] == "avg" else None,
+        result[i] = reduce_ops.combine(ops[i], got, masses if ops[i] == "avg" else None,
                                      _fits(parts.out_entry(out, i), ops[i], p))
 
 
 def _fits(out, op, p):
     if out is not None and out.shape == p.shape \
-            and out.dtype == reducers.result_dtype(op, p.dtype):
+            and out.dtype == reduce_ops.result_dtype(op, p.dtype):
         return out
     return None
 

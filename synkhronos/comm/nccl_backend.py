@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from ..runtime import devices as gpu
+from ..runtime import devices
 from . import parts
 from .base import Backend
 from .shm_backend import ShmBackend
@@ -117,7 +117,7 @@ class NcclBackend(Backend):
 
     def __init__(self, wiring, host_backend=ShmBackend):
         super().__init__(wiring)
-        self.cupy, self.nccl = gpu.import_cupy()
+        self.cupy, self.nccl = devices.import_cupy()
         self._host = host_backend(wiring)
         self.comm = None
         self._stream = None
@@ -251,7 +251,7 @@ class NcclBackend(Backend):
         hand-over are ordered before the NCCL kernels that read them.
         """
         with self.stream:
-            return [gpu.to_cupy(v) for v in values]
+            return [devices.to_cupy(v) for v in values]
 
     def _empty(self, shape, dtype):
         with self.stream:
@@ -382,14 +382,14 @@ def _into(results, out):
     final = []
     for r, o in zip(results, out):
         if o is not None and o.shape == r.shape and o.dtype == r.dtype:
-            if gpu.is_cupy_array(o):
+            if devices.is_cupy_array(o):
                 o[...] = r
             else:
-                np.copyto(o, gpu.to_host(r))
+                np.copyto(o, devices.to_host(r))
             r = o
         final.append(r)
     return final
 
 
 def _to_host(arrays):
-    return None if arrays is None else [gpu.to_host(a) for a in arrays]
+    return None if arrays is None else [devices.to_host(a) for a in arrays]

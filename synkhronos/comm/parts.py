@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from . import reduce_ops as reducers
+from . import reduce_ops
 
 # Above this many elements, a part reduced from three or more sources is
 # processed in blocks, so the partial result stays in cache between sources.
@@ -71,7 +71,7 @@ def reduce_into(op, srcs, out, scale=None):
     ``out`` may be ``srcs[0]``.  With three or more sources or a scale, long
     arrays go in blocks, so each block stays in cache between passes.
     """
-    ufunc = reducers.UFUNCS[op]
+    ufunc = reduce_ops.UFUNCS[op]
     if (len(srcs) == 2 and scale is None) or len(out) <= 2 * BLOCK:
         ufunc(srcs[0], srcs[1], out=out)
         for s in srcs[2:]:
@@ -89,7 +89,7 @@ def reduce_to_all(op, srcs, outs, scale=None):
     read, then overwritten with the result).  In blocks, so the copies read
     the result from cache and write lines the reduction just read.
     """
-    ufunc = reducers.UFUNCS[op]
+    ufunc = reduce_ops.UFUNCS[op]
     first = outs[0]
     for lo in range(0, len(first), BLOCK):
         hi = lo + BLOCK
@@ -111,10 +111,10 @@ def combine(op, parts, weights, out):
     """
     a = parts[0]
     if weights is not None or len(parts) == 1 or (op == "avg" and a.dtype.kind not in "fc"):
-        dtype = reducers.result_dtype(op, a.dtype)
+        dtype = reduce_ops.result_dtype(op, a.dtype)
         if out is not None and (out.shape != a.shape or out.dtype != dtype):
             out = None
-        return reducers.combine(op, parts, weights, out)
+        return reduce_ops.combine(op, parts, weights, out)
     if out is None or out.shape != a.shape or out.dtype != a.dtype:
         out = np.empty(a.shape, a.dtype)
     elif out is not a:
@@ -124,7 +124,7 @@ def combine(op, parts, weights, out):
                 parts = [out] + parts[:j] + parts[j + 1:]
                 a = out
                 break
-    ufunc = reducers.UFUNCS[op]
+    ufunc = reduce_ops.UFUNCS[op]
     ufunc(a, parts[1], out=out)
     for p in parts[2:]:
         ufunc(out, p, out=out)
@@ -135,7 +135,7 @@ def combine(op, parts, weights, out):
 
 def local_result(op, a, out):
     """The result of reducing one rank's array with itself alone."""
-    dtype = reducers.result_dtype(op, a.dtype)
+    dtype = reduce_ops.result_dtype(op, a.dtype)
     if out is not None and out.shape == a.shape and out.dtype == dtype:
         if out is not a:
             np.copyto(out, a, casting="unsafe")

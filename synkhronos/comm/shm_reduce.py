@@ -12,7 +12,7 @@ barriers (``barrier``, ``_start``, ``_done``).
 
 import numpy as np
 
-from . import reduce_ops as reducers
+from . import reduce_ops
 from . import parts
 from .base import SPLIT_BYTES, as_arrays
 from .slabs import _HEAD, HOMES
@@ -230,7 +230,7 @@ class _SmallPlan:
             self.header = _HEAD.pack(len(arrays), 1.0, 0) + self.lay.ints
             self.spans = [(off, off + a.nbytes) for a, (_, off, _) in zip(arrays, self.lay.entries)]
         self.others = [q for q in range(be.n_parallel) if q != be.rank]
-        self.ufunc = reducers.UFUNCS[op]
+        self.ufunc = reduce_ops.UFUNCS[op]
         self.scale = 1.0 / be.n_parallel if op == "avg" else None
         self.gens = None
         self.per_array = None

@@ -9,7 +9,7 @@ from pytensor.compile import SharedVariable
 
 import synkhronos as synk
 
-from ..inputs import conditioning, rank_rows as split
+from ..inputs import conditioning, rank_rows
 from ..functions.overlap import OverlappedStep
 from ..comm import compressed
 from ..inputs.data_object import Data
@@ -263,7 +263,7 @@ class SerialTrainFunction:
             arrays = [d.data if isinstance(d, Data) else np.asarray(d) for d in data]
             if batch is not None:
                 # The rows a data-parallel step would use (an int k: rows [:k]).
-                sel = split.normalize_batch(batch, "serial train function: batch")
+                sel = rank_rows.normalize_batch(batch, "serial train function: batch")
                 arrays = [a[sel[1]:sel[2]] if sel[0] == "range" else a[sel[1]] for a in arrays]
             out = self.fn(*arrays)
         return out if self._return_list else out[0]

@@ -5,8 +5,8 @@ import pickle
 import time
 from typing import NamedTuple
 
-from ..runtime import devices as gpu
-from ..variables import access as sv
+from ..runtime import devices
+from ..variables import access
 from ..runtime.commands import Command, handler
 from ..runtime.run import run_command
 from ..errors import SynkStateError
@@ -52,12 +52,12 @@ def _install(rt, functions, shareds):
     rt.registry.shareds = list(shareds)
     rt.registry.shared_ids = {id(s): i for i, s in enumerate(shareds)}
     # Collectives keep the values of JAX functions' shared variables on the device.
-    rt.registry.device_shareds = {id(s) for f in functions if gpu.uses_jax(f.spec.fn)
+    rt.registry.device_shareds = {id(s) for f in functions if devices.uses_jax(f.spec.fn)
                          for s in f.spec.fn.get_shared()}
     for s in shareds:
         # Their values go to the device once, here, rather than from the host
         # at every call until their first update.
-        sv.place(rt, s)
+        access.place(rt, s)
     rt.registry.distributed = True
 
 

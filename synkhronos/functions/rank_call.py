@@ -111,7 +111,7 @@ def run_share(spec, rt, msg, arrays=None):
     rows = None
     sel = msg.sel
     if msg.plan is not None and msg.n_scattered:
-        # Cluster: this machine's rows, some held here only (placement.py).
+        # Cluster: this machine's rows, some held here only (machine_rows.py).
         rows = machine_rows.take_share(rt, arrays, descs, msg.n_scattered, sel,
                                     msg.plan[rt.place.rank_offset])
     elif msg.n_scattered:

@@ -1,10 +1,10 @@
 """Which machine uses which rows: pure functions behind Data produced where it is used.
 
 In a cluster, a call's selected rows are split machine by machine, and each
-machine's rows among its ranks (``split.rank_range``).  With only replicated
+machine's rows among its ranks (``rank_rows.rank_range``).  With only replicated
 inputs a machine takes the positions its ranks take in the even split over
 every rank, so the split is the one a single machine makes.  With a Data
-produced where it is used (``placed.PlacedData``) every machine takes the
+produced where it is used (``produced.PlacedData``) every machine takes the
 selected rows of its own part, so no row crosses a link.
 """
 
@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from . import conditioning, rank_rows as split
+from . import conditioning, rank_rows
 
 
 class Part(NamedTuple):
@@ -39,8 +39,8 @@ class MachinePlan(NamedTuple):
 
     Attributes:
         sel: the selection of the whole inputs' rows this machine uses, in the
-            order its ranks take them (``split.normalize_batch`` form).
-        n: how many (its ranks split them with ``split.rank_range``).
+            order its ranks take them (``rank_rows.normalize_batch`` form).
+        n: how many (its ranks split them with ``rank_rows.rank_range``).
         pos: where they stand in the call's ``batch``: ``("range", first)`` or
             ``("index", positions)`` (for ``minibatch`` inputs).
         row_lo: the first row of the machine's part of the placed inputs.
@@ -55,12 +55,12 @@ class MachinePlan(NamedTuple):
 
 
 def machine_rows(n_rows, n_local):
-    """Each machine's rows ``(lo, hi)`` of ``n_rows``: the rows its ranks take in an even split."""
+    """Each machine's rows ``(lo, hi)`` of ``n_rows``: the rows its ranks take in an even rank_rows."""
     n_parallel = sum(n_local)
     out, rank = [], 0
     for k in n_local:
-        lo = split.rank_range(n_rows, n_parallel, rank)[0]
-        hi = split.rank_range(n_rows, n_parallel, rank + k - 1)[1] if k else lo
+        lo = rank_rows.rank_range(n_rows, n_parallel, rank)[0]
+        hi = rank_rows.rank_range(n_rows, n_parallel, rank + k - 1)[1] if k else lo
         out.append((lo, hi))
         rank += k
     return out
@@ -102,16 +102,16 @@ def take_share(rt, arrays, descs, n_scattered, sel, plan):
     """Replace the scattered ``arrays`` by this rank's rows of its machine's ``plan``; return how many.
 
     ``arrays`` hold whole inputs, this machine's part of a placed one (the
-    master's), or the segment holding that part (a worker's, ``datamaps.view``).
+    master's), or the segment holding that part (a worker's, ``mappings.view``).
     """
     place = rt.place
-    lo, hi = split.rank_range(plan.n, place.n_local, place.local_index)
+    lo, hi = rank_rows.rank_range(plan.n, place.n_local, place.local_index)
     for i in range(n_scattered):
         d, a = descs[i], arrays[i]
-        if d.placed == 1:  # datamaps.PLACED_ROWS: the machine's part of the whole
+        if d.placed == 1:  # mappings.PLACED_ROWS: the machine's part of the whole
             if not isinstance(a, np.ndarray):
                 a = a.cached_view(d.dtype, (plan.row_n,) + tuple(d.shape[1:]))
-            arrays[i] = split.take(a, local(plan.sel, plan.row_lo), lo, hi)
+            arrays[i] = rank_rows.take(a, local(plan.sel, plan.row_lo), lo, hi)
         elif d.placed == 2:  # PLACED_POSITIONS: the rows the machine's ranks use, in order
             if not isinstance(a, np.ndarray):
                 a = a.cached_view(d.dtype, (plan.n,) + tuple(d.shape[1:]))
@@ -119,7 +119,7 @@ def take_share(rt, arrays, descs, n_scattered, sel, plan):
         elif d.minibatch and sel is not None:
             arrays[i] = take_positions(a, plan.pos, lo, hi)
         else:
-            arrays[i] = split.take(a, plan.sel, lo, hi)
+            arrays[i] = rank_rows.take(a, plan.sel, lo, hi)
     return hi - lo
 
 
@@ -168,7 +168,7 @@ def balanced_batches(parts, batch_size, rng):
     orders = [lo + rng.permutation(hi - lo) for lo, hi in parts if hi > lo]
     places = np.concatenate([(np.arange(len(o)) + 0.5) / len(o) for o in orders])
     dealt = np.concatenate(orders)[np.argsort(places, kind="stable")]
-    for lo, hi in split.split_ranges(total, -(-total // batch_size)):
+    for lo, hi in rank_rows.split_ranges(total, -(-total // batch_size)):
         yield dealt[lo:hi]
 
 

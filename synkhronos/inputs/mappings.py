@@ -1,6 +1,6 @@
 """Data memory as the ranks see it: the commands that map, free and mirror it, and views of it.
 
-The Data object itself (data_module.py) lives in the master; every rank maps
+The Data object itself (data_object.py) lives in the master; every rank maps
 its segment by id when DATA_ALLOC says so.
 """
 
@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from . import machine_rows as placement
+from . import machine_rows
 from ..runtime.commands import Command, handler, register
 from ..runtime.shmem import SharedArray
 
@@ -17,7 +17,7 @@ GROW = 1.5  # headroom of a call's per-machine input memory, so that it is rarel
 
 
 # How a Data's rows are held in a cluster (DataDesc.placed): every machine all of them,
-# each machine its own part of the whole (placed.PlacedData), or each machine the rows
+# each machine its own part of the whole (produced.PlacedData), or each machine the rows
 # its ranks use in one call, in the order they use them (a NumPy input).
 REPLICATED, PLACED_ROWS, PLACED_POSITIONS = 0, 1, 2
 
@@ -92,11 +92,11 @@ def view(rt, desc):
     """Return this rank's NumPy view of the Data a ``DataDesc`` names (a worker's, by its mapping)."""
     seg = rt.registry.datas[desc.data_id]
     if desc.placed:
-        return seg  # this machine holds some rows only: placement.take_share views them
+        return seg  # this machine holds some rows only: machine_rows.take_share views them
     return seg.cached_view(desc.dtype, desc.shape)
 
 
-# Data placed machine by machine (placed.py): each node master makes or receives its part.
+# Data placed machine by machine (produced.py): each node master makes or receives its part.
 
 class ProduceMsg(NamedTuple):
     """DATA_PRODUCE: make Data ``data_id`` on every machine by ``produce`` (cloudpickled)."""
@@ -131,9 +131,9 @@ def _produce_on_machine(machine, msg):
     m, n_machines = machine.node, machine.layout.n_machines
     span = (None, None) if msg.parts is None else tuple(msg.parts[m])
     produce = pickle.loads(msg.produce)
-    arr = placement.check_rows(produce(placement.Part(m, n_machines, *span)), None,
+    arr = machine_rows.check_rows(produce(machine_rows.Part(m, n_machines, *span)), None,
                                np.dtype(msg.dtype), msg.ndim, msg.force_cast,
-                               placement.count(span), m)
+                               machine_rows.count(span), m)
     name = machine.make_segment(msg.data_id, max(arr.nbytes, 1))
     seg = machine.segments[msg.data_id]
     seg.view(arr.dtype, arr.shape)[...] = arr

@@ -1,9 +1,9 @@
 """Data that lives where it is used: each machine of a cluster holds only its own rows.
 
 ``synk.data(produce=fn)`` runs ``fn`` on every machine for that machine's
-rows (``placement.Part``), and the machine keeps them in its own shared
+rows (``machine_rows.Part``), and the machine keeps them in its own shared
 memory: the controller never holds or sends the others.  Calls then split
-each machine's rows among its ranks (``placement.owner_plan``).  NumPy
+each machine's rows among its ranks (``machine_rows.owner_plan``).  NumPy
 inputs of a call in a cluster travel the same way: each machine is sent
 only the rows its ranks use (``send_rows``).  On one machine a produced Data
 is an ordinary Data.
@@ -15,7 +15,7 @@ import math
 import cloudpickle
 import numpy as np
 
-from . import machine_rows as placement
+from . import machine_rows
 from ..runtime.commands import Command
 from ..runtime.run import run_command
 from .data_object import Data, new_id
@@ -39,7 +39,7 @@ class PlacedData(Data):
 
     def __init__(self, ID, dtype, ndim, minibatch, name, kind, layout):
         super().__init__(ID, dtype, ndim, minibatch=minibatch, name=name)
-        self._kind = kind          # datamaps.PLACED_ROWS, or PLACED_POSITIONS (a call's input)
+        self._kind = kind          # mappings.PLACED_ROWS, or PLACED_POSITIONS (a call's input)
         self._layout = layout      # the machines it was placed on
         self._parts = None         # machine -> (lo, hi) rows of the whole
         self._whole = None         # the whole's shape
@@ -135,24 +135,24 @@ def produce(rt, produce, var, dtype, ndim, minibatch, force_cast, name, length):
     except Exception as exc:  # noqa: BLE001 - any pickling failure means the same to the user
         raise TypeError(f"data: produce does not pickle ({exc}); it runs on every machine") \
             from None
-    parts = None if length is None else placement.machine_rows(length, layout.n_local)
+    parts = None if length is None else machine_rows.machine_rows(length, layout.n_local)
     mine = (None, None) if parts is None else parts[0]
     own = None
     if var is not None:
         dtype, ndim = var.dtype, var.ndim
     elif dtype is None or ndim is None:
         # The dtype and ndim the machines cast to come from machine 0's rows.
-        own = placement.check_rows(produce(Part(0, layout.n_machines, *mine)), var, dtype, ndim,
-                                   force_cast, placement.count(mine), 0)
+        own = machine_rows.check_rows(produce(Part(0, layout.n_machines, *mine)), var, dtype, ndim,
+                                   force_cast, machine_rows.count(mine), 0)
         dtype, ndim = own.dtype, own.ndim
     ID = new_id(rt)
     obj = PlacedData(ID, dtype, ndim, minibatch, name, PLACED_ROWS, layout)
     msg = ProduceMsg(ID, obj._dtype.str, ndim, fn, parts, force_cast)
 
     def local(seq):
-        arr = own if own is not None else placement.check_rows(
+        arr = own if own is not None else machine_rows.check_rows(
             produce(Part(0, layout.n_machines, *mine)), None, obj._dtype, ndim, force_cast,
-            placement.count(mine), 0)
+            machine_rows.count(mine), 0)
         obj._own_segment(arr.nbytes)
         obj._data = obj._seg.view(obj._dtype, arr.shape)
         obj._data[...] = arr
@@ -215,9 +215,9 @@ def place_call_inputs(rt, name, datas, inputs, sel, n_rows, scratch):
                              f"machines in different parts ({placed_in[0][0].parts} and "
                              f"{d.parts}); a call pairs rows machine by machine")
     if placed_in:
-        plans = placement.owner_plan(sel, placed_in[0][0].parts)
+        plans = machine_rows.owner_plan(sel, placed_in[0][0].parts)
     else:
-        plans = placement.even_plan(sel, n_rows, layout.n_local)
+        plans = machine_rows.even_plan(sel, n_rows, layout.n_local)
     for i, d in enumerate(datas):
         if not isinstance(d, Data):
             kept = scratch.get(i)
@@ -241,7 +241,7 @@ def send_rows(rt, obj, arr, plans):
     then stands for ``arr`` in the call.
     """
     peers = rt.peers
-    rows = [placement.gather_rows(arr, p.sel) for p in plans]
+    rows = [machine_rows.gather_rows(arr, p.sel) for p in plans]
     rows = [r if r.flags.c_contiguous else np.ascontiguousarray(r) for r in rows]
     new = obj._own_segment(rows[0].nbytes, GROW)
     msg = SendMsg(obj._ID, obj._seg.name if new else None, obj._seg.nbytes,

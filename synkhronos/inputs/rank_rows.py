@@ -39,7 +39,7 @@ def normalize_batch(batch, where="batch"):
 
     An int ``k`` means rows ``[:k]``; a slice needs int (or None) start and
     stop and no step other than 1; a list or 1-d integer array lists rows.
-    Lengths are checked later, against each input (``Function._check_lengths``).
+    Lengths are checked later, against each input (``call_inputs.check_lengths``).
     """
     if _is_int(batch):
         if batch < 0:

@@ -10,7 +10,7 @@ import os
 import signal
 import time
 
-from . import devices as gpu
+from . import devices
 
 _PR_SET_PDEATHSIG = 1
 LOGGING_WAIT_S = 2.0
@@ -20,7 +20,7 @@ def select_gpu(rt, rank):
     per_gpu = -(-rt.place.n_parallel // rt.config.n_gpus)
     if rt.is_master:
         save_env(rt, ("CUDA_VISIBLE_DEVICES", "XLA_PYTHON_CLIENT_MEM_FRACTION"))
-    gpu.select_device(rt.config.gpu_ids[gpu.device_for_rank(rank, rt.config.n_gpus)], per_gpu)
+    devices.select_device(rt.config.gpu_ids[devices.device_for_rank(rank, rt.config.n_gpus)], per_gpu)
 
 
 def save_env(rt, names):

@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 def loop(rt):
     """Serve commands until the final one; never returns to the caller's code.
 
-    The handlers are whatever modules registered them (commands.py) before the
+    The handlers are whatever modules registered them (runtime/commands.py) before the
     fork that started this worker.
     """
     control = rt.control

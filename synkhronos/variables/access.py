@@ -17,9 +17,9 @@ from pytensor.compile import SharedVariable
 from pytensor.tensor import TensorType
 from pytensor.tensor.sharedvar import TensorSharedVariable
 
-from ..inputs import conditioning, data_object as data_module, mappings as datamaps
-from ..runtime import devices as gpu
-from ..inputs import rank_rows as rows
+from ..inputs import conditioning, data_object, mappings
+from ..runtime import devices
+from ..inputs import rank_rows
 
 
 def resolve(rt, shared_vars, where, unique=True):
@@ -116,8 +116,8 @@ def condition(rt, var, value, where, whole=True):
             closed run or without memory.
     """
     what = f"the value for {var}"
-    if isinstance(value, data_module.Data):
-        data_module.check_data(value, rt, var.dtype, var.ndim, where, what)
+    if isinstance(value, data_object.Data):
+        data_object.check_data(value, rt, var.dtype, var.ndim, where, what)
         if whole:
             check_static_shape(var, value.data.shape, where)
         return value
@@ -137,7 +137,7 @@ def check_static_shape(var, shape, where):
 
 def data_view(rt, desc):
     """Return this rank's view of a Data object described by ``describe``."""
-    return datamaps.view(rt, desc)
+    return mappings.view(rt, desc)
 
 
 def raw(var):
@@ -161,7 +161,7 @@ def get_array(var):
     arr = var.get_value(borrow=True, return_internal_type=True)
     if type(arr) is np.ndarray:
         return arr
-    return gpu.to_host(arr)
+    return devices.to_host(arr)
 
 
 def transport(rt, nccl):
@@ -208,9 +208,9 @@ def store(rt, var, result, out=None):
         return
     arr = raw(var)
     if on_device(rt, var, arr):
-        _put(var, gpu.to_jax(result))
+        _put(var, devices.to_jax(result))
         return
-    result = gpu.to_host(result)
+    result = devices.to_host(result)
     if (type(arr) is np.ndarray and arr.shape == result.shape and arr.dtype == result.dtype
             and arr.flags.writeable and not np.may_share_memory(arr, result)):
         np.copyto(arr, result)
@@ -229,12 +229,12 @@ def adopt(rt, var, value, user=None):
     if value is arr:
         return
     if on_device(rt, var, arr):
-        _put(var, gpu.to_jax(value))
+        _put(var, devices.to_jax(value))
         return
     if value is user:
         value = np.array(value)
     elif type(value) is not np.ndarray:
-        value = gpu.to_host(value)
+        value = devices.to_host(value)
     var.set_value(value, borrow=True)
 
 
@@ -250,14 +250,14 @@ def keep(rt, var, value):
 
 def like(rt, var, value):
     """Return ``value`` in the variable's kind: a JAX array or a NumPy array."""
-    return gpu.to_jax(value) if on_device(rt, var) else gpu.to_host(value)
+    return devices.to_jax(value) if on_device(rt, var) else devices.to_host(value)
 
 
 def place(rt, var):
     """Move a device variable's host value to the device (after distribute(), every rank)."""
     arr = raw(var)
     if type(arr) is np.ndarray and id(var) in rt.registry.device_shareds:
-        _put(var, gpu.to_jax(arr))
+        _put(var, devices.to_jax(arr))
 
 
 def _put(var, value):
@@ -273,13 +273,13 @@ def ret(results, single):
 
 def descs(items):
     """Data objects travel as descriptors (workers read them in place); arrays as None."""
-    return [v.describe() if isinstance(v, data_module.Data) else None for v in items]
+    return [v.describe() if isinstance(v, data_object.Data) else None for v in items]
 
 
 def select(sel, length, var, where):
     """Resolve ``sel`` against a value of ``length`` rows; raise if it reaches past them."""
-    s = rows.resolve(sel, length)
-    need = rows.rows_needed(s, length)
+    s = rank_rows.resolve(sel, length)
+    need = rank_rows.rows_needed(s, length)
     if need > length:
         raise ValueError(f"{where}: batch selects row {need - 1} but the value for {var} "
                          f"has {length} rows")

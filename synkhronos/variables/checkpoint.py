@@ -21,9 +21,9 @@ from pytensor.compile import SharedVariable
 from pytensor.tensor import TensorType
 
 from . import checkpoint_file as cf
-from ..runtime import devices as gpu
+from ..runtime import devices
 from . import rank_values
-from . import access as sv
+from . import access
 from ..runtime.commands import Command, handler
 from ..runtime.run import run_command
 from ..runtime.state import get_runtime
@@ -209,7 +209,7 @@ def _variables(rt, shared_vars, where):
             if rt is None:
                 raise TypeError(f"{where}: shared_vars names {item!r}; without a distributed "
                                 "run, pass the shared variables themselves")
-            item = rt.registry.shareds[sv.by_name(rt, item, where)]
+            item = rt.registry.shareds[access.by_name(rt, item, where)]
         elif not isinstance(item, SharedVariable):
             raise TypeError(f"{where}: shared_vars must be a shared variable, its name, or a "
                             f"list/tuple of them; got {type(item).__name__}")
@@ -228,7 +228,7 @@ def _current_shapes(rt, shareds):
     tensors = [k for k, v in enumerate(shareds) if isinstance(v.type, TensorType)]
     out = [None] * len(shareds)
     if rt is None:
-        found = [[tuple(sv.raw(shareds[k]).shape)] for k in tensors]
+        found = [[tuple(access.raw(shareds[k]).shape)] for k in tensors]
     elif tensors:
         # A query only: every rank reports, none changes anything.
         found = rank_values._shapes(rt, [rt.registry.shared_ids[id(shareds[k])] for k in tensors])
@@ -249,7 +249,7 @@ def _local_values(shareds):
         elif isinstance(value, np.random.RandomState):
             out.append(("rng", value.get_state(legacy=False)))
         else:
-            out.append(np.array(gpu.to_host(value)))
+            out.append(np.array(devices.to_host(value)))
     return out
 
 
@@ -260,7 +260,7 @@ def _restore_local(rt, shareds, values):
         elif rt is None:
             var.set_value(np.array(value, dtype=var.dtype), borrow=True)
         else:
-            sv.store(rt, var, value)
+            access.store(rt, var, value)
 
 
 def _generator_like(var, state):

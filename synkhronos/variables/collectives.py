@@ -23,8 +23,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import access as sv
-from ..inputs import rank_rows as rows
+from . import access
+from ..inputs import rank_rows
 from ..runtime.commands import Command, handler
 from ..runtime.run import run_command
 from ..inputs.data_object import Data
@@ -62,13 +62,13 @@ def broadcast(shared_vars, values=None, nccl=True):
     """
     rt = require_collective("broadcast()")
     check_flags("broadcast", nccl=nccl)
-    idx, single = sv.resolve(rt, shared_vars, "broadcast")
+    idx, single = access.resolve(rt, shared_vars, "broadcast")
     items = None
     if values is not None:
-        values = sv.value_list(values, len(idx), single, "broadcast")
-        items = [sv.condition(rt, rt.registry.shareds[i], v, "broadcast") for i, v in zip(idx, values)]
+        values = access.value_list(values, len(idx), single, "broadcast")
+        items = [access.condition(rt, rt.registry.shareds[i], v, "broadcast") for i, v in zip(idx, values)]
     # Given values are host data: only the variables' own values go through NCCL.
-    msg = BroadcastMsg(idx, None if items is None else sv.descs(items),
+    msg = BroadcastMsg(idx, None if items is None else access.descs(items),
                        items is None and bool(nccl))
     run_command(rt, Command.BROADCAST, msg, lambda seq: _broadcast_local(rt, msg, items))
 
@@ -95,22 +95,22 @@ def _broadcast_local(rt, msg, items=None):
             got = be.broadcast(arrays, root, keys=keys)
             for k, value in zip(via, got):
                 if items is None:
-                    sv.keep(rt, shareds[k], value)
+                    access.keep(rt, shareds[k], value)
                 else:
-                    sv.adopt(rt, shareds[k], value, items[k])
+                    access.adopt(rt, shareds[k], value, items[k])
         if items is not None:
             for var, value in zip(shareds, items):
                 if isinstance(value, Data):
-                    sv.store(rt, var, value.data)
+                    access.store(rt, var, value.data)
         return
     if via:
-        outs = [sv.writable_out(rt, shareds[k]) for k in via]
+        outs = [access.writable_out(rt, shareds[k]) for k in via]
         got = be.broadcast(None, root, out=outs, keys=keys)
         for k, value in zip(via, got):
-            sv.adopt(rt, shareds[k], value)
+            access.adopt(rt, shareds[k], value)
     for var, desc in zip(shareds, descs):
         if desc is not None:
-            sv.store(rt, var, sv.data_view(rt, desc))
+            access.store(rt, var, access.data_view(rt, desc))
 
 
 @handler(Command.BROADCAST, BroadcastMsg)
@@ -140,28 +140,28 @@ def scatter(shared_vars, values, batch=None):
         WorkerError: a rank failed while receiving.
     """
     rt = require_collective("scatter()")
-    idx, single = sv.resolve(rt, shared_vars, "scatter")
-    values = sv.value_list(values, len(idx), single, "scatter")
-    sel = None if batch is None else rows.normalize_batch(batch, "scatter: batch")
+    idx, single = access.resolve(rt, shared_vars, "scatter")
+    values = access.value_list(values, len(idx), single, "scatter")
+    sel = None if batch is None else rank_rows.normalize_batch(batch, "scatter: batch")
     n = rt.place.n_parallel
     items, sels = [], []
     per_rank = [[] for _ in range(n)]
     for i, value in zip(idx, values):
         var = rt.registry.shareds[i]
-        item = sv.condition(rt, var, value, "scatter", whole=False)
+        item = access.condition(rt, var, value, "scatter", whole=False)
         arr = item.data if isinstance(item, Data) else item
         if arr.ndim == 0:
             raise ValueError(f"scatter: {var} is 0-d; scatter splits values along axis 0")
-        s = sv.select(sel, len(arr), var, "scatter")
-        n_rows = rows.selection_length(s, len(arr))
-        for lo, hi in rows.split_ranges(n_rows, n):
-            sv.check_static_shape(var, (hi - lo,) + arr.shape[1:], "scatter")
+        s = access.select(sel, len(arr), var, "scatter")
+        n_rows = rank_rows.selection_length(s, len(arr))
+        for lo, hi in rank_rows.split_ranges(n_rows, n):
+            access.check_static_shape(var, (hi - lo,) + arr.shape[1:], "scatter")
         items.append(item)
         sels.append(s)
         if not isinstance(item, Data):
-            for r, (lo, hi) in enumerate(rows.split_ranges(n_rows, n)):
-                per_rank[r].append(rows.take(arr, s, lo, hi))
-    msg = ScatterMsg(idx, sv.descs(items), [s if isinstance(v, Data) else None
+            for r, (lo, hi) in enumerate(rank_rows.split_ranges(n_rows, n)):
+                per_rank[r].append(rank_rows.take(arr, s, lo, hi))
+    msg = ScatterMsg(idx, access.descs(items), [s if isinstance(v, Data) else None
                                             for s, v in zip(sels, items)])
     run_command(rt, Command.SCATTER, msg, lambda seq: _scatter_local(rt, msg, per_rank, items))
 
@@ -182,13 +182,13 @@ def _scatter_local(rt, msg, per_rank=None, items=None):
     if via:
         got = rt.backend.scatter(per_rank if rt.place.rank == root else None, root)
         for k, value in zip(via, got):
-            sv.store(rt, shareds[k], value)
+            access.store(rt, shareds[k], value)
     for k, (var, desc, s) in enumerate(zip(shareds, msg.descs, msg.sels)):
         if desc is not None:
-            view = sv.data_view(rt, desc) if items is None else items[k].memory()
-            lo, hi = rows.rank_range(rows.selection_length(s, len(view)), rt.place.n_parallel,
+            view = access.data_view(rt, desc) if items is None else items[k].memory()
+            lo, hi = rank_rows.rank_range(rank_rows.selection_length(s, len(view)), rt.place.n_parallel,
                                      rt.place.rank)
-            sv.store(rt, var, rows.take(view, s, lo, hi))
+            access.store(rt, var, rank_rows.take(view, s, lo, hi))
 
 
 @handler(Command.SCATTER, ScatterMsg)
@@ -223,7 +223,7 @@ def gather(shared_vars, nd_up=1, nccl=True):
     """
     rt = require_collective("gather()")
     check_flags("gather", nccl=nccl)
-    idx, single = sv.resolve(rt, shared_vars, "gather", unique=False)
+    idx, single = access.resolve(rt, shared_vars, "gather", unique=False)
     if isinstance(nd_up, bool) or not isinstance(nd_up, numbers.Integral) or nd_up not in (0, 1):
         raise ValueError(f"gather: nd_up must be 0 or 1; got {nd_up!r}")
     if nd_up == 0:
@@ -232,7 +232,7 @@ def gather(shared_vars, nd_up=1, nccl=True):
                 raise ValueError(f"gather: {rt.registry.shareds[i]} is 0-d and cannot be concatenated; "
                                  "use nd_up=1")
     msg = GatherMsg(idx, int(nd_up), bool(nccl))
-    return sv.ret(run_command(rt, Command.GATHER, msg, lambda seq: _gather_local(rt, msg)),
+    return access.ret(run_command(rt, Command.GATHER, msg, lambda seq: _gather_local(rt, msg)),
                   single)
 
 
@@ -251,13 +251,13 @@ def _gather_local(rt, msg):
     if rt.place.rank != rt.place.master_rank:
         if got is not None:
             for var, value in zip(shareds, got):
-                sv.keep(rt, var, value)
+                access.keep(rt, var, value)
         return None
     join = np.stack if msg.nd_up else np.concatenate
     out = [_join(join, [got[q][k] for q in range(rt.place.n_parallel)], var, "gather")
            for k, var in enumerate(shareds)]
     if be.device_arrays:
-        out = [sv.like(rt, var, value) for var, value in zip(shareds, out)]
+        out = [access.like(rt, var, value) for var, value in zip(shareds, out)]
     return out
 
 
@@ -300,7 +300,7 @@ def all_gather(shared_vars, nccl=True):
     """
     rt = require_collective("all_gather()")
     check_flags("all_gather", nccl=nccl)
-    idx, single = sv.resolve(rt, shared_vars, "all_gather")
+    idx, single = access.resolve(rt, shared_vars, "all_gather")
     for i in idx:
         var = rt.registry.shareds[i]
         if var.ndim == 0:
@@ -326,7 +326,7 @@ def _all_gather_local(rt, msg):
     joined = [_join(np.concatenate, [got[q][k] for q in range(rt.place.n_parallel)], var, "all_gather")
               for k, var in enumerate(shareds)]
     for var, value in zip(shareds, joined):
-        sv.adopt(rt, var, value)
+        access.adopt(rt, var, value)
 
 
 @handler(Command.ALL_GATHER, AllGatherMsg)

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import access as sv
+from . import access
 from ..runtime.commands import Command, handler
 from ..runtime.run import run_command
 from ..inputs.data_object import Data
@@ -36,22 +36,22 @@ def set_value(rank, shared_vars, values, batch=None):
         WorkerError: the rank failed while storing.
     """
     rt = require_collective("set_value()")
-    rank = sv.check_rank(rt, rank, "set_value")
-    idx, single = sv.resolve(rt, shared_vars, "set_value")
-    values = sv.value_list(values, len(idx), single, "set_value")
+    rank = access.check_rank(rt, rank, "set_value")
+    idx, single = access.resolve(rt, shared_vars, "set_value")
+    values = access.value_list(values, len(idx), single, "set_value")
     sel = None if batch is None else rows.normalize_batch(batch, "set_value: batch")
     items, sels = [], []
     for i, value in zip(idx, values):
         var = rt.registry.shareds[i]
-        item = sv.condition(rt, var, value, "set_value", whole=sel is None)
+        item = access.condition(rt, var, value, "set_value", whole=sel is None)
         arr = item.data if isinstance(item, Data) else item
         s = None
         if sel is not None:
             if arr.ndim == 0:
                 raise ValueError(f"set_value: batch needs values with rows; {var} is 0-d")
-            s = sv.select(sel, len(arr), var, "set_value")
+            s = access.select(sel, len(arr), var, "set_value")
             n_rows = rows.selection_length(s, len(arr))
-            sv.check_static_shape(var, (n_rows,) + arr.shape[1:], "set_value")
+            access.check_static_shape(var, (n_rows,) + arr.shape[1:], "set_value")
             if not isinstance(item, Data):
                 item = rows.take(arr, s, 0, n_rows)
                 s = None
@@ -62,13 +62,13 @@ def set_value(rank, shared_vars, values, batch=None):
             arr = item.data if isinstance(item, Data) else item
             if s is not None:
                 arr = rows.take(arr, s, 0, rows.selection_length(s, len(arr)))
-            sv.store(rt, rt.registry.shareds[i], arr)
+            access.store(rt, rt.registry.shareds[i], arr)
         return
     placeholder = np.empty(0, np.uint8)
     pieces = [v for v in items if not isinstance(v, Data)]
     per_rank = [pieces if r == rank else [placeholder] * len(pieces)
                 for r in range(rt.place.n_parallel)]
-    msg = SetValueMsg(rank, idx, sv.descs(items), sels)
+    msg = SetValueMsg(rank, idx, access.descs(items), sels)
     run_command(rt, Command.SET_VALUE, msg, lambda seq: _set_value_local(rt, msg, per_rank))
 
 
@@ -91,13 +91,13 @@ def _set_value_local(rt, msg, per_rank=None):
         return
     shareds = [rt.registry.shareds[i] for i in msg.idx]
     for k, value in zip(via, got):
-        sv.store(rt, shareds[k], value)
+        access.store(rt, shareds[k], value)
     for var, desc, s in zip(shareds, msg.descs, msg.sels):
         if desc is not None:
-            view = sv.data_view(rt, desc)
+            view = access.data_view(rt, desc)
             if s is not None:
                 view = rows.take(view, s, 0, rows.selection_length(s, len(view)))
-            sv.store(rt, var, view)
+            access.store(rt, var, view)
 
 
 @handler(Command.SET_VALUE, SetValueMsg)
@@ -124,14 +124,14 @@ def get_value(rank, shared_vars):
         WorkerError: the rank failed while sending.
     """
     rt = require_collective("get_value()")
-    rank = sv.check_rank(rt, rank, "get_value")
-    idx, single = sv.resolve(rt, shared_vars, "get_value", unique=False)
+    rank = access.check_rank(rt, rank, "get_value")
+    idx, single = access.resolve(rt, shared_vars, "get_value", unique=False)
     if rank == rt.place.rank:
-        return sv.ret([np.array(sv.get_array(rt.registry.shareds[i])) for i in idx], single)
+        return access.ret([np.array(access.get_array(rt.registry.shareds[i])) for i in idx], single)
 
     def after(_):
         arrays, _weight = rt.backend.collect()[rank]
-        return sv.ret([np.array(a) for a in arrays], single)
+        return access.ret([np.array(a) for a in arrays], single)
     return run_command(rt, Command.GET_VALUE, GetValueMsg(rank, idx), after=after)
 
 
@@ -144,7 +144,7 @@ class GetValueMsg(NamedTuple):
 
 @handler(Command.GET_VALUE, GetValueMsg, collected=True)
 def _get_value_worker(rt, msg):
-    mine = [sv.get_array(rt.registry.shareds[i]) for i in msg.idx] if rt.place.rank == msg.rank else None
+    mine = [access.get_array(rt.registry.shareds[i]) for i in msg.idx] if rt.place.rank == msg.rank else None
     rt.backend.contribute(mine)
 
 
@@ -165,8 +165,8 @@ def get_shapes(shared_vars):
         WorkerError: a rank failed.
     """
     rt = require_collective("get_shapes()")
-    idx, single = sv.resolve(rt, shared_vars, "get_shapes", unique=False)
-    return sv.ret(_shapes(rt, idx), single)
+    idx, single = access.resolve(rt, shared_vars, "get_shapes", unique=False)
+    return access.ret(_shapes(rt, idx), single)
 
 
 @serialized
@@ -186,16 +186,16 @@ def get_lengths(shared_vars):
         WorkerError: a rank failed.
     """
     rt = require_collective("get_lengths()")
-    idx, single = sv.resolve(rt, shared_vars, "get_lengths", unique=False)
+    idx, single = access.resolve(rt, shared_vars, "get_lengths", unique=False)
     for i in idx:
         if rt.registry.shareds[i].ndim == 0:
             raise ValueError(f"get_lengths: {rt.registry.shareds[i]} is 0-d and has no length")
-    return sv.ret([[s[0] for s in shapes] for shapes in _shapes(rt, idx)], single)
+    return access.ret([[s[0] for s in shapes] for shapes in _shapes(rt, idx)], single)
 
 
 def _shapes(rt, idx):
     """Return, per variable, the list of its shape in each rank."""
-    mine = [tuple(sv.raw(rt.registry.shareds[i]).shape) for i in idx]  # no device-to-host copy
+    mine = [tuple(access.raw(rt.registry.shareds[i]).shape) for i in idx]  # no device-to-host copy
 
     def after(_):
         parts = rt.backend.collect()
@@ -213,5 +213,5 @@ class GetShapesMsg(NamedTuple):
 
 @handler(Command.GET_SHAPES, GetShapesMsg, collected=True)
 def _get_shapes_worker(rt, msg):
-    rt.backend.contribute([np.array(sv.raw(rt.registry.shareds[i]).shape, dtype=np.int64)
+    rt.backend.contribute([np.array(access.raw(rt.registry.shareds[i]).shape, dtype=np.int64)
                            for i in msg.idx])

@@ -11,8 +11,8 @@ import numpy as np
 from pytensor.tensor.sharedvar import TensorSharedVariable
 
 from ..inputs import conditioning
-from ..comm import reduce_ops as reducers
-from . import access as sv
+from ..comm import reduce_ops
+from . import access
 from ..comm import compressed
 from ..runtime.commands import Command, handler
 from ..runtime.run import run_command
@@ -50,8 +50,8 @@ def check_flags(where, **flags):
 
 
 def _check_reduce(rt, shared_vars, op, in_place, where):
-    reducers.check_op(op, where)
-    idx, single = sv.resolve(rt, shared_vars, where, unique=in_place)
+    reduce_ops.check_op(op, where)
+    idx, single = access.resolve(rt, shared_vars, where, unique=in_place)
     if in_place and op == "avg":
         for i in idx:
             var = rt.registry.shareds[i]
@@ -91,7 +91,7 @@ def reduce(shared_vars, op="avg", in_place=True, nccl=True):
     idx, single = _check_reduce(rt, shared_vars, op, in_place, "reduce")
     msg = ReduceMsg(idx, op, bool(in_place), bool(nccl))
     result = run_command(rt, Command.REDUCE, msg, lambda seq: _reduce_local(rt, msg))
-    return None if in_place else sv.ret(result, single)
+    return None if in_place else access.ret(result, single)
 
 
 class ReduceMsg(NamedTuple):
@@ -110,16 +110,16 @@ def _reduce_local(rt, msg):
     root = rt.place.master_rank
     outs = None
     if msg.in_place and rt.place.rank == root and not be.device_arrays:
-        outs = [sv.writable_out(rt, v, reducers.result_dtype(msg.op, a.dtype))
+        outs = [access.writable_out(rt, v, reduce_ops.result_dtype(msg.op, a.dtype))
                 for v, a in zip(shareds, arrays)]
     result = be.reduce(arrays, msg.op, root, out=outs)
     if rt.place.rank != root:
         return None
     if not msg.in_place:
-        return [sv.like(rt, var, value) for var, value in zip(shareds, result)] \
+        return [access.like(rt, var, value) for var, value in zip(shareds, result)] \
             if be.device_arrays else result
     for var, value, out in zip(shareds, result, outs or [None] * len(shareds)):
-        sv.store(rt, var, value, out)
+        access.store(rt, var, value, out)
 
 
 @handler(Command.REDUCE, ReduceMsg)
@@ -200,16 +200,16 @@ def all_reduce_local(rt, msg):
         host = rt.backend.host
         arrays = backend_values(host, shareds)
         result = compressed.all_reduce(host, arrays, msg.op, msg.dtype,
-                                       out=[sv.out_of(a) for a in arrays])
+                                       out=[access.out_of(a) for a in arrays])
         for var, value in zip(shareds, result):
-            sv.adopt(rt, var, value)
+            access.adopt(rt, var, value)
         return
     be = transport(rt, msg.nccl)
     arrays = backend_values(be, shareds)
-    outs = None if be.device_arrays else [sv.out_of(a) for a in arrays]
+    outs = None if be.device_arrays else [access.out_of(a) for a in arrays]
     result = be.all_reduce(arrays, msg.op, out=outs, keys=msg.idx)
     for var, value in zip(shareds, result):
-        sv.adopt(rt, var, value)
+        access.adopt(rt, var, value)
 
 
 @handler(Command.ALL_REDUCE, AllReduceMsg)

@@ -6,7 +6,7 @@ import pytest
 
 from synkhronos import SynkStateError
 from synkhronos.cluster.launch import Launch
-from synkhronos.runtime.fork_plan import Machine, control_bytes, plan, process_limit, setting_problems, share
+from synkhronos.fork_plan import Machine, control_bytes, plan, process_limit, setting_problems, share
 
 FOUR = Machine(cores=(0, 1, 2, 3))
 

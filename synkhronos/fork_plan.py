@@ -11,10 +11,10 @@ import os
 import resource
 from typing import NamedTuple, Optional
 
-from ..comm import backend_names
-from .control import ERR_BYTES, MSG_BYTES, RANK_BASE, RANK_STRIDE
-from ..errors import SynkStateError
-from .liveness import DEFAULT_TIMEOUT_S
+from .comm import backend_names
+from .runtime.control import ERR_BYTES, MSG_BYTES, RANK_BASE, RANK_STRIDE
+from .errors import SynkStateError
+from .runtime.liveness import DEFAULT_TIMEOUT_S
 
 
 class Machine(NamedTuple):
