@@ -13,7 +13,7 @@ from ..runtime.run import run_command
 from ..inputs.data_object import Data
 from .reductions import require_collective
 from ..runtime.state import serialized
-from .access import rows
+from ..inputs import rank_rows
 
 
 @serialized
@@ -39,7 +39,7 @@ def set_value(rank, shared_vars, values, batch=None):
     rank = access.check_rank(rt, rank, "set_value")
     idx, single = access.resolve(rt, shared_vars, "set_value")
     values = access.value_list(values, len(idx), single, "set_value")
-    sel = None if batch is None else rows.normalize_batch(batch, "set_value: batch")
+    sel = None if batch is None else rank_rows.normalize_batch(batch, "set_value: batch")
     items, sels = [], []
     for i, value in zip(idx, values):
         var = rt.registry.shareds[i]
@@ -50,10 +50,10 @@ def set_value(rank, shared_vars, values, batch=None):
             if arr.ndim == 0:
                 raise ValueError(f"set_value: batch needs values with rows; {var} is 0-d")
             s = access.select(sel, len(arr), var, "set_value")
-            n_rows = rows.selection_length(s, len(arr))
+            n_rows = rank_rows.selection_length(s, len(arr))
             access.check_static_shape(var, (n_rows,) + arr.shape[1:], "set_value")
             if not isinstance(item, Data):
-                item = rows.take(arr, s, 0, n_rows)
+                item = rank_rows.take(arr, s, 0, n_rows)
                 s = None
         items.append(item)
         sels.append(s)
@@ -61,7 +61,7 @@ def set_value(rank, shared_vars, values, batch=None):
         for i, item, s in zip(idx, items, sels):
             arr = item.data if isinstance(item, Data) else item
             if s is not None:
-                arr = rows.take(arr, s, 0, rows.selection_length(s, len(arr)))
+                arr = rank_rows.take(arr, s, 0, rank_rows.selection_length(s, len(arr)))
             access.store(rt, rt.registry.shareds[i], arr)
         return
     placeholder = np.empty(0, np.uint8)
@@ -96,7 +96,7 @@ def _set_value_local(rt, msg, per_rank=None):
         if desc is not None:
             view = access.data_view(rt, desc)
             if s is not None:
-                view = rows.take(view, s, 0, rows.selection_length(s, len(view)))
+                view = rank_rows.take(view, s, 0, rank_rows.selection_length(s, len(view)))
             access.store(rt, var, view)
 
 
