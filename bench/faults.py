@@ -16,10 +16,10 @@ controller calls a function in a loop (tests/helpers/cluster_faults.py "run"):
 Printed per fault and launcher: the error the controller raised and after how
 many seconds, when mpiexec returned (its exit status), when the last process of
 the job on any machine was gone, and what was left (processes, segments);
-medians over the rounds.  The same faults are asserted in tests/test_cluster.py.
+medians over the rounds.  The same faults are asserted in tests/cluster/test_cluster.py.
 Under Open MPI it also runs a training run that loses a machine after step 3
 under ULFM (tests/helpers/cluster_survive.py) and prints its losses beside its
-serial twin's (asserted in tests/test_cluster_survival.py).
+serial twin's (asserted in tests/cluster/test_cluster_survival.py).
 """
 
 import argparse

@@ -54,12 +54,12 @@ def _suite(*args):
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_function_suite_on_jax(n):
     # One rank count per process: the module's runtime forks once.
-    _suite("tests/test_function.py", "-k", f"{n}ranks")
+    _suite("tests/functions/test_function.py", "-k", f"{n}ranks")
 
 
 def test_collectives_suite_on_jax():
     # That suite forks in every test: each test runs in its own process.
-    _suite("-p", "helpers.fork_each", "tests/test_collectives.py")
+    _suite("-p", "helpers.fork_each", "tests/variables/test_collectives.py")
 
 
 # ---- helpers run on every rank --------------------------------------------------

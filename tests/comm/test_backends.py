@@ -363,7 +363,7 @@ class TestNcclBackend(BackendSuite):
 
 def test_every_backend_has_a_suite():
     suites = {cls.backend for cls in BackendSuite.__subclasses__()}
-    # The MPI backend exists only under mpiexec: tests/test_cluster.py runs every
+    # The MPI backend exists only under mpiexec: tests/cluster/test_cluster.py runs every
     # collective through it in real jobs.
     assert set(backend_names()) - {"mpi"} <= suites
 

@@ -1,4 +1,4 @@
-"""A training run that checkpoints every step, for tests/test_checkpoint.py (run as a script).
+"""A training run that checkpoints every step, for tests/variables/test_checkpoint.py (run as a script).
 
     python ckpt_train.py N_RANKS CKPT N_STEPS [--resume] [--pause] [--dropout]
 

@@ -1,7 +1,7 @@
 """Run under ``mpiexec -n M python cluster_checks.py L``: the cluster contract, checked against NumPy.
 
 The controller prints ``OK <name>`` per check and ``ALL OK`` at the end;
-tests/test_cluster.py runs it with several machine counts and local ranks.
+tests/cluster/test_cluster.py runs it with several machine counts and local ranks.
 """
 
 import sys

@@ -1,6 +1,6 @@
 """MPI jobs on simulated machines (machines.py), or on this host where they cannot be made.
 
-Shared by tests/test_cluster.py, tests/test_cluster_survival.py and
+Shared by tests/cluster/test_cluster.py, tests/cluster/test_cluster_survival.py and
 bench/faults.py: starting a job from machine 0, what it needs in its
 environment under each MPI, and ``fault_run``, which times what a fault does
 (the controller's error, mpiexec's end, the last process's end).

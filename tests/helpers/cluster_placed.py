@@ -2,7 +2,7 @@
 
 Also runs without mpiexec (one machine), where a produced Data is an ordinary
 one and every check holds the same.  The controller prints ``OK <name>`` per
-check and ``ALL OK`` at the end; tests/test_cluster_data.py runs it.
+check and ``ALL OK`` at the end; tests/cluster/test_cluster_data.py runs it.
 """
 
 import gc

@@ -58,7 +58,10 @@ def test_reduce_across_one_machine_is_numpys(dtype, op, weighted):
     vals = _contributions(dtype)
     weights = [1.0, 3.0, 2.0] if weighted else None
     leaders = OneLeader()
-    got = mpi_reduce.reduce_across(leaders, vals, [op] * 3, weights, None, lambda: None)
+    # The machine's partial (its shared-memory stage's result) and its mass.
+    partials = [reducers.combine(op, [v[i] for v in vals], weights) for i in range(3)]
+    mass = float(sum(weights)) if weighted else 3.0
+    got = mpi_reduce.reduce_across(leaders, partials, [op] * 3, mass, None, lambda: None)
     for i in range(3):
         exp = reducers.combine(op, [v[i] for v in vals], weights)
         assert got[i].dtype == exp.dtype and got[i].shape == exp.shape
@@ -74,9 +77,10 @@ def test_reduce_across_one_machine_is_numpys(dtype, op, weighted):
 
 def test_small_arrays_of_one_op_and_dtype_travel_in_one_message():
     leaders = OneLeader()
-    vals = [[np.ones(3, np.float32), np.ones((2, 2), np.float32), np.ones(5, np.int64)]]
+    partials = [np.ones(3, np.float32), np.ones((2, 2), np.float32), np.ones(5, np.int64)]
     out = [np.empty(3, np.float32), None, None]
-    got = mpi_reduce.reduce_across(leaders, vals, ["avg", "avg", "sum"], None, out, lambda: None)
+    got = mpi_reduce.reduce_across(leaders, partials, ["avg", "avg", "sum"], 1.0, out,
+                                   lambda: None)
     assert got[0] is out[0]
     # float32 avg (with the mass beside it) and int64 sum: two messages.
     (_, sends), = leaders.calls
@@ -87,7 +91,7 @@ def test_large_results_land_in_the_buffers_given():
     leaders = OneLeader()
     a = np.arange(70000, dtype=np.float32)
     into = [np.empty_like(a), None]
-    got = mpi_reduce.reduce_across(leaders, [[a, a[:3].copy()]], ["avg", "sum"], None, None,
+    got = mpi_reduce.reduce_across(leaders, [a, a[:3].copy()], ["avg", "sum"], 1.0, None,
                                    lambda: None, into)
     assert got[0] is into[0] and np.array_equal(got[0], a)
     assert np.array_equal(got[1], a[:3])

@@ -18,7 +18,7 @@ from synkhronos.variables import checkpoint
 
 pytestmark = pytest.mark.timeout(115)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "helpers" / "ckpt_train.py"
 
 

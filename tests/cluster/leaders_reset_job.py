@@ -15,7 +15,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as T
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "helpers"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "helpers"))
 
 import synkhronos as synk  # noqa: E402
 from procs import FailInRank  # noqa: E402
