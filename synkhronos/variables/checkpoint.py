@@ -231,7 +231,7 @@ def _current_shapes(rt, shareds):
         found = [[tuple(access.raw(shareds[k]).shape)] for k in tensors]
     elif tensors:
         # A query only: every rank reports, none changes anything.
-        found = rank_values._shapes(rt, [rt.registry.shared_ids[id(shareds[k])] for k in tensors])
+        found = rank_values.shapes_in_ranks(rt, [rt.registry.shared_ids[id(shareds[k])] for k in tensors])
     else:
         found = []
     for k, shapes in zip(tensors, found):

@@ -166,7 +166,7 @@ def get_shapes(shared_vars):
     """
     rt = require_collective("get_shapes()")
     idx, single = access.resolve(rt, shared_vars, "get_shapes", unique=False)
-    return access.ret(_shapes(rt, idx), single)
+    return access.ret(shapes_in_ranks(rt, idx), single)
 
 
 @serialized
@@ -190,10 +190,10 @@ def get_lengths(shared_vars):
     for i in idx:
         if rt.registry.shareds[i].ndim == 0:
             raise ValueError(f"get_lengths: {rt.registry.shareds[i]} is 0-d and has no length")
-    return access.ret([[s[0] for s in shapes] for shapes in _shapes(rt, idx)], single)
+    return access.ret([[s[0] for s in shapes] for shapes in shapes_in_ranks(rt, idx)], single)
 
 
-def _shapes(rt, idx):
+def shapes_in_ranks(rt, idx):
     """Return, per variable, the list of its shape in each rank."""
     mine = [tuple(access.raw(rt.registry.shareds[i]).shape) for i in idx]  # no device-to-host copy
 
