@@ -34,7 +34,7 @@ $(OLD_STAMP): pyproject.toml
 $(PYMC_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(PYMC_VENV)
 	$(PYMC_VENV)/bin/python -m pip install -q --upgrade pip
-	$(PYMC_VENV)/bin/python -m pip install -q -e ".[pymc]" $(PYTEST_DEPS)
+	$(PYMC_VENV)/bin/python -m pip install -q -e ".[pymc,nutpie]" $(PYTEST_DEPS)
 	touch $(PYMC_STAMP)
 
 $(OMPI_STAMP): pyproject.toml
