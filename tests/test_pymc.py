@@ -1,9 +1,12 @@
-"""PyMC models, data-parallel: logp and dlogp on n ranks equal PyMC's own on the whole data.
+"""PyMC models, data-parallel: logp, dlogp and posteriors equal PyMC's own on the whole data.
 
 Expectations come from PyMC itself (``model.compile_logp()``,
-``model.compile_dlogp()``) on the full data set, never from synkhronos.  One
-runtime per rank count (1, 2, 3; 11 rows split 6+5 and 4+4+3) serves every
-model of the module.  Skipped where PyMC is not installed.
+``compile_dlogp()``, ``pm.find_MAP``, serial ``pm.sample``), never from
+synkhronos.  Four models on synthetic data (tests/helpers/pymc_models.py:
+radon multilevel, negative-binomial GLM, censored survival with pm.Censored,
+pm.CustomDist and pm.Potential, Student-t with dims); then every case that
+used to be silently wrong, now exact or refused naming the variable.
+Skipped where PyMC is not installed.
 """
 
 import types
@@ -11,107 +14,44 @@ import types
 import numpy as np
 import pytest
 
-pm = pytest.importorskip("pymc", reason="PyMC is not installed (pip install 'synkhronos[pymc]')")
+pm = pytest.importorskip("pymc", reason="PyMC is not installed (pip install -e '.[pymc]')")
 
+import arviz as az  # noqa: E402
 import pytensor  # noqa: E402
 
 import synkhronos as synk  # noqa: E402
+from helpers import pymc_models  # noqa: E402
 from synkhronos.extensions import pymc as synk_pymc  # noqa: E402
 
-# PyMC graphs compile to C on PyTensor 2.x: a cold cache makes the first test of
-# each runtime (which builds five models) slow on a small CI machine.
-pytestmark = pytest.mark.timeout(240)
+# PyMC graphs compile to C on PyTensor 2.x: a cold cache makes the first build slow.
+pytestmark = pytest.mark.timeout(300)
 
-N_ROWS = 11
-
-
-def _models(rng):
-    """Several likelihood families, each with its data in pm.Data containers."""
-    n = N_ROWS
-    X = rng.normal(size=(n, 3))
-    beta = np.array([0.5, -1.0, 0.25])
-    models = {}
-
-    with pm.Model() as m:
-        Xd = pm.Data("X", X)
-        yd = pm.Data("y", (rng.random(n) < 1 / (1 + np.exp(-X @ beta))).astype("int64"))
-        b = pm.Normal("b", 0, 2, shape=3)
-        a = pm.Normal("a", 0, 2)
-        pm.Bernoulli("y_obs", logit_p=a + Xd @ b, observed=yd)
-    models["logistic"] = m
-
-    with pm.Model() as m:
-        Xd = pm.Data("X", X)
-        yd = pm.Data("y", rng.poisson(np.exp(0.3 * X @ beta)).astype("int64"))
-        b = pm.Normal("b", 0, 1, shape=3)
-        pm.Poisson("y_obs", mu=pm.math.exp(Xd @ b), observed=yd)
-    models["poisson"] = m
-
-    with pm.Model() as m:
-        Xd = pm.Data("X", X)
-        yd = pm.Data("y", X @ beta + rng.normal(size=n))
-        b = pm.Normal("b", 0, 1, shape=3)
-        sigma = pm.HalfNormal("sigma", 1)             # log transform: Jacobian once
-        pm.Normal("y_obs", mu=Xd @ b, sigma=sigma, observed=yd)
-        pm.Potential("shrink", -0.5 * (b ** 2).sum())  # counted once too
-    models["normal"] = m
-
-    # Rows named by coords: the "obs" length is a shared variable, not data.
-    with pm.Model(coords={"obs": np.arange(n), "feat": ["u", "v", "w"]}) as m:
-        Xd = pm.Data("X", X, dims=("obs", "feat"))
-        yd = pm.Data("y", X @ beta + rng.standard_t(4, size=n), dims="obs")
-        scale = pm.Data("scale", np.array([1.0, 2.0, 0.5]), dims="feat")  # used whole
-        b = pm.Normal("b", 0, scale, dims="feat")
-        nu = pm.Gamma("nu", 2, 0.1)
-        pm.StudentT("y_obs", nu=nu, mu=Xd @ b, sigma=1.0, observed=yd, dims="obs")
-    models["studentt_dims"] = m
-
-    # Two observed variables sharing the rows, one of them a Gamma.
-    with pm.Model() as m:
-        Xd = pm.Data("X", X)
-        y1 = pm.Data("y1", np.exp(rng.normal(size=n)))
-        y2 = pm.Data("y2", rng.normal(size=n))
-        b = pm.Normal("b", 0, 1, shape=3)
-        alpha = pm.Exponential("alpha", 1)
-        pm.Gamma("g_obs", alpha=alpha, beta=pm.math.exp(-(Xd @ b)), observed=y1)
-        pm.Normal("n_obs", mu=Xd @ b, sigma=2.0, observed=y2)
-    models["two_observed"] = m
-    return models
+N_ROWS = 301          # no rank count here divides it
+DRAWS = 300
 
 
-# Misuse first: these run without a runtime (the module's runtimes come after).
-def test_refuses_observed_data_outside_containers():
-    with pm.Model() as m:
-        b = pm.Normal("b", 0, 1)
-        pm.Normal("y_obs", mu=b, sigma=1.0, observed=np.zeros(5))
-    with pytest.raises(ValueError, match="pm.Data"):
-        synk_pymc.data_parallel(m)
+def _points(model, rng, k=2):
+    """A few random points in the transformed space, away from the initial point."""
+    start = model.initial_point()
+    return [{name: np.asarray(v + rng.normal(scale=0.5, size=np.shape(v)), dtype=v.dtype)
+             for name, v in start.items()} for _ in range(k)]
 
 
-def test_refuses_discrete_free_variables():
-    with pm.Model() as m:
-        k = pm.Poisson("k", 3.0)
-        pm.Normal("y_obs", mu=k, sigma=1.0, observed=pm.Data("y", np.zeros(5)))
-    with pytest.raises(ValueError, match="discrete"):
-        synk_pymc.data_parallel(m)
+# -- misuse without a runtime -------------------------------------------------------------------
+def test_needs_fork_first_and_says_so():
+    model = pymc_models.negbin(20)
+    with pytest.raises(synk.SynkStateError, match=r"data_parallel\(\) needs synk.fork\(\)"):
+        synk_pymc.data_parallel(model)
 
 
-def test_needs_fork_first():
-    with pm.Model() as m:
-        b = pm.Normal("b", 0, 1)
-        pm.Normal("y_obs", mu=b, sigma=1.0, observed=pm.Data("y", np.zeros(5)))
-    with pytest.raises(synk.SynkStateError, match="fork"):
-        synk_pymc.data_parallel(m)
-
-
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}ranks")
-def env(request, runtime_keeper):
-    """Fork n ranks, build every model's data-parallel functions, distribute once."""
+# -- the four models on 2 ranks -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def env(runtime_keeper):
+    """Fork 2 ranks, build every model's data-parallel functions, distribute once."""
     with pytensor.config.change_flags(floatX="float64"):
-        n = request.param
-        e = types.SimpleNamespace(n=n)
-        e.models = _models(np.random.default_rng(7))
-        runtime_keeper.fork(n)
+        e = types.SimpleNamespace()
+        e.models = {k: f(N_ROWS) for k, f in pymc_models.MODELS.items()}
+        runtime_keeper.fork(2)
         try:
             e.dps = {k: synk_pymc.data_parallel(m) for k, m in e.models.items()}
             synk.distribute()
@@ -122,82 +62,267 @@ def env(request, runtime_keeper):
         runtime_keeper.close()
 
 
-def _points(model, rng, k=2):
-    """A few random points in the transformed space, away from the initial point."""
-    start = model.initial_point()
-    return [{name: np.asarray(v + rng.normal(scale=0.5, size=np.shape(v)), dtype=v.dtype)
-             for name, v in start.items()} for _ in range(k)]
-
-
-MODELS = ["logistic", "poisson", "normal", "studentt_dims", "two_observed"]
-
-
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", list(pymc_models.MODELS))
 def test_logp_and_dlogp_equal_pymc(env, name):
     model, dp = env.models[name], env.dps[name]
     logp, dlogp = model.compile_logp(), model.compile_dlogp()
-    for point in _points(model, np.random.default_rng(11)):
+    points = _points(model, np.random.default_rng(11), k=3)
+    for point in points:
         np.testing.assert_allclose(dp.logp(point), logp(point), rtol=1e-10)
-        np.testing.assert_allclose(dp.dlogp(point), dlogp(point), rtol=1e-9, atol=1e-12)
-        lp, g = dp.logp_dlogp(dp.ravel(point))
+        np.testing.assert_allclose(dp.dlogp(point), dlogp(point), rtol=1e-9, atol=1e-10)
+    # Several positions in one call: each row is PyMC's value at that position.
+    logps, grads = dp.logp_dlogp_many(np.stack([dp.ravel(p) for p in points]))
+    for point, lp, g in zip(points, logps, grads):
         np.testing.assert_allclose(lp, logp(point), rtol=1e-10)
-        np.testing.assert_allclose(g, dlogp(point), rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(g, dlogp(point), rtol=1e-9, atol=1e-10)
 
 
 def test_data_split_and_kept_whole(env):
     dp = env.dps["studentt_dims"]
-    assert [c.name for c in dp.containers] == ["X", "y"]   # "scale" has other rows
+    assert [c.name for c in dp.containers] == ["X", "y"]      # "scale" has other rows
+    assert [c.name for c in dp.whole] == ["scale"]
     assert dp.n_rows == N_ROWS
-    lengths = synk.get_lengths(dp._shards[0])
-    assert list(lengths) == [len(a) for a in np.array_split(np.arange(N_ROWS), env.n)]
-    # The model keeps its whole data set.
-    assert len(env.models["studentt_dims"]["X"].get_value()) == N_ROWS
+    radon = env.dps["radon"]
+    assert sorted(c.name for c in radon.containers) == ["county_idx", "floor", "log_radon"]
 
 
-def test_map_equals_serial_scipy_fit(env):
-    from scipy.optimize import minimize
+def _z_scores(a, b, var_names):
+    """|mean difference| and |sd difference| over their Monte Carlo standard errors."""
+    out = []
+    for v in var_names:
+        xa, xb = a.posterior[v], b.posterior[v]
+        ess_a = np.asarray(az.ess(a, var_names=[v])[v])
+        ess_b = np.asarray(az.ess(b, var_names=[v])[v])
+        ma, mb = np.asarray(xa.mean(("chain", "draw"))), np.asarray(xb.mean(("chain", "draw")))
+        sa, sb = np.asarray(xa.std(("chain", "draw"))), np.asarray(xb.std(("chain", "draw")))
+        z_mean = np.abs(ma - mb) / np.sqrt(sa ** 2 / ess_a + sb ** 2 / ess_b)
+        z_sd = np.abs(sa - sb) / np.sqrt(sa ** 2 / (2 * ess_a) + sb ** 2 / (2 * ess_b))
+        out.append((v, float(np.max(z_mean)), float(np.max(z_sd))))
+    return out
 
-    model, dp = env.models["normal"], env.dps["normal"]
-    point, res = dp.find_map()
-    assert res.success
-    logp, dlogp = model.compile_logp(), model.compile_dlogp()
-    ref = minimize(lambda x: -logp(dp.unravel(x)), dp.initial_x(),
-                   jac=lambda x: -dlogp(dp.unravel(x)), method="L-BFGS-B")
-    np.testing.assert_allclose(dp.ravel(point), ref.x, rtol=1e-4, atol=1e-5)
-    f, g = dp.neg_logp_dlogp(ref.x)
-    assert isinstance(f, float) and g.dtype == np.float64
-    np.testing.assert_allclose(f, -logp(dp.unravel(ref.x)), rtol=1e-10)
+
+SAMPLED = [("radon", "pymc"), ("negbin", "pymc"), ("survival", "pymc"),
+           ("studentt_dims", "nutpie"), ("negbin", "nutpie")]
 
 
-def test_set_data_then_scatter_again(env):
-    model, dp = env.models["poisson"], env.dps["poisson"]
-    old = {c.name: c.get_value() for c in dp.containers}
+@pytest.mark.parametrize("name,sampler", SAMPLED)
+def test_posterior_equals_serial_pm_sample(env, name, sampler):
+    if sampler == "nutpie":
+        pytest.importorskip("nutpie")
+    model, dp = env.models[name], env.dps[name]
+    idata = dp.sample(DRAWS, tune=DRAWS, chains=2, random_seed=5, nuts_sampler=sampler,
+                      progressbar=False)
+    # The same groups and statistics as pm.sample's own result.
+    assert {"posterior", "sample_stats", "observed_data"} <= set(idata.groups())
+    assert idata.posterior.sizes["chain"] == 2 and idata.posterior.sizes["draw"] == DRAWS
+    assert "diverging" in idata.sample_stats
+    # Every chain's request went into shared calls: two chains, fewer calls than positions.
+    assert dp.batcher.positions > 1.3 * dp.batcher.calls, (dp.batcher.positions, dp.batcher.calls)
+    with model:
+        ref = pm.sample(DRAWS, tune=DRAWS, chains=2, cores=1, random_seed=6, progressbar=False,
+                        compute_convergence_checks=False)
+    names = [v.name for v in model.free_RVs]
+    z = _z_scores(idata, ref, names)
+    assert all(zm < 4.5 and zs < 4.5 for _, zm, zs in z), z
+
+
+def test_find_map_is_pm_find_map(env):
+    model, dp = env.models["radon"], env.dps["radon"]
+    point = dp.find_map()
+    ref = pm.find_MAP(model=model, progressbar=False)
+    assert set(point) == set(ref)
+    for k in ref:
+        np.testing.assert_allclose(point[k], ref[k], rtol=1e-4, atol=1e-4, err_msg=k)
+    raw, res = dp.find_map(include_transformed=False, return_raw=True)
+    assert "sigma_a_log__" not in raw and res.success
+
+
+def test_set_data_without_scatter_is_caught(env):
+    model, dp = env.models["negbin"], env.dps["negbin"]
+    old = model["y"].get_value()
+    point = model.initial_point()
     try:
-        rng = np.random.default_rng(3)
         with model:
-            pm.set_data({"y": rng.poisson(2.0, size=N_ROWS).astype("int64")})
+            pm.set_data({"y": np.random.default_rng(3).poisson(2.0, size=N_ROWS)})
+        with pytest.raises(synk.SynkStateError, match=r"\['y'\].*dp.scatter\(\)"):
+            dp.logp(point)
         dp.scatter()
-        point = _points(model, rng, k=1)[0]
         np.testing.assert_allclose(dp.logp(point), model.compile_logp()(point), rtol=1e-10)
     finally:
         with model:
-            pm.set_data(old)
+            pm.set_data({"y": old})
         dp.scatter()
+    np.testing.assert_allclose(dp.logp(point), model.compile_logp()(point), rtol=1e-10)
 
 
-def test_demo_runs_small():
-    """demos/pymc/map_regression.py end to end, on a few rows (its figures are not checked)."""
+# -- the cases that used to be silently wrong ---------------------------------------------------
+def _regression(n=N_ROWS, seed=2):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, 2))
+    return X, X @ np.array([1.0, -0.5]) + rng.normal(size=n)
+
+
+def _total_size_model():
+    X, y = _regression()
+    with pm.Model() as m:
+        X_d, y_d = pm.Data("X", X), pm.Data("y", y)
+        b = pm.Normal("b", 0, 1, shape=2)
+        pm.Normal("y_obs", mu=X_d @ b, sigma=1.0, observed=y_d, total_size=50_000)
+    return m
+
+
+def _centred_model():
+    X, y = _regression()
+    with pm.Model() as m:
+        X_d, y_d = pm.Data("X", X), pm.Data("y", y)
+        b = pm.Normal("b", 0, 1, shape=2)
+        pm.Normal("y_obs", mu=(X_d - X_d.mean(0)) @ b, sigma=1.0, observed=y_d)
+    return m
+
+
+def _random_walk_model():
+    y = np.cumsum(np.random.default_rng(4).normal(size=N_ROWS))
+    X, y2 = _regression()
+    with pm.Model() as m:
+        X_d, y2_d = pm.Data("X", X), pm.Data("y2", y2)
+        series = pm.Data("series", y)
+        b = pm.Normal("b", 0, 1, shape=2)
+        s = pm.HalfNormal("s", 1)
+        pm.Normal("y_obs", mu=X_d @ b, sigma=1.0, observed=y2_d)
+        pm.GaussianRandomWalk("walk", sigma=s, init_dist=pm.Normal.dist(0, 10),
+                              observed=series, steps=N_ROWS - 1)
+    return m
+
+
+def test_refusals_name_the_variable(exact):
+    """Misuse found at data_parallel time, before anything is built."""
+    rng = np.random.default_rng(0)
+    X, y = _regression()
+    cases = []
+    with pm.Model() as m:     # pm.Minibatch: each rank would draw its own batch
+        X_d, y_d = pm.Data("X", X), pm.Data("y", y)
+        Xb, yb = pm.Minibatch(X_d, y_d, batch_size=20)
+        b = pm.Normal("b", 0, 1, shape=2)
+        pm.Normal("y_obs", mu=Xb @ b, sigma=1.0, observed=yb, total_size=N_ROWS)
+    cases.append((m, {}, r"'y_obs'.*pm.Minibatch"))
+    cases.append((_centred_model(), {}, r"'y_obs' combines rows"))
+    cases.append((_random_walk_model(), {}, r"'walk' combines rows.*unsplit"))
+    with pm.Model() as m:     # a NumPy covariate
+        y_d = pm.Data("y", y)
+        b = pm.Normal("b", 0, 1, shape=2)
+        pm.Normal("y_obs", mu=X @ b, sigma=1.0, observed=y_d)
+    cases.append((m, {}, r"'y_obs' reads a NumPy array of float64 .*\(301, 2\)"))
+    with pm.Model() as m:     # NumPy observed next to pm.Data covariates
+        X_d = pm.Data("X", X)
+        b = pm.Normal("b", 0, 1, shape=2)
+        pm.Normal("y_obs", mu=X_d @ b, sigma=1.0, observed=y)
+    cases.append((m, {}, r'observed data of \'y_obs\' is a NumPy array.*pm.Data\("y_obs_data"'))
+    with pm.Model() as m:     # a NumPy upper= of pm.Censored
+        X_d, y_d = pm.Data("X", X), pm.Data("y", np.minimum(y, 1.0))
+        b = pm.Normal("b", 0, 1, shape=2)
+        pm.Censored("y_obs", pm.Normal.dist(X_d @ b, 1.0), lower=None,
+                    upper=np.full(N_ROWS, 1.0) + 0 * rng.random(N_ROWS), observed=y_d)
+    cases.append((m, {}, r"'y_obs' reads a NumPy array.*pm.Censored"))
+    mask = rng.random(N_ROWS) < 0.7
+    with pm.Model() as m:     # observed rows a masked subset of the covariate rows
+        X_d, y_d = pm.Data("X", X), pm.Data("y", y[mask])
+        b = pm.Normal("b", 0, 1, shape=2)
+        pm.Normal("y_obs", mu=(X_d @ b)[mask], sigma=1.0, observed=y_d)
+    cases.append((m, {}, r"'y_obs'.*select them before building the model"))
+    for model, kw, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            synk_pymc.data_parallel(model, **kw)
+
+
+def test_numpy_observed_names_the_fix(exact):
+    with pm.Model() as m:
+        b = pm.Normal("b", 0, 1)
+        pm.Normal("y_like", mu=b, sigma=1.0, observed=np.zeros(5))
+    with pytest.raises(ValueError, match=r'pm.Data\("y_like_data", values\)'):
+        synk_pymc.data_parallel(m)
+
+
+def test_refuses_discrete_free_variables(exact):
+    with pm.Model() as m:
+        k = pm.Poisson("k", 3.0)
+        pm.Normal("y_obs", mu=k, sigma=1.0, observed=pm.Data("y", np.zeros(5)))
+    with pytest.raises(ValueError, match="discrete"):
+        synk_pymc.data_parallel(m)
+
+
+@pytest.fixture(scope="module")
+def exact(runtime_keeper):
+    """A 3-rank runtime (uneven split) for the cases now exact."""
+    with pytensor.config.change_flags(floatX="float64"):
+        e = types.SimpleNamespace()
+        e.models = {"total_size": _total_size_model(), "centred": _centred_model(),
+                    "walk": _random_walk_model()}
+        runtime_keeper.close()       # the 2-rank runtime of the tests above
+        runtime_keeper.fork(3)
+        try:
+            e.dps = {"total_size": synk_pymc.data_parallel(e.models["total_size"]),
+                     "centred": synk_pymc.data_parallel(e.models["centred"], unsplit=["X", "y"]),
+                     "walk": synk_pymc.data_parallel(e.models["walk"], unsplit=["series"])}
+            synk.distribute()
+        except BaseException:
+            runtime_keeper.close()
+            raise
+        yield e
+        runtime_keeper.close()
+
+
+@pytest.mark.parametrize("name", ["total_size", "centred", "walk"])
+def test_now_exact_on_uneven_ranks(exact, name):
+    model, dp = exact.models[name], exact.dps[name]
+    logp, dlogp = model.compile_logp(), model.compile_dlogp()
+    for point in _points(model, np.random.default_rng(1)):
+        np.testing.assert_allclose(dp.logp(point), logp(point), rtol=1e-10)
+        np.testing.assert_allclose(dp.dlogp(point), dlogp(point), rtol=1e-9, atol=1e-10)
+    if name == "walk":
+        assert [t.name for t in dp._plan.whole_terms] == ["walk", "prior"]
+
+
+def test_float32_model_keeps_its_precision(runtime_keeper):
+    """A model built in float32 runs in float32 and matches PyMC's float32 functions."""
+    with pytensor.config.change_flags(floatX="float32"):
+        model = pymc_models.negbin(N_ROWS)
+        runtime_keeper.close()
+        runtime_keeper.fork(2)
+        try:
+            dp = synk_pymc.data_parallel(model)
+            synk.distribute()
+            assert dp.dtype == np.float32
+            point = model.initial_point()
+            lp, g = dp.logp_dlogp(point)
+            assert g.dtype == np.float32
+            np.testing.assert_allclose(lp, model.compile_logp()(point), rtol=1e-5)
+            np.testing.assert_allclose(g, model.compile_dlogp()(point), rtol=1e-4, atol=1e-3)
+        finally:
+            runtime_keeper.close()
+
+
+# -- data produced where it is used, on simulated machines --------------------------------------
+def _cluster_run(n_machines, local):
     import os
-    import subprocess
-    import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "demos/pymc/map_regression.py", "--family", "poisson",
-                           "--rows", "3000", "--features", "3", "--evals", "2", "--rounds", "1",
-                           "--n-parallel", "2"],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=200)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "synkhronos, 2 ranks" in proc.stdout and "evaluations/s" in proc.stdout
-    diff = float(proc.stdout.rsplit("MAP estimates:", 1)[1].split()[0])
-    assert diff < 1e-6
+    from helpers.cluster_jobs import TESTS, assert_nothing_left, machines, mpirun
+
+    script = os.path.join(TESTS, "helpers", "cluster_pymc.py")
+    with machines(n_machines) as m:
+        rc, out, _ = mpirun(m, n_machines, [script, str(local)], timeout=280)
+        assert rc == 0 and "ALL OK" in out, out
+        assert f"MACHINES {n_machines}\n" in out and "OK logp\n" in out, out
+        assert_nothing_left(m, out, "cluster_pymc.py")
+
+
+def _why_no_cluster():
+    from test_cluster import WHY
+    return WHY
+
+
+@pytest.mark.timeout(300)
+def test_sample_on_two_simulated_machines():
+    why = _why_no_cluster()
+    if why:
+        pytest.skip(why)
+    _cluster_run(2, 1)

@@ -1,6 +1,6 @@
 """Everything the integration needs from PyMC's (and nutpie's) internals, in one place.
 
-Supported: PyMC 5.25-5.28 with the PyTensor each pins; nutpie 0.15+.
+Supported: PyMC 5.27-5.28 with the PyTensor each pins (2.36, 2.38); nutpie 0.15+.
 ``tests/test_pymc_internals.py`` checks every name used here against the
 installed versions (``make test-pymc-versions`` runs it on each).  What we
 rely on:
@@ -30,7 +30,8 @@ from pymc.initial_point import make_initial_point_fn
 from pymc.pytensorf import rewrite_pregrad as _rewrite_pregrad
 from pymc.sampling import mcmc
 
-SUPPORTED_PYMC = ((5, 25), (5, 28))
+SUPPORTED_PYMC = ((5, 27), (5, 28))
+"""PyMC 5.25 and 5.26 pin PyTensor 2.31 and 2.35, below synkhronos's 2.36 (compat.MIN_PYTENSOR)."""
 
 
 def pymc_version():

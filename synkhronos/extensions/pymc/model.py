@@ -1,4 +1,4 @@
-"""DataParallelModel: one PyMC model's log-density and gradient, summed over ranks, many positions per call."""
+"""DataParallelModel: a PyMC log-density and its gradient, summed over ranks, many positions a call."""
 
 import logging
 

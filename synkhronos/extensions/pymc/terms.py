@@ -178,12 +178,18 @@ def refuse_numpy_rows(model, plan):
     if plan.n_rows < 2:
         return
     observed = {rv.name: model.rvs_to_values[rv] for rv in model.observed_RVs}
+    containers = set(containers_of(model).values())
     for term in plan.split_terms:
-        for var in _ancestors(term.graph):
+        ancestors = _ancestors(term.graph)
+        # Masks and index lists select rows: of the observations, or of any container.
+        select_rows = {plan.n_rows} | {_rows(c) for c in ancestors if c in containers}
+        for var in ancestors:
             if not isinstance(var, Constant) or getattr(var.type, "ndim", 0) < 1:
                 continue
             shape = np.shape(var.data)
-            if not shape or shape[0] != plan.n_rows:
+            kind = np.asarray(var.data).dtype
+            selects = kind.kind in "biu"
+            if not shape or shape[0] not in (select_rows if selects else {plan.n_rows}):
                 continue
             obs = observed.get(term.name)
             if obs is not None and var in set(_ancestors(obs)):
@@ -191,13 +197,12 @@ def refuse_numpy_rows(model, plan):
                     f"{WHERE}: the observed data of {term.name!r} is a NumPy array (shape "
                     f"{shape}), a constant of the graph that cannot follow each rank's rows. "
                     f"Pass observed=pm.Data(\"{term.name}_data\", values) instead")
-            kind = np.asarray(var.data).dtype
             select = (" If it selects rows (a mask or an index list), select them before "
                       "building the model (X[mask]), so that every container has one row "
-                      "per observation." if kind == bool or kind.kind in "iu" else "")
+                      "per observation." if selects else "")
             raise ValueError(
                 f"{WHERE}: the log-density term of {term.name!r} reads a NumPy array of "
-                f"{kind} with one row per observation (shape {shape}) that is not in a "
-                "pm.Data container, so it cannot follow each rank's rows. Put it in one: "
+                f"{kind} with one entry per row (shape {shape}) that is not in a pm.Data "
+                "container, so it cannot follow each rank's rows. Put it in one: "
                 "values = pm.Data(\"name\", values), and use that in the model (for "
                 "pm.Censored's lower=/upper= as well)." + select)
