@@ -171,12 +171,17 @@ def _total_size_model():
     return m
 
 
-def _centred_model():
+def _centred_model(second=False):
+    """Centring with a mean over rows; ``second``: plus a regression on other containers."""
     X, y = _regression()
+    X2, y2 = _regression(seed=9)
     with pm.Model() as m:
         X_d, y_d = pm.Data("X", X), pm.Data("y", y)
         b = pm.Normal("b", 0, 1, shape=2)
         pm.Normal("y_obs", mu=(X_d - X_d.mean(0)) @ b, sigma=1.0, observed=y_d)
+        if second:
+            X2_d, y2_d = pm.Data("X2", X2), pm.Data("y2", y2)
+            pm.Normal("y2_obs", mu=X2_d @ b, sigma=1.0, observed=y2_d)
     return m
 
 
@@ -206,7 +211,8 @@ def test_refusals_name_the_variable(exact):
         pm.Normal("y_obs", mu=Xb @ b, sigma=1.0, observed=yb, total_size=N_ROWS)
     cases.append((m, {}, r"'y_obs'.*pm.Minibatch"))
     cases.append((_centred_model(), {}, r"'y_obs' combines rows"))
-    cases.append((_random_walk_model(), {}, r"'walk' combines rows.*unsplit"))
+    cases.append((_centred_model(), {"unsplit": ["X", "y"]}, r"no pm.Data container to split"))
+    cases.append((_random_walk_model(), {}, r"'walk' fails on its first rows.*unsplit"))
     with pm.Model() as m:     # a NumPy covariate
         y_d = pm.Data("y", y)
         b = pm.Normal("b", 0, 1, shape=2)
@@ -216,7 +222,7 @@ def test_refusals_name_the_variable(exact):
         X_d = pm.Data("X", X)
         b = pm.Normal("b", 0, 1, shape=2)
         pm.Normal("y_obs", mu=X_d @ b, sigma=1.0, observed=y)
-    cases.append((m, {}, r'observed data of \'y_obs\' is a NumPy array.*pm.Data\("y_obs_data"'))
+    cases.append((m, {}, r"observed data of \['y_obs'\] are NumPy arrays.*pm.Data\(\"y_obs_data\""))
     with pm.Model() as m:     # a NumPy upper= of pm.Censored
         X_d, y_d = pm.Data("X", X), pm.Data("y", np.minimum(y, 1.0))
         b = pm.Normal("b", 0, 1, shape=2)
@@ -255,7 +261,7 @@ def exact(runtime_keeper):
     """A 3-rank runtime (uneven split) for the cases now exact."""
     with pytensor.config.change_flags(floatX="float64"):
         e = types.SimpleNamespace()
-        e.models = {"total_size": _total_size_model(), "centred": _centred_model(),
+        e.models = {"total_size": _total_size_model(), "centred": _centred_model(second=True),
                     "walk": _random_walk_model()}
         runtime_keeper.close()       # the 2-rank runtime of the tests above
         runtime_keeper.fork(3)
@@ -278,8 +284,9 @@ def test_now_exact_on_uneven_ranks(exact, name):
     for point in _points(model, np.random.default_rng(1)):
         np.testing.assert_allclose(dp.logp(point), logp(point), rtol=1e-10)
         np.testing.assert_allclose(dp.dlogp(point), dlogp(point), rtol=1e-9, atol=1e-10)
-    if name == "walk":
-        assert [t.name for t in dp._plan.whole_terms] == ["walk", "prior"]
+    whole_terms = {"total_size": ["prior"], "centred": ["y_obs", "prior"],
+                   "walk": ["walk", "prior"]}[name]
+    assert [t.name for t in dp._plan.whole_terms] == whole_terms
 
 
 def test_float32_model_keeps_its_precision(runtime_keeper):

@@ -108,3 +108,17 @@ def test_pm_sample_runs_every_chain_through_the_batcher(sampler):
     # The hooks are gone afterwards: PyMC's own functions again.
     assert "logp_dlogp_function" not in vars(model)
     assert mcmc._sample_many.__module__ == "pymc.sampling.mcmc"
+
+
+def test_total_size_is_found():
+    rng = np.random.default_rng(0)
+    with pytensor.config.change_flags(floatX="float64"):
+        with pm.Model() as model:
+            y_d = pm.Data("y", rng.normal(size=10))
+            mu = pm.Normal("mu", 0, 1)
+            scaled = pm.Normal("scaled", mu, 1, observed=y_d, total_size=1000)
+            plain = pm.Normal("plain", mu, 1, observed=y_d)
+            cols = pm.Normal("cols", mu, 1, observed=y_d, total_size=[None])
+    assert internals.scales_rows(scaled)
+    assert not internals.scales_rows(plain) and not internals.scales_rows(cols)
+    assert [v.name for v in model.observed_RVs] == ["scaled", "plain", "cols"]

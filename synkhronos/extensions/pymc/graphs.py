@@ -86,10 +86,71 @@ def batched(logp, value_vars, shapes, positions, pregrad=None):
         part = positions[:, lo:lo + size].reshape((k, *shape))
         replace[v] = part.astype(v.dtype) if part.dtype != v.dtype else part
         lo += size
-    out = vectorize_graph([logp, *grads], replace=replace)
+    out = _join_in_batches(vectorize_graph([logp, *grads], replace=replace))
     logps, bgrads = out[0], out[1:]
     flat = [g.reshape((k, -1)) for g in bgrads]
     grad = pt.concatenate(flat, axis=1) if len(flat) > 1 else flat[0]
     if grad.dtype != positions.dtype:
         grad = grad.astype(positions.dtype)
     return logps, grad
+
+
+def _join_in_batches(outputs):
+    """Replace ``Blockwise(Join)`` and ``Blockwise(Split)`` (PyTensor's fallbacks when
+    vectorising a join and its gradient) by a join or split along the shifted axis.
+
+    A Blockwise node keeps a local function in its tag once compiled, which
+    ``synk.distribute()`` cannot pickle; time-series likelihoods such as
+    GaussianRandomWalk's have a join.  Other Blockwise fallbacks stay (and
+    distribute() says it cannot pickle them).
+    """
+    from pytensor.graph.replace import graph_replace
+    from pytensor.tensor.basic import Join, Split, get_underlying_scalar_constant_value
+    from pytensor.tensor.blockwise import Blockwise
+    from pytensor.tensor.exceptions import NotScalarConstantError
+
+    from ... import compat
+
+    def constant(v):
+        try:
+            return int(get_underlying_scalar_constant_value(v))
+        except NotScalarConstantError:
+            return None
+
+    def one(outputs):
+        """The replacements for one Blockwise Join or Split node, or None."""
+        in_graph = set(compat.ancestors(outputs))
+        for var in in_graph:
+            node = var.owner
+            if node is None or not isinstance(node.op, Blockwise):
+                continue
+            core, nb = node.op.core_op, node.op.batch_ndim(node)
+            if isinstance(core, Join):
+                axis, *parts = node.inputs
+                core_axis = constant(axis)
+                if core_axis is None:
+                    continue
+                out = node.outputs[0]
+                # The batch shape from the parts (1 broadcasts), never from out: no cycle.
+                batch = tuple(pt.max(pt.stack([p.shape[i] for p in parts])) for i in range(nb))
+                parts = [pt.broadcast_to(p, (*batch, *(p.shape[i] for i in range(nb, p.ndim))))
+                         for p in parts]
+                return {out: pt.join(core_axis + nb if core_axis >= 0 else core_axis, *parts)}
+            if isinstance(core, Split):
+                x, axis, sizes = node.inputs
+                core_axis = constant(axis)
+                if core_axis is None:
+                    continue
+                sizes = sizes[(0,) * (sizes.ndim - 1)] if sizes.ndim > 1 else sizes
+                x_axis = core_axis + nb if core_axis >= 0 else core_axis
+                pieces = core(x, pt.constant(x_axis), sizes)
+                pieces = pieces if isinstance(pieces, list) else [pieces]
+                return {o: p for o, p in zip(node.outputs, pieces) if o in in_graph}
+        return None
+
+    for _ in range(100):
+        replace = one(outputs)
+        if not replace:
+            break
+        outputs = graph_replace(outputs, replace, strict=False)
+    return outputs

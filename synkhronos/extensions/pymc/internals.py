@@ -40,6 +40,21 @@ def pymc_version():
     return int(parts[0]), int(parts[1])
 
 
+def scales_rows(rv):
+    """Whether PyMC scales ``rv``'s logp by ``total_size / (its rows)`` on axis 0.
+
+    PyMC 5.27-5.28 wrap an observed variable given ``total_size`` in a
+    ``MinibatchRandomVariable`` whose inputs after the variable are the
+    total sizes per axis (``NoneConst`` where none).
+    """
+    from pytensor.tensor.type_other import NoneConst
+
+    node = rv.owner
+    if node is None or type(node.op).__name__ != "MinibatchRandomVariable":
+        return False
+    return len(node.inputs) > 1 and not NoneConst.equals(node.inputs[1])
+
+
 def rewrite_pregrad(cost):
     """PyMC's rewrites before taking a gradient (as its ValueGradFunction does)."""
     return _rewrite_pregrad(cost)

@@ -41,6 +41,11 @@ def check_rows(model, plan, value_vars, point_fn, mode, n_points=3):
     exprs, _, _ = graphs.rank_terms(model, plan, inputs, {}, n_total)
     fn = pytensor.function([*value_vars, *inputs, n_total], exprs, mode=mode,
                            on_unused_input="ignore")
+    def per_term(lo, hi):
+        """One function per term, compiled only when the check fails (to name the term)."""
+        return _Lazy(lambda: [pytensor.function([*value_vars, *inputs, n_total], e, mode=mode,
+                                                on_unused_input="ignore") for e in exprs])
+
     t = min(plan.n_rows, CHECK_ROWS)
     rows = [np.asarray(c.get_value(borrow=True)[:t]) for c in plan.split]
     cuts = _cuts(t)
@@ -49,10 +54,11 @@ def check_rows(model, plan, value_vars, point_fn, mode, n_points=3):
     for i in range(n_points):
         point = point_fn(i)
         args = [point[v.name] for v in value_vars]
-        whole = _evaluate(fn, args, rows, t, plan, None)
+        whole = _evaluate(fn, args, rows, t, plan, None, per_term(0, t))
         if not np.all(np.isfinite(whole)):
             continue
-        parts = [_evaluate(fn, args, [r[lo:hi] for r in rows], t, plan, (lo, hi))
+        parts = [_evaluate(fn, args, [r[lo:hi] for r in rows], t, plan, (lo, hi),
+                           per_term(lo, hi))
                  for lo, hi in zip(cuts[:-1], cuts[1:])]
         summed = np.sum(parts, axis=0)
         scale = np.sum(np.abs(parts), axis=0) + np.abs(whole) + 1e-300
@@ -74,18 +80,41 @@ def _cuts(t):
     return [0, a, min(b, t - 1), t]
 
 
-def _evaluate(fn, args, rows, t, plan, part):
+def _evaluate(fn, args, rows, t, plan, part, per_term=None):
     try:
         return np.asarray(fn(*args, *rows, float(t)), dtype=np.float64)
     except Exception as exc:  # noqa: BLE001 - any failure on part of the rows is the user's to see
-        where = "all its first rows" if part is None else f"rows {part[0]}:{part[1]} of them"
+        where = "its first rows" if part is None else f"rows {part[0]}:{part[1]} of its first rows"
         names = [t.name for t in plan.split_terms]
+        if per_term is not None:     # name the terms that fail, not all of them
+            names = [n for n, f in zip(names, per_term) if _fails(f, args, rows, t)] or names
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(
-            f"{WHERE}: the log-density terms of {names} fail on {where} "
-            f"({type(exc).__name__}: {first}); the split containers "
-            f"{[c.name for c in plan.split]} must share their rows, and every array with one "
-            "row per observation must be one of them (a pm.Data container)") from exc
+            f"{WHERE}: the log-density term of {names[0]!r}"
+            + (f" (and {names[1:]})" if len(names) > 1 else "")
+            + f" fails on {where} ({type(exc).__name__}: {first}). A term that needs all its "
+            "rows (a time series, a fixed number of steps) must keep its data whole: "
+            f"data_parallel(model, unsplit=[...]) with the containers it reads among "
+            f"{[c.name for c in plan.split]}; otherwise every array with one row per "
+            "observation must be a pm.Data container with the same rows") from exc
+
+
+class _Lazy:
+    """A list built on first iteration."""
+
+    def __init__(self, make):
+        self._make = make
+
+    def __iter__(self):
+        return iter(self._make())
+
+
+def _fails(fn, args, rows, t):
+    try:
+        fn(*args, *rows, float(t))
+    except Exception:  # noqa: BLE001 - only whether it fails
+        return True
+    return False
 
 
 def _combines_rows(term, plan, whole, summed):

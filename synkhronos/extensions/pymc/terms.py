@@ -17,8 +17,10 @@ import numpy as np
 from pytensor.compile import SharedVariable
 from pytensor.graph.basic import Constant
 from pytensor.tensor.random.op import RandomVariable
+from pytensor.tensor.random.type import RandomType
 
 from ... import compat
+from . import internals
 
 WHERE = "data_parallel"
 
@@ -42,7 +44,7 @@ class Plan(NamedTuple):
 
 
 def _ancestors(graph):
-    return compat.ancestors([graph])
+    return list(compat.ancestors([graph]))
 
 
 def _name(var):
@@ -56,11 +58,9 @@ def containers_of(model):
 
 def model_terms(model):
     """Every term of the model's log-density, as ``Term`` s (the priors as one term)."""
-    sizes = getattr(model, "rvs_to_total_sizes", {}) or {}
     terms = []
     for rv in model.observed_RVs:
-        terms.append(Term(rv.name, model.logp(vars=[rv], sum=True),
-                          _scales_rows(sizes.get(rv))))
+        terms.append(Term(rv.name, model.logp(vars=[rv], sum=True), internals.scales_rows(rv)))
     for pot in model.potentials:
         terms.append(Term(pot.name, model.logp(vars=[pot], sum=True), False))
     if model.free_RVs:
@@ -68,30 +68,26 @@ def model_terms(model):
     return terms
 
 
-def _scales_rows(total_size):
-    """Whether PyMC's total_size scaling divides by the observed rows (axis 0)."""
-    if total_size is None:
-        return False
-    if isinstance(total_size, (list, tuple)):
-        return len(total_size) > 0 and total_size[0] not in (None, Ellipsis)
-    return True
-
-
 def refuse_random_draws(terms):
     """Refuse a likelihood that draws random numbers: pm.Minibatch (each rank would draw its own)."""
     for term in terms:
-        for var in _ancestors(term.graph):
-            node = var.owner
-            if node is not None and isinstance(node.op, RandomVariable):
-                what = ("pm.Minibatch" if "Minibatch" in type(node.op).__name__
-                        else f"a random variable ({type(node.op).__name__})")
-                raise ValueError(
-                    f"{WHERE}: the log-density term of {term.name!r} draws random numbers "
-                    f"inside the graph ({what}): every rank would draw and scale its own "
-                    "batch, which is not the model's likelihood. data_parallel already "
-                    "spreads every row over the ranks: build the model on the whole "
-                    "pm.Data containers, without pm.Minibatch (and without total_size), or "
-                    "sample minibatches yourself with synk.function(...)(batch=rows)")
+        ancestors = _ancestors(term.graph)
+        # PyMC 5.27-5.28: pm.Minibatch is a MinibatchOp holding the draw (an RNG input);
+        # MinibatchRandomVariable is total_size's scaling, not a draw.
+        minibatch = any("Minibatch" in type(v.owner.op).__name__
+                        and type(v.owner.op).__name__ != "MinibatchRandomVariable"
+                        for v in ancestors if v.owner is not None)
+        random = minibatch or any(isinstance(v.type, RandomType) for v in ancestors) or any(
+            v.owner is not None and isinstance(v.owner.op, RandomVariable) for v in ancestors)
+        if random:
+            what = "pm.Minibatch" if minibatch else "a random variable"
+            raise ValueError(
+                f"{WHERE}: the log-density term of {term.name!r} draws random numbers "
+                f"inside the graph ({what}): every rank would draw and scale its own "
+                "batch, which is not the model's likelihood. data_parallel already "
+                "spreads every row over the ranks: build the model on the whole "
+                "pm.Data containers, without pm.Minibatch (and without total_size), or "
+                "sample minibatches yourself with synk.function(...)(batch=rows)")
 
 
 def choose(model, terms, data=None, unsplit=None):
@@ -115,8 +111,9 @@ def choose(model, terms, data=None, unsplit=None):
                  if c in read and c not in keep and _rows(c) == n_obs]
     if not split:
         raise ValueError(f"{WHERE}: no pm.Data container to split by rows"
-                         + (f" (all of them are in unsplit={[c.name for c in keep]})"
-                            if keep else ""))
+                         + (f" (all of them are in unsplit={[c.name for c in keep]}; "
+                            "statistics over rows such as centring can be computed with "
+                            "NumPy before building the model)" if keep else ""))
     lengths = {_rows(c) for c in split}
     if len(lengths) > 1 or None in lengths:
         raise ValueError(f"{WHERE}: the containers to split {[c.name for c in split]} have "
