@@ -35,7 +35,8 @@ def test_names_the_hooks_use():
     for name in ("chain", "rng", "start", "draws", "step", "trace", "tune", "progress_manager"):
         assert name in params, name
     assert "progress_manager" not in inspect.signature(mcmc._sample_many).parameters
-    assert hasattr(mcmc, "MCMCProgressBarManager") and hasattr(mcmc, "default_progress_theme")
+    assert internals.progress_manager_class() is not None
+    assert hasattr(mcmc, "default_progress_theme")
     assert "model.logp_dlogp_function(" in inspect.getsource(mcmc.init_nuts)
     assert "logp_dlogp_func" in inspect.signature(pm.NUTS.__init__).parameters or \
         "logp_dlogp_func" in inspect.getsource(pm.step_methods.arraystep.GradientSharedStep)

@@ -110,7 +110,7 @@ def _threaded_sample_many(batcher, model):
         # as PyMC's sequential loop resets it; the model and the batcher stay shared.
         keep = {id(model): model, id(batcher): batcher}
         steps = [copy.deepcopy(step, memo=dict(keep)) for _ in range(chains)]
-        manager = mcmc.MCMCProgressBarManager(
+        manager = progress_manager_class()(
             step_method=step, chains=chains, draws=draws - kwargs.get("tune", 0),
             tune=kwargs.get("tune", 0), progressbar=kwargs.get("progressbar", True),
             progressbar_theme=kwargs.get("progressbar_theme", mcmc.default_progress_theme))
@@ -150,6 +150,11 @@ def _threaded_sample_many(batcher, model):
             raise first
 
     return sample_many
+
+
+def progress_manager_class():
+    """PyMC's progress bar manager for MCMC (5.28: MCMCProgressBarManager; 5.27: ProgressBarManager)."""
+    return getattr(mcmc, "MCMCProgressBarManager", None) or mcmc.ProgressBarManager
 
 
 def _is_abort(exc):
