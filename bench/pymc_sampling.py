@@ -126,10 +126,12 @@ def child_run(system, n_rows, chains_list, draws, tune, n_parallel=None, produce
         synk.fork(n_parallel)
         if produce:
             model = make_model(rows_x(0, 64), rows_y(0, 64))
+            # The Data take the containers' dtypes (pm.Data stores int64 labels as int32).
+            y_dtype = model["y"].dtype    # not model itself in the closure: fn is pickled
             data = {"X": synk.data(produce=lambda p: rows_x(p.lo, p.hi), length=n_rows,
-                                   dtype="float64", ndim=2),
-                    "y": synk.data(produce=lambda p: rows_y(p.lo, p.hi), length=n_rows,
-                                   dtype="int64", ndim=1)}
+                                   dtype=model["X"].dtype, ndim=2),
+                    "y": synk.data(produce=lambda p: rows_y(p.lo, p.hi).astype(y_dtype),
+                                   length=n_rows, dtype=y_dtype, ndim=1)}
             dp = synk_pymc.data_parallel(model, data=data)
         else:
             model = make_model(rows_x(0, n_rows), rows_y(0, n_rows))
@@ -173,6 +175,29 @@ def child_run(system, n_rows, chains_list, draws, tune, n_parallel=None, produce
         synk.close()
 
 
+def _rank_graph_serial(model):
+    """The graph each rank runs in dp.logp_dlogp, compiled serially, on 32 of the 64 rows."""
+    import numpy as np
+    import pytensor
+    import pytensor.tensor as pt
+
+    from synkhronos.extensions.pymc import graphs, internals, terms
+
+    plan = terms.choose(model, terms.model_terms(model))
+    inputs = graphs.row_inputs(plan.split)
+    n_total = pytensor.shared(np.float64(64))
+    split, whole, frac = graphs.rank_terms(model, plan, inputs, {}, n_total)
+    point = model.initial_point()
+    shapes = [np.shape(point[v.name]) for v in model.value_vars]
+    P = pt.dmatrix("P")
+    logps, grads = graphs.batched(graphs.rank_logp(split, whole, frac, "float64"),
+                                  model.value_vars, shapes, P, pregrad=internals.rewrite_pregrad)
+    both = pt.concatenate([logps[:, None], grads], axis=1)
+    fn = pytensor.function([*inputs, P], both, mode=internals.pymc_mode(model))
+    rows = [c.get_value()[:32] for c in plan.split]
+    return lambda q: fn(*rows, q)
+
+
 def _n_machines():
     import synkhronos as synk
     return synk.layout().n_machines
@@ -192,6 +217,11 @@ def child_overhead(calls):
 
     model = make_model(rows_x(0, 64), rows_y(0, 64))
     logp, dlogp = model.compile_logp(), model.compile_dlogp()
+    joint = model.logp_dlogp_function(ravel_inputs=True)   # what PyMC's NUTS calls
+    joint.set_extra_values({})
+    x0 = pt.dmatrix("x0")
+    bare = pytensor.function([x0], pt.sum(x0))
+    rank_graph = _rank_graph_serial(model)
     synk.fork(2)
     dp = synk_pymc.data_parallel(model)
     x = pt.dmatrix("x")
@@ -201,9 +231,13 @@ def child_overhead(calls):
     q = dp.initial_x()
     point = model.initial_point()
     P4 = np.tile(q, (4, 1))
-    fns = {"tiny synk.function": lambda: tiny(xd), "dp.logp_dlogp": lambda: dp.logp_dlogp(q),
+    ones = np.ones((2, 1))
+    fns = {"tiny synk.function": lambda: tiny(xd), "bare PyTensor (same tiny graph)": lambda: bare(ones),
+           "dp.logp_dlogp": lambda: dp.logp_dlogp(q),
            "dp.logp_dlogp_many (4)": lambda: dp.logp_dlogp_many(P4),
-           "PyMC serial logp + dlogp": lambda: (logp(point), dlogp(point))}
+           "PyMC serial (logp, dlogp), one function": lambda: joint._pytensor_function(q),
+           "the rank's graph, serial on 32 rows": lambda: rank_graph(q[None]),
+           "PyMC serial compile_logp + compile_dlogp": lambda: (logp(point), dlogp(point))}
     for fn in fns.values():
         for _ in range(200):
             fn()
@@ -338,8 +372,14 @@ def _overhead(o):
     for k, v in o.items():
         print(f"| {k} | {v['best']:.1f} | {v['median']:.1f} |")
     t, d = o["tiny synk.function"], o["dp.logp_dlogp"]
+    b = o["bare PyTensor (same tiny graph)"]
     print(f"dp.logp_dlogp / tiny synk call: {d['best'] / t['best']:.2f}x best, "
           f"{d['median'] / t['median']:.2f}x median", flush=True)
+    # The fixed cost of going data-parallel: each call less its graph's own serial run.
+    fixed_dp, fixed_tiny = d["best"] - o["the rank's graph, serial on 32 rows"]["best"], \
+        t["best"] - b["best"]
+    print(f"fixed cost (call less its serial graph, best): dp.logp_dlogp {fixed_dp:.1f} us, "
+          f"tiny synk call {fixed_tiny:.1f} us: {fixed_dp / fixed_tiny:.2f}x", flush=True)
 
 
 def _machines_table(n, one, two, why):

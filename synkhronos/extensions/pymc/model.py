@@ -82,15 +82,20 @@ class DataParallelModel:
         logps, grads = graphs.batched(logp, value_vars, self._shapes, positions,
                                       pregrad=internals.rewrite_pregrad)
         try:
+            # One output, logp in column 0: one reduction per call, not two.
+            both = pt.concatenate([logps[:, None].astype(grads.dtype), grads], axis=1)
             self._fn = synk.function(inputs=inputs, bcast_inputs=[positions],
-                                     outputs=[(logps, "sum"), (grads, "sum")], name=name,
-                                     mode=mode, on_unused_input="ignore")
+                                     outputs=[(both, "sum")], name=name, mode=mode,
+                                     on_unused_input="ignore")
         except synk.SynkStateError as exc:
             raise synk.SynkStateError(f"data_parallel() must come after synk.fork() and "
                                       f"before synk.distribute() ({exc})") from None
         self._data = None
         self._seen = {}
         self._n_sent = self.n_rows   # the value distribute() sends
+        # In a cluster a write to a Data is mirrored by a command of its own: positions
+        # then travel inside the call as a NumPy input instead.
+        self._pos = {} if synk.layout().n_machines == 1 else None
         self.batcher = Batcher(self._evaluate)
         self._map_fns = None
         logger.info("pymc model: %d value variables (%d numbers), %s split by rows (%d), "
@@ -107,6 +112,10 @@ class DataParallelModel:
             if not isinstance(d, synk.Data):
                 raise TypeError(f"data_parallel: data[{c.name!r}] must be a synk.Data (for "
                                 f"example synk.data(produce=fn, length=n)); got {type(d).__name__}")
+            if np.dtype(d.dtype) != np.dtype(c.dtype) or d.ndim != c.ndim:
+                raise TypeError(f"data_parallel: data[{c.name!r}] must have the container's "
+                                f"dtype {c.dtype} and ndim {c.ndim} (pm.Data may have cast it); "
+                                f"got {d.dtype}, ndim {d.ndim}")
             out.append(d)
         if len({len(d) for d in out}) != 1:
             raise ValueError(f"data_parallel: the Data given in data= have different lengths "
@@ -172,9 +181,19 @@ class DataParallelModel:
     # -- evaluation -------------------------------------------------------------------------
     def _evaluate(self, positions):
         """(logps, grads) at the rows of ``positions``: one data-parallel call."""
-        positions = np.ascontiguousarray(positions, dtype=self.dtype)
-        logps, grads = self._fn(*self._data, positions)
-        return np.asarray(logps), np.asarray(grads)
+        positions = np.asarray(positions, dtype=self.dtype)
+        if self._pos is not None:
+            # One machine: the positions go into a Data of their own (one per batch
+            # size), so the call passes the same Data each time (no per-call copy).
+            k = len(positions)
+            held = self._pos.get(k)
+            if held is None:
+                held = self._pos[k] = synk.data(np.empty((k, self.size), self.dtype),
+                                                name=f"pymc:positions{k}")
+            held[...] = positions
+            positions = held
+        both = np.asarray(self._fn(*self._data, positions))
+        return both[:, 0], both[:, 1:]
 
     def logp_dlogp_many(self, positions):
         """Return ``(logps, grads)`` at many positions (a k x size matrix) with one call.
