@@ -333,3 +333,21 @@ def test_sample_on_two_simulated_machines():
     if why:
         pytest.skip(why)
     _cluster_run(2, 1)
+
+
+def test_demo_runs_small():
+    """demos/pymc/map_regression.py end to end, on a few rows (its figures are not checked)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "demos/pymc/map_regression.py", "--family", "poisson",
+                           "--rows", "3000", "--features", "3", "--evals", "2", "--rounds", "1",
+                           "--n-parallel", "2"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "synkhronos, 2 ranks" in proc.stdout and "evaluations/s" in proc.stdout
+    diff = float(proc.stdout.rsplit("MAP estimates:", 1)[1].split()[0])
+    assert diff < 1e-6

@@ -192,7 +192,7 @@ class DataParallelModel:
                                                 name=f"pymc:positions{k}")
             held[...] = positions
             positions = held
-        both = np.asarray(self._fn(*self._data, positions))
+        both = np.asarray(self._fn(*self._data, positions)[0])
         return both[:, 0], both[:, 1:]
 
     def logp_dlogp_many(self, positions):
