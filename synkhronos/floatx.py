@@ -15,6 +15,7 @@ A choice the user made always stands (DESIGN decision 13):
 In every other case floatX becomes float32 and ``DEFAULTED`` says so.
 """
 
+import importlib.machinery
 import linecache
 import logging
 import os
@@ -63,7 +64,8 @@ class _WatchPyMC:
     """A finder that never finds: it notices ``import pymc`` and restores float64 first."""
 
     def find_spec(self, name, path=None, target=None):
-        if name == "pymc":
+        # Only a PyMC that is there: a probe (try: import pymc) changes nothing.
+        if name == "pymc" and importlib.machinery.PathFinder.find_spec(name, path) is not None:
             _restore_for_pymc()
         return None
 

@@ -66,3 +66,14 @@ def test_explicit_float32_stands_when_pymc_comes_later(tmp_path):
         pytensor.config.floatX = "float32"
         import pymc
     """) == "float32"
+
+
+@pytest.mark.skipif(_has_pymc(), reason="needs an environment without PyMC")
+def test_probing_for_a_missing_pymc_changes_nothing(tmp_path):
+    assert _floatx(tmp_path, """
+        import synkhronos
+        try:
+            import pymc
+        except ImportError:
+            pass
+    """) == "float32"
