@@ -62,7 +62,7 @@ test-lowest: $(OLD_STAMP)
 # PyMC models (skipped in the main environment, which has no PyMC), on the newest
 # supported PyMC; nutpie and MPICH (the 2-machine sampling test) come with it.
 PYMC_TESTS := tests/test_compat.py tests/unit/test_floatx.py tests/test_pymc_internals.py \
-	tests/test_pymc.py
+	tests/test_pymc.py tests/test_pymc_terms.py
 test-pymc: $(PYMC_STAMP)
 	$(PYMC_VENV)/bin/python -m pytest -q $(PYMC_TESTS)
 
