@@ -17,8 +17,7 @@ of one data-parallel (logp, dlogp) call against a tiny ``synk.function`` call
 and PyMC's serial pair, and synk-pymc on 2 simulated machines (1 rank each,
 data produced on each machine) against 1 machine with 2 ranks.
 
-Each system runs in a child process of its own (so that one's memory,
-threads and core pinning do not touch another's).
+Each system runs in a child process of its own (own memory, threads, core pinning).
 
     python bench/pymc_sampling.py               # 1e4 and 1e5 rows, 1/2/4 chains: ~8 minutes here
     python bench/pymc_sampling.py --rows 1e6 --chains 2 --draws 25 --tune 25 --cluster-rows 1e5
@@ -288,10 +287,6 @@ def _cluster(rows, chains, draws, tune):
     return out, None
 
 
-def _fmt(v, digits=1):
-    return "-" if v is None else f"{v:.{digits}f}"
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="1e4,1e5", help="1e6 too: a few minutes per system")
@@ -331,7 +326,7 @@ def main():
             for r in got:
                 print(f"  {s:12s} rows {n:>8d} chains {r['chains']}: {r['draws_s']:8.1f} draws/s "
                       f"{r['ess_s']:7.1f} ESS/s  peak {r['peak_mib']:7.0f} MiB  positions/call "
-                      f"{_fmt(r['per_call'], 2)}", flush=True)
+                      f"{'-' if r['per_call'] is None else format(r['per_call'], '.2f')}", flush=True)
             print(f"    ({s}, {n} rows: {time.perf_counter() - t0:.0f} s with start-up)",
                   flush=True)
     _table(results, rows, chains, systems)
