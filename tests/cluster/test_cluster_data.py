@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from helpers.cluster_jobs import TESTS, assert_nothing_left, machines, mpirun
-from test_cluster import WHY
+from helpers.cluster_jobs import why_no_mpi
 
 SCRIPT = os.path.join(TESTS, "helpers", "cluster_placed.py")
 
@@ -29,7 +29,7 @@ def test_produced_data_on_one_machine():
     assert out.stdout.count("OK ") >= 21, out.stdout
 
 
-@pytest.mark.skipif(WHY is not None, reason=WHY or "")
+@pytest.mark.skipif(why_no_mpi() is not None, reason=why_no_mpi() or "")
 @pytest.mark.parametrize("n_machines,local", [(2, 1), (3, 2)])
 def test_produced_data_on_machines(n_machines, local):
     with machines(n_machines) as m:

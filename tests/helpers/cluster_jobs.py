@@ -27,6 +27,17 @@ FLAVOR = mpi_flavor(MPIEXEC)
 NO_MACHINES = why_no_machines() if FLAVOR else None
 
 
+def why_no_mpi():
+    """Why cluster jobs cannot run in this environment (no mpi4py or no mpiexec), or None."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "mpi4py is not installed (pip install -e '.[mpi]')"
+    if not os.path.exists(MPIEXEC):
+        return f"no mpiexec next to {sys.executable} (pip install -e '.[mpi]')"
+    return None
+
+
 def _mpi_segments():
     return {n for n in os.listdir("/dev/shm") if n.startswith("mpich_shm")}
 

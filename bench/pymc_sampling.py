@@ -1,0 +1,399 @@
+"""Sampling a PyMC model: serial pm.sample and nutpie against synkhronos (dp.sample), in one run.
+
+A logistic regression (5 covariates, rows made by a formula so that every
+machine can make its own) sampled at each row count and chain count by:
+
+  pymc         pm.sample with its default chain processes (cores=min(4, CPUs))
+  nutpie       nutpie.sample(nutpie.compile_pymc_model(model)) (numba, threads)
+  synk-pymc    dp.sample(...): PyMC's NUTS, chains as threads, one call per step
+  synk-nutpie  dp.sample(..., nuts_sampler="nutpie")
+
+Printed per run: draws/s (post-tuning draws of all chains over the sampling
+time, tuning included), bulk ESS/s (the smallest ``arviz.ess`` over the
+parameters, over the same time), positions per data-parallel call, and the
+peak memory (PSS, so shared memory counts once) of all the run's processes;
+then ratios against pm.sample and nutpie from this run.  Then the fixed cost
+of one data-parallel (logp, dlogp) call against a tiny ``synk.function`` call
+and PyMC's serial pair, and synk-pymc on 2 simulated machines (1 rank each,
+data produced on each machine) against 1 machine with 2 ranks.
+
+Each system runs in a child process of its own (own memory, threads, core pinning).
+
+    python bench/pymc_sampling.py               # 1e4 and 1e5 rows, 1/2/4 chains: ~8 minutes here
+    python bench/pymc_sampling.py --rows 1e6 --chains 2 --draws 25 --tune 25 --cluster-rows 1e5
+    python bench/pymc_sampling.py --rows 1e4,1e5,1e6 --chains 1,2,4 --draws 500 --tune 500
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SYSTEMS = ("pymc", "nutpie", "synk-pymc", "synk-nutpie")
+FEATURES = 5
+
+
+# -- the model -------------------------------------------------------------------------------------
+def rows_x(lo, hi):
+    """Rows lo:hi of the covariates (a formula: any machine makes any rows)."""
+    import numpy as np
+    i = np.arange(lo, hi, dtype=np.float64)[:, None]
+    return np.sin(i * np.array([0.731, 1.917, 2.377, 0.0913, 3.141]) + 0.5)
+
+
+def rows_y(lo, hi):
+    import numpy as np
+    i = np.arange(lo, hi, dtype=np.float64)
+    u = np.abs(np.sin(i * 12.9898) * 43758.5453) % 1.0
+    eta = 0.3 + rows_x(lo, hi) @ np.array([0.8, -0.5, 0.3, 0.0, 0.2])
+    return (u < 1 / (1 + np.exp(-eta))).astype("int64")
+
+
+def make_model(x, y):
+    import pymc as pm
+    with pm.Model() as model:
+        X_d, y_d = pm.Data("X", x), pm.Data("y", y)
+        a = pm.Normal("a", 0, 2)
+        b = pm.Normal("b", 0, 1, shape=FEATURES)
+        pm.Bernoulli("y_obs", logit_p=a + X_d @ b, observed=y_d)
+    return model
+
+
+# -- memory of a process tree ------------------------------------------------------------------
+def _tree(pid):
+    out = [pid]
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                for child in f.read().split():
+                    out.extend(_tree(int(child)))
+    except OSError:
+        pass
+    return out
+
+
+def _pss_kib(pid):
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class PeakMemory:
+    """The peak PSS of this process and all its descendants, sampled every 20 ms."""
+
+    def __init__(self):
+        self.peak = 0
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, sum(_pss_kib(p) for p in _tree(os.getpid())))
+
+    def reset(self):
+        self.peak = 0
+
+    def mib(self):
+        return self.peak / 1024
+
+
+# -- one system in a child process -------------------------------------------------------------
+def child_run(system, n_rows, chains_list, draws, tune, n_parallel=None, produce=False):
+    import warnings
+    warnings.filterwarnings("ignore")
+    import pytensor
+    pytensor.config.floatX = "float64"
+    import arviz as az
+    import pymc as pm
+
+    mem = PeakMemory()
+    dp = None
+    if system.startswith("synk"):
+        import synkhronos as synk
+        from synkhronos.extensions import pymc as synk_pymc
+        synk.fork(n_parallel)
+        if produce:
+            model = make_model(rows_x(0, 64), rows_y(0, 64))
+            # The Data take the containers' dtypes (pm.Data stores int64 labels as int32).
+            y_dtype = model["y"].dtype    # not model itself in the closure: fn is pickled
+            data = {"X": synk.data(produce=lambda p: rows_x(p.lo, p.hi), length=n_rows,
+                                   dtype=model["X"].dtype, ndim=2),
+                    "y": synk.data(produce=lambda p: rows_y(p.lo, p.hi).astype(y_dtype),
+                                   length=n_rows, dtype=y_dtype, ndim=1)}
+            dp = synk_pymc.data_parallel(model, data=data)
+        else:
+            model = make_model(rows_x(0, n_rows), rows_y(0, n_rows))
+            dp = synk_pymc.data_parallel(model)
+        synk.distribute()
+        dp.scatter()
+    else:
+        model = make_model(rows_x(0, n_rows), rows_y(0, n_rows))
+    compiled = None
+    if system == "nutpie":
+        import nutpie
+        compiled = nutpie.compile_pymc_model(model)
+    for chains in chains_list:
+        mem.reset()
+        if dp is not None:
+            dp.batcher.calls = dp.batcher.positions = 0
+        t0 = time.perf_counter()
+        if system == "pymc":
+            idata = pm.sample(draws, tune=tune, chains=chains, random_seed=1, model=model,
+                              progressbar=False, compute_convergence_checks=False)
+        elif system == "nutpie":
+            idata = nutpie.sample(compiled, draws=draws, tune=tune, chains=chains, seed=1,
+                                  progress_bar=False)
+        else:
+            idata = dp.sample(draws, tune=tune, chains=chains, random_seed=1, progressbar=False,
+                              compute_convergence_checks=False,
+                              nuts_sampler="nutpie" if system == "synk-nutpie" else "pymc")
+        wall = time.perf_counter() - t0
+        seconds = float(idata.posterior.attrs.get("sampling_time", wall))
+        ess = az.ess(idata, method="bulk", var_names=["a", "b"])
+        min_ess = float(min(float(ess[v].min()) for v in ess.data_vars))
+        print("RESULT " + json.dumps({
+            "system": system, "rows": n_rows, "chains": chains, "seconds": seconds,
+            "draws_s": chains * draws / seconds, "ess_s": min_ess / seconds, "ess": min_ess,
+            "peak_mib": mem.mib(),
+            "per_call": (dp.batcher.positions / dp.batcher.calls
+                         if dp is not None and dp.batcher.calls else None),
+            "machines": _n_machines() if dp is not None else 1}), flush=True)
+    if dp is not None:
+        import synkhronos as synk
+        synk.close()
+
+
+def _rank_graph_serial(model):
+    """The graph each rank runs in dp.logp_dlogp, compiled serially, on 32 of the 64 rows."""
+    import numpy as np
+    import pytensor
+    import pytensor.tensor as pt
+
+    from synkhronos.extensions.pymc import graphs, internals, terms
+
+    plan = terms.choose(model, terms.model_terms(model))
+    inputs = graphs.row_inputs(plan.split)
+    n_total = pytensor.shared(np.float64(64))
+    split, whole, frac = graphs.rank_terms(model, plan, inputs, {}, n_total)
+    point = model.initial_point()
+    shapes = [np.shape(point[v.name]) for v in model.value_vars]
+    P = pt.dmatrix("P")
+    logps, grads = graphs.batched(graphs.rank_logp(split, whole, frac, "float64"),
+                                  model.value_vars, shapes, P, pregrad=internals.rewrite_pregrad)
+    both = pt.concatenate([logps[:, None], grads], axis=1)
+    fn = pytensor.function([*inputs, P], both, mode=internals.pymc_mode(model))
+    rows = [c.get_value()[:32] for c in plan.split]
+    return lambda q: fn(*rows, q)
+
+
+def _n_machines():
+    import synkhronos as synk
+    return synk.layout().n_machines
+
+
+def child_overhead(calls):
+    """Fixed cost per call: dp.logp_dlogp on 64 rows vs a tiny synk.function call, 2 ranks."""
+    import warnings
+    warnings.filterwarnings("ignore")
+    import numpy as np
+    import pytensor
+    pytensor.config.floatX = "float64"
+    import pytensor.tensor as pt
+
+    import synkhronos as synk
+    from synkhronos.extensions import pymc as synk_pymc
+
+    model = make_model(rows_x(0, 64), rows_y(0, 64))
+    logp, dlogp = model.compile_logp(), model.compile_dlogp()
+    joint = model.logp_dlogp_function(ravel_inputs=True)   # what PyMC's NUTS calls
+    joint.set_extra_values({})
+    x0 = pt.dmatrix("x0")
+    bare = pytensor.function([x0], pt.sum(x0))
+    rank_graph = _rank_graph_serial(model)
+    synk.fork(2)
+    dp = synk_pymc.data_parallel(model)
+    x = pt.dmatrix("x")
+    tiny = synk.function([x], pt.sum(x), name="tiny")
+    synk.distribute()
+    xd = synk.data(np.ones((2, 1)))
+    q = dp.initial_x()
+    point = model.initial_point()
+    P4 = np.tile(q, (4, 1))
+    ones = np.ones((2, 1))
+    fns = {"tiny synk.function": lambda: tiny(xd), "bare PyTensor (same tiny graph)": lambda: bare(ones),
+           "dp.logp_dlogp": lambda: dp.logp_dlogp(q),
+           "dp.logp_dlogp_many (4)": lambda: dp.logp_dlogp_many(P4),
+           "PyMC serial (logp, dlogp), one function": lambda: joint._pytensor_function(q),
+           "the rank's graph, serial on 32 rows": lambda: rank_graph(q[None]),
+           "PyMC serial compile_logp + compile_dlogp": lambda: (logp(point), dlogp(point))}
+    for fn in fns.values():
+        for _ in range(200):
+            fn()
+    times = {k: [] for k in fns}
+    for _ in range(9):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[k].append((time.perf_counter() - t0) / calls * 1e6)
+    synk.close()
+    print("OVERHEAD " + json.dumps({k: {"best": min(v), "median": statistics.median(v)}
+                                    for k, v in times.items()}), flush=True)
+
+
+# -- the parent --------------------------------------------------------------------------------
+def _run_child(args, env=None, cmd=None):
+    cmd = cmd or [sys.executable, os.path.abspath(__file__), *args]
+    env = dict(env or os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        print(f"child {' '.join(args)} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}",
+              file=sys.stderr)
+        return []
+    return [json.loads(line.split(" ", 1)[1]) for line in p.stdout.splitlines()
+            if line.startswith(("RESULT ", "OVERHEAD "))]
+
+
+def _cluster(rows, chains, draws, tune):
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from helpers.cluster_jobs import NO_MACHINES, machines, mpirun
+    from helpers.machines import mpi_flavor
+    if mpi_flavor() is None:
+        return None, "no mpiexec in this environment (pip install -e '.[mpi]')"
+    if NO_MACHINES:
+        return None, NO_MACHINES
+    out = []
+    args = [os.path.abspath(__file__), "--child", "synk-pymc", str(rows),
+            ",".join(map(str, chains)), str(draws), str(tune), "--n-parallel", "1", "--produce"]
+    with machines(2) as m:
+        rc, text, _ = mpirun(m, 2, args, timeout=1800, PYTHONPATH=ROOT)
+        if rc != 0:
+            return None, f"mpiexec failed: {text[-2000:]}"
+        out += [json.loads(line.split(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("RESULT ")]
+    return out, None
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", default="1e4,1e5", help="1e6 too: a few minutes per system")
+    p.add_argument("--chains", default="1,2,4")
+    p.add_argument("--draws", type=int, default=100)
+    p.add_argument("--tune", type=int, default=100)
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--calls", type=int, default=500, help="calls per round of the overhead test")
+    p.add_argument("--cluster-rows", default="1e5")
+    p.add_argument("--cluster-chains", default=None, help="default: --chains")
+    p.add_argument("--no-machines", action="store_true", help="skip the 2-machine runs")
+    p.add_argument("--child", nargs=5, metavar=("SYSTEM", "ROWS", "CHAINS", "DRAWS", "TUNE"))
+    p.add_argument("--n-parallel", type=int, default=None)
+    p.add_argument("--produce", action="store_true")
+    p.add_argument("--overhead-child", action="store_true")
+    a = p.parse_args()
+    if a.child:
+        s, r, c, d, t = a.child
+        return child_run(s, int(float(r)), [int(x) for x in c.split(",")], int(d), int(t),
+                         a.n_parallel, a.produce)
+    if a.overhead_child:
+        return child_overhead(a.calls)
+
+    rows = [int(float(r)) for r in a.rows.split(",")]
+    chains = [int(c) for c in a.chains.split(",")]
+    systems = a.systems.split(",")
+    print(f"# bench/pymc_sampling.py, {time.strftime('%Y-%m-%d')}, {platform.node()}, "
+          f"{os.cpu_count()} CPUs; draws {a.draws}, tune {a.tune}; logistic regression, "
+          f"{FEATURES} covariates", flush=True)
+    results = []
+    for n in rows:
+        for s in systems:
+            t0 = time.perf_counter()
+            got = _run_child(["--child", s, str(n), ",".join(map(str, chains)), str(a.draws),
+                              str(a.tune)])
+            results += got
+            for r in got:
+                print(f"  {s:12s} rows {n:>8d} chains {r['chains']}: {r['draws_s']:8.1f} draws/s "
+                      f"{r['ess_s']:7.1f} ESS/s  peak {r['peak_mib']:7.0f} MiB  positions/call "
+                      f"{'-' if r['per_call'] is None else format(r['per_call'], '.2f')}", flush=True)
+            print(f"    ({s}, {n} rows: {time.perf_counter() - t0:.0f} s with start-up)",
+                  flush=True)
+    _table(results, rows, chains, systems)
+    over = _run_child(["--overhead-child", "--calls", str(a.calls)])
+    if over:
+        _overhead(over[0])
+    if not a.no_machines:
+        c_chains = [int(c) for c in (a.cluster_chains or a.chains).split(",")]
+        for n in [int(float(r)) for r in a.cluster_rows.split(",")]:
+            one = _run_child(["--child", "synk-pymc", str(n), ",".join(map(str, c_chains)),
+                              str(a.draws), str(a.tune), "--n-parallel", "2", "--produce"])
+            two, why = _cluster(n, c_chains, a.draws, a.tune)
+            _machines_table(n, one, two, why)
+
+
+def _table(results, rows, chains, systems):
+    by = {(r["system"], r["rows"], r["chains"]): r for r in results}
+    print("\n| rows | chains | " + " | ".join(f"{s} draws/s, ESS/s, MiB" for s in systems)
+          + " | synk-pymc / pymc (draws/s, ESS/s, MiB) | synk-nutpie / nutpie | synk-nutpie / pymc |")
+    print("|" + " --- |" * (2 + len(systems) + 3))
+    for n in rows:
+        for c in chains:
+            cells = []
+            for s in systems:
+                r = by.get((s, n, c))
+                cells.append("-" if r is None else
+                             f"{r['draws_s']:.1f}, {r['ess_s']:.1f}, {r['peak_mib']:.0f}")
+            ratios = []
+            for num, den in (("synk-pymc", "pymc"), ("synk-nutpie", "nutpie"),
+                             ("synk-nutpie", "pymc")):
+                x, y = by.get((num, n, c)), by.get((den, n, c))
+                ratios.append("-" if not (x and y) else
+                              f"{x['draws_s'] / y['draws_s']:.2f}x, {x['ess_s'] / y['ess_s']:.2f}x, "
+                              f"{x['peak_mib'] / y['peak_mib']:.2f}x")
+            print(f"| {n:.0e} | {c} | " + " | ".join(cells + ratios) + " |")
+
+
+def _overhead(o):
+    print("\n| call (2 ranks, 64 rows) | best us | median us |")
+    print("| --- | --- | --- |")
+    for k, v in o.items():
+        print(f"| {k} | {v['best']:.1f} | {v['median']:.1f} |")
+    t, d = o["tiny synk.function"], o["dp.logp_dlogp"]
+    b = o["bare PyTensor (same tiny graph)"]
+    print(f"dp.logp_dlogp / tiny synk call: {d['best'] / t['best']:.2f}x best, "
+          f"{d['median'] / t['median']:.2f}x median", flush=True)
+    # The fixed cost of going data-parallel: each call less its graph's own serial run.
+    fixed_dp, fixed_tiny = d["best"] - o["the rank's graph, serial on 32 rows"]["best"], \
+        t["best"] - b["best"]
+    print(f"fixed cost (call less its serial graph, best): dp.logp_dlogp {fixed_dp:.1f} us, "
+          f"tiny synk call {fixed_tiny:.1f} us: {fixed_dp / fixed_tiny:.2f}x", flush=True)
+
+
+def _machines_table(n, one, two, why):
+    print(f"\nsynk-pymc, {n} rows, data produced on each machine:")
+    if why:
+        print(f"  2 simulated machines: not run ({why})")
+    print("| chains | 1 machine x 2 ranks: draws/s, ESS/s | 2 machines x 1 rank: draws/s, ESS/s "
+          "| 2 machines / 1 machine (draws/s) |")
+    print("| --- | --- | --- | --- |")
+    two = {r["chains"]: r for r in (two or [])}
+    for r in one:
+        t = two.get(r["chains"])
+        print(f"| {r['chains']} | {r['draws_s']:.1f}, {r['ess_s']:.1f} | "
+              + ("-" if t is None else f"{t['draws_s']:.1f}, {t['ess_s']:.1f}") + " | "
+              + ("-" if t is None else f"{t['draws_s'] / r['draws_s']:.2f}x") + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""PyMC models, data-parallel: sampling and the log-density summed over ranks, the prior once.
+
+PyMC is an optional extra (``pip install -e '.[pymc]'``); this package
+imports it, so ``import synkhronos.extensions`` does not load it.
+
+    import synkhronos as synk
+    from synkhronos.extensions import pymc as synk_pymc
+
+    synk.fork()
+    dp = synk_pymc.data_parallel(model)   # after fork(), before distribute()
+    synk.distribute()
+    idata = dp.sample(1000, chains=4)     # pm.sample's arguments and result
+
+Modules by job: ``terms`` (which terms read which rows; what is refused),
+``rowcheck`` (each split term adds up over rows), ``graphs`` (the graph each
+rank runs, batched over positions), ``model`` (DataParallelModel),
+``batching`` (every chain's request in one call), ``sampling`` and
+``internals`` (what PyMC and nutpie need, in one place).
+"""
+
+try:
+    import pymc as _pymc  # noqa: F401
+except ImportError as exc:
+    raise ImportError("synkhronos.extensions.pymc needs PyMC: pip install -e '.[pymc]'"
+                      ) from exc
+
+from .model import DataParallelModel
+
+__all__ = ["DataParallelModel", "data_parallel"]
+
+
+def data_parallel(model=None, data=None, unsplit=None, name="pymc_logp"):
+    """Build the data-parallel log-density of a PyMC model.  Master only.
+
+    Call after ``synk.fork()`` and before ``synk.distribute()``.  Checks the
+    model first and refuses, naming the variable, what would be silently
+    wrong when split by rows: ``pm.Minibatch``, per-row NumPy arrays outside
+    ``pm.Data``, and terms that combine rows (a mean over rows, a sort, a
+    time series) unless their containers are in ``unsplit``.
+
+    Args:
+        model: a ``pm.Model``; default: the model of the enclosing ``with`` block.
+        data: which ``pm.Data`` containers to split by rows: names or
+            variables; or a dict name -> ``synk.Data`` (for example
+            ``synk.data(produce=fn, length=n)`` in a cluster) whose rows
+            replace the container's.  Default: every container the
+            log-density reads whose first axis has the observed rows.
+        unsplit: containers to keep whole on every rank (the terms reading
+            only those count once).
+        name: name of the synkhronos function (for logs and errors).
+
+    Returns:
+        DataParallelModel
+
+    Raises:
+        SynkStateError: not forked, or already distributed.
+        ValueError: no observed variables, observed data outside ``pm.Data``,
+            a discrete free variable (no gradient), ``data``/``unsplit``
+            naming something else than a container, or a likelihood that
+            cannot be split exactly (the message names the variable).
+    """
+    import pymc as pm
+
+    model = pm.modelcontext(model)
+    return DataParallelModel(model, data, unsplit, name)

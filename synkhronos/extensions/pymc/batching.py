@@ -1,0 +1,128 @@
+"""Every chain's (logp, dlogp) request in one data-parallel call: a batcher for sampler threads.
+
+Chains run as threads of the master.  Each asks for (logp, dlogp) at its
+position and waits; when every chain that is sampling has asked, the last
+one to ask makes one call over all positions and hands each chain its row.
+So C chains cost one call's fixed overhead and one pass over the rows per
+step, not C.
+
+Two ways to know who is sampling: ``expect(n)`` / ``leave()`` from a driver
+that starts the threads itself (PyMC's chains); or, for threads started by
+someone else (nutpie's), the callers seen in the last few calls, with a
+short wait after which a batch goes without a caller that stopped asking.
+"""
+
+import threading
+import time
+
+import numpy as np
+
+_RECENT_CALLS = 3
+
+
+class BatchAborted(RuntimeError):
+    """The sampling this request belongs to was stopped (another chain failed)."""
+
+
+class Batcher:
+    """Batch concurrent (logp, dlogp) requests into calls of ``evaluate(positions)``.
+
+    Args:
+        evaluate: ``evaluate(P)`` for a (k, size) matrix returns ``(logps, grads)``
+            of shapes (k,) and (k, size).
+        max_wait_s: in the heuristic mode, how long a batch waits for callers
+            seen recently but not yet asking.
+    """
+
+    def __init__(self, evaluate, max_wait_s=0.005):
+        self._evaluate = evaluate
+        self._cond = threading.Condition()
+        self._members = None           # explicit membership (expect/leave), or None
+        self._pending = {}             # ticket -> position
+        self._results = {}             # ticket -> (logp, grad) or an exception
+        self._busy = False
+        self._tickets = 0
+        self._calls = 0
+        self._seen = {}                # thread id -> last call it took part in
+        self._aborted = None
+        self.max_wait_s = max_wait_s
+        self.calls = 0                 # data-parallel calls made
+        self.positions = 0             # positions evaluated by them
+
+    def expect(self, n):
+        """Say that ``n`` threads will ask until each calls ``leave()``."""
+        with self._cond:
+            self._members = n
+            self._aborted = None
+
+    def leave(self):
+        """One expected thread stops asking (it finished or failed)."""
+        with self._cond:
+            if self._members:
+                self._members -= 1
+            self._cond.notify_all()
+
+    def abort(self, exc):
+        """Make every waiting and later request raise ``BatchAborted`` from ``exc``."""
+        with self._cond:
+            self._aborted = exc
+            self._cond.notify_all()
+
+    def reset(self):
+        """Back to the heuristic mode (no expected threads)."""
+        with self._cond:
+            self._members = None
+            self._aborted = None
+            self._seen.clear()
+
+    def _expected(self):
+        if self._members is not None:
+            return max(self._members, 1)
+        recent = sum(1 for last in self._seen.values() if last >= self._calls - _RECENT_CALLS)
+        return max(recent, 1)
+
+    def __call__(self, x):
+        """Return ``(logp, grad)`` at position ``x`` (blocks until its batch ran)."""
+        me = threading.get_ident()
+        with self._cond:
+            if self._aborted is not None:
+                raise BatchAborted("sampling stopped") from self._aborted
+            ticket = self._tickets
+            self._tickets += 1
+            self._pending[ticket] = x
+            self._seen[me] = self._calls
+            first = time.monotonic()
+            while True:
+                if ticket in self._results:
+                    return self._take(ticket)
+                if self._aborted is not None:
+                    self._pending.pop(ticket, None)
+                    raise BatchAborted("sampling stopped") from self._aborted
+                if not self._busy and ticket in self._pending:
+                    waited = time.monotonic() - first
+                    if (len(self._pending) >= self._expected()
+                            or (self._members is None and waited >= self.max_wait_s)):
+                        break
+                self._cond.wait(self.max_wait_s if self._members is None else 0.5)
+            batch, self._pending = self._pending, {}
+            self._busy = True
+            self._calls += 1
+        try:
+            logps, grads = self._evaluate(np.stack(list(batch.values())))
+            # Copies: a chain keeps its gradient past the next call.
+            results = {t: (logps[i], grads[i].copy()) for i, t in enumerate(batch)}
+        except BaseException as exc:  # noqa: BLE001 - handed to every chain of the batch
+            results = {t: exc for t in batch}
+        with self._cond:
+            self._results.update(results)
+            self._busy = False
+            self.calls += 1
+            self.positions += len(batch)
+            self._cond.notify_all()
+            return self._take(ticket)
+
+    def _take(self, ticket):
+        out = self._results.pop(ticket)
+        if isinstance(out, BaseException):
+            raise out
+        return out

@@ -1,0 +1,156 @@
+"""The graphs each rank runs: a PyMC log-density on its rows, batched over many positions.
+
+On a rank with ``m`` of the ``N`` rows, the graph is
+
+    sum(split terms on the rank's rows) + (m / N) * (whole terms)
+
+so that the sum over ranks is the model's log-density exactly, for any
+split: the whole terms (priors, potentials on unsplit data) count once in
+total, and a term PyMC scales by ``total_size / rows`` (where "rows" is the
+rank's ``m``) is multiplied by ``m / N`` as well, which makes its scale
+``total_size / N``, the model's.  The graph is then vectorised over a matrix
+of positions (one row per chain), so one call evaluates every chain.
+"""
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+from pytensor.compile import SharedVariable
+from pytensor.graph.replace import vectorize_graph
+
+
+def row_inputs(containers):
+    """One symbolic input per split container: its rows on a rank (any number)."""
+    return [pt.tensor(dtype=c.dtype, shape=(None,) + tuple(c.type.shape[1:]), name=c.name)
+            for c in containers]
+
+
+def row_dims(model, containers, rows):
+    """Dims named for the split rows whose length is a shared variable: ``rows`` on a rank."""
+    out = {}
+    for c in containers:
+        dims = model.named_vars_to_dims.get(c.name) or ()
+        if dims and dims[0] is not None:
+            length = model.dim_lengths.get(dims[0])
+            if isinstance(length, SharedVariable):
+                out[length] = rows.astype(length.dtype)
+    return out
+
+
+def rank_terms(model, plan, inputs, whole_copies, n_total):
+    """Return ``(split_exprs, whole_expr, frac)`` in the model's value variables.
+
+    Args:
+        inputs: ``row_inputs(plan.split)``.
+        whole_copies: {container: variable} for the containers used whole.
+        n_total: a float64 scalar variable, the rows of the whole data set.
+    """
+    rows = inputs[0].shape[0]
+    frac = rows.astype("float64") / n_total
+    replace = dict(zip(plan.split, inputs))
+    replace.update(row_dims(model, plan.split, rows))
+    replace.update(whole_copies)
+    split_exprs = []
+    for term in plan.split_terms:
+        expr = pytensor.clone_replace(term.graph, replace=replace)
+        split_exprs.append(expr * frac if term.scaled else expr)
+    whole = [t.graph for t in plan.whole_terms]
+    whole_expr = (pytensor.clone_replace(pt.add(*whole) if len(whole) > 1 else whole[0],
+                                         replace=dict(whole_copies))
+                  if whole else None)
+    return split_exprs, whole_expr, frac
+
+
+def rank_logp(split_exprs, whole_expr, frac, dtype):
+    """The rank's share of the log-density (a scalar)."""
+    parts = list(split_exprs)
+    if whole_expr is not None:
+        parts.append(whole_expr * frac)
+    total = pt.add(*parts) if len(parts) > 1 else parts[0]
+    return total.astype(dtype) if total.dtype != dtype else total
+
+
+def batched(logp, value_vars, shapes, positions, pregrad=None):
+    """Vectorise ``logp`` and its gradient over the rows of ``positions`` (k x size).
+
+    Returns:
+        ``(logps, grads)``: shape (k,) and (k, size), the gradient flat in the
+        order of ``value_vars`` as ``model.compile_dlogp()`` gives it.
+    """
+    cost = pregrad(logp) if pregrad is not None else logp
+    grads = pytensor.grad(cost, value_vars, disconnected_inputs="ignore")
+    k = positions.shape[0]
+    replace, lo = {}, 0
+    for v, shape in zip(value_vars, shapes):
+        size = int(np.prod(shape, dtype=int))
+        part = positions[:, lo:lo + size].reshape((k, *shape))
+        replace[v] = part.astype(v.dtype) if part.dtype != v.dtype else part
+        lo += size
+    out = _join_in_batches(vectorize_graph([logp, *grads], replace=replace))
+    logps, bgrads = out[0], out[1:]
+    flat = [g.reshape((k, -1)) for g in bgrads]
+    grad = pt.concatenate(flat, axis=1) if len(flat) > 1 else flat[0]
+    if grad.dtype != positions.dtype:
+        grad = grad.astype(positions.dtype)
+    return logps, grad
+
+
+def _join_in_batches(outputs):
+    """Replace ``Blockwise(Join)`` and ``Blockwise(Split)`` (PyTensor's fallbacks when
+    vectorising a join and its gradient) by a join or split along the shifted axis.
+
+    A Blockwise node keeps a local function in its tag once compiled, which
+    ``synk.distribute()`` cannot pickle; time-series likelihoods such as
+    GaussianRandomWalk's have a join.  Other Blockwise fallbacks stay (and
+    distribute() says it cannot pickle them).
+    """
+    from pytensor.graph.replace import graph_replace
+    from pytensor.tensor.basic import Join, Split, get_underlying_scalar_constant_value
+    from pytensor.tensor.blockwise import Blockwise
+    from pytensor.tensor.exceptions import NotScalarConstantError
+
+    from ... import compat
+
+    def constant(v):
+        try:
+            return int(get_underlying_scalar_constant_value(v))
+        except NotScalarConstantError:
+            return None
+
+    def one(outputs):
+        """The replacements for one Blockwise Join or Split node, or None."""
+        in_graph = set(compat.ancestors(outputs))
+        for var in in_graph:
+            node = var.owner
+            if node is None or not isinstance(node.op, Blockwise):
+                continue
+            core, nb = node.op.core_op, node.op.batch_ndim(node)
+            if isinstance(core, Join):
+                axis, *parts = node.inputs
+                core_axis = constant(axis)
+                if core_axis is None:
+                    continue
+                out = node.outputs[0]
+                # The batch shape from the parts (1 broadcasts), never from out: no cycle.
+                batch = tuple(pt.max(pt.stack([p.shape[i] for p in parts])) for i in range(nb))
+                parts = [pt.broadcast_to(p, (*batch, *(p.shape[i] for i in range(nb, p.ndim))))
+                         for p in parts]
+                return {out: pt.join(core_axis + nb if core_axis >= 0 else core_axis, *parts)}
+            if isinstance(core, Split):
+                x, axis, sizes = node.inputs
+                core_axis = constant(axis)
+                if core_axis is None:
+                    continue
+                sizes = sizes[(0,) * (sizes.ndim - 1)] if sizes.ndim > 1 else sizes
+                x_axis = core_axis + nb if core_axis >= 0 else core_axis
+                pieces = core(x, pt.constant(x_axis), sizes)
+                pieces = pieces if isinstance(pieces, list) else [pieces]
+                return {o: p for o, p in zip(node.outputs, pieces) if o in in_graph}
+        return None
+
+    for _ in range(100):
+        replace = one(outputs)
+        if not replace:
+            break
+        outputs = graph_replace(outputs, replace, strict=False)
+    return outputs

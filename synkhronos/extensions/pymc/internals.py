@@ -1,0 +1,302 @@
+"""Everything the integration needs from PyMC's (and nutpie's) internals, in one place.
+
+Supported: PyMC 5.27-5.28 with the PyTensor each pins (2.36, 2.38); nutpie 0.15+.
+``tests/extensions/test_pymc_internals.py`` checks every name used here against the
+installed versions (``make test-pymc-versions`` runs it on each).  What we
+rely on:
+
+- ``pm.sample`` asks ``model.logp_dlogp_function(ravel_inputs=True, ...)``
+  for the NUTS step's (logp, dlogp) (``init_nuts``); PyMC's leapfrog reads
+  ``_pytensor_function``, ``_raveled_inputs``, ``dtype`` and
+  ``_extra_vars_shared`` of what it returns.  ``driving()`` hands it
+  ``LogpDlogp`` for the duration of one ``pm.sample`` call, on this model only.
+- ``pm.sample(cores=1)`` runs its chains through
+  ``pymc.sampling.mcmc._sample_many``; ``driving()`` swaps in one that runs
+  each chain's ``_sample`` in a thread of its own, on a copy of the step.
+- ``pm.sample(nuts_sampler="nutpie")`` calls ``nutpie.compile_pymc_model``;
+  ``driving()`` makes it return a ``nutpie.compiled_pyfunc.from_pyfunc``
+  model on the data-parallel (logp, dlogp).
+"""
+
+import contextlib
+import copy
+import threading
+
+import numpy as np
+import pymc as pm
+import pytensor
+import pytensor.tensor as pt
+from pymc.initial_point import make_initial_point_fn
+from pymc.pytensorf import rewrite_pregrad as _rewrite_pregrad
+from pymc.sampling import mcmc
+
+SUPPORTED_PYMC = ((5, 27), (5, 28))
+"""PyMC 5.25 and 5.26 pin PyTensor 2.31 and 2.35, below synkhronos's 2.36 (compat.MIN_PYTENSOR)."""
+
+
+def pymc_version():
+    """The installed PyMC as (major, minor)."""
+    parts = pm.__version__.split(".")
+    return int(parts[0]), int(parts[1])
+
+
+def scales_rows(rv):
+    """Whether PyMC scales ``rv``'s logp by ``total_size / (its rows)`` on axis 0.
+
+    PyMC 5.27-5.28 wrap an observed variable given ``total_size`` in a
+    ``MinibatchRandomVariable`` whose inputs after the variable are the
+    total sizes per axis (``NoneConst`` where none).
+    """
+    from pytensor.tensor.type_other import NoneConst
+
+    node = rv.owner
+    if node is None or type(node.op).__name__ != "MinibatchRandomVariable":
+        return False
+    return len(node.inputs) > 1 and not NoneConst.equals(node.inputs[1])
+
+
+def rewrite_pregrad(cost):
+    """PyMC's rewrites before taking a gradient (as its ValueGradFunction does)."""
+    return _rewrite_pregrad(cost)
+
+
+def pymc_mode(model, fast=False):
+    """The mode PyMC compiles with: failed parameter checks give -inf (or are removed).
+
+    ``fast``: a mode that compiles quickly (Python linker), for one-off checks.
+    """
+    from pytensor.compile.mode import Mode, get_mode
+
+    check = ("local_check_parameter_to_ninf_switch" if model.check_bounds
+             else "local_remove_check_parameter")
+    base = get_mode("FAST_COMPILE" if fast else None)
+    linker = "py" if fast else base.linker
+    return Mode(linker=linker, optimizer=base.provided_optimizer.including(check))
+
+
+class LogpDlogp:
+    """What PyMC's NUTS reads from ``model.logp_dlogp_function()``: here, the batcher."""
+
+    _raveled_inputs = True
+
+    def __init__(self, batcher, dtype):
+        self._batcher = batcher
+        self.dtype = str(dtype)
+        self._extra_vars_shared = {}
+        self._extra_are_set = True
+        self.trust_input = True
+
+    def _pytensor_function(self, q):
+        return self._batcher(q)
+
+    def __call__(self, grad_vars, *, extra_vars=None):
+        q = getattr(grad_vars, "data", grad_vars)
+        if isinstance(q, (list, tuple)):
+            q = q[0]
+        return self._batcher(np.asarray(q, dtype=self.dtype))
+
+    def set_extra_values(self, extra_vars):
+        pass
+
+    def get_extra_values(self):
+        return {}
+
+
+def _threaded_sample_many(batcher, model):
+    """A ``_sample_many`` that runs every chain at once, each in a thread on its own step copy."""
+
+    def sample_many(*, draws, chains, traces, start, rngs, step, callback=None, **kwargs):
+        # Copies made before any chain runs: each starts from the step's initial state,
+        # as PyMC's sequential loop resets it; the model and the batcher stay shared.
+        keep = {id(model): model, id(batcher): batcher}
+        steps = [copy.deepcopy(step, memo=dict(keep)) for _ in range(chains)]
+        manager = progress_manager_class()(
+            step_method=step, chains=chains, draws=draws - kwargs.get("tune", 0),
+            tune=kwargs.get("tune", 0), progressbar=kwargs.get("progressbar", True),
+            progressbar_theme=kwargs.get("progressbar_theme", mcmc.default_progress_theme))
+        progress = _Locked(manager)
+        errors = []
+
+        def run(i):
+            try:
+                mcmc._sample(draws=draws, chain=i, start=start[i], step=steps[i],
+                             trace=traces[i], rng=rngs[i], callback=callback,
+                             progress_manager=progress, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+                errors.append(exc)
+                batcher.abort(exc)
+            finally:
+                batcher.leave()
+
+        batcher.expect(chains)
+        threads = [threading.Thread(target=run, args=(i,), name=f"synk-chain-{i}", daemon=True)
+                   for i in range(chains)]
+        try:
+            with manager:
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    while t.is_alive():
+                        t.join(0.1)
+        except BaseException as exc:
+            batcher.abort(exc)
+            for t in threads:
+                t.join()
+            raise
+        finally:
+            batcher.reset()
+        first = next((e for e in errors if not _is_abort(e)), errors[0] if errors else None)
+        if first is not None:
+            raise first
+
+    return sample_many
+
+
+def progress_manager_class():
+    """PyMC's progress bar manager for MCMC (5.28: MCMCProgressBarManager; 5.27: ProgressBarManager)."""
+    return getattr(mcmc, "MCMCProgressBarManager", None) or mcmc.ProgressBarManager
+
+
+def _is_abort(exc):
+    from .batching import BatchAborted
+    return isinstance(exc, BatchAborted)
+
+
+class _Locked:
+    """The progress bar manager, one chain at a time (rich's counters are not thread-safe)."""
+
+    def __init__(self, manager):
+        self._manager = manager
+        self._lock = threading.Lock()
+
+    def update(self, *args, **kwargs):
+        with self._lock:
+            return self._manager.update(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._manager, name)
+
+
+@contextlib.contextmanager
+def driving(dp):
+    """Within: ``pm.sample`` on ``dp.model`` samples with ``dp``'s data-parallel (logp, dlogp)."""
+    model, batcher = dp.model, dp.batcher
+    original = model.logp_dlogp_function
+
+    def logp_dlogp_function(grad_vars=None, *args, ravel_inputs=None, **kwargs):
+        whole = grad_vars is None or [v.name for v in grad_vars] == dp.value_names
+        if whole and ravel_inputs and not args:
+            return LogpDlogp(batcher, dp.dtype)
+        return original(grad_vars, *args, ravel_inputs=ravel_inputs, **kwargs)
+
+    saved_many = mcmc._sample_many
+    nutpie_mod, saved_compile = _nutpie_module()
+    model.logp_dlogp_function = logp_dlogp_function
+    mcmc._sample_many = _threaded_sample_many(batcher, model)
+    if nutpie_mod is not None:
+        nutpie_mod.compile_pymc_model = lambda m, **kw: nutpie_model(dp, **kw)
+    try:
+        yield
+    finally:
+        del model.logp_dlogp_function
+        mcmc._sample_many = saved_many
+        if nutpie_mod is not None:
+            nutpie_mod.compile_pymc_model = saved_compile
+
+
+def _nutpie_module():
+    try:
+        import nutpie
+    except ImportError:
+        return None, None
+    return nutpie, nutpie.compile_pymc_model
+
+
+def nutpie_model(dp, var_names=None, initial_points=None, jitter_rvs=None,
+                 default_initialization_strategy="support_point", **unused):
+    """A nutpie model (``from_pyfunc``) on ``dp``'s batched (logp, dlogp)."""
+    import pandas as pd
+    from nutpie.compiled_pyfunc import from_pyfunc
+
+    model, batcher = dp.model, dp.batcher
+    names, shapes = list(dp.value_names), [tuple(s) for s in dp._shapes]
+    remaining = [v for v in model.unobserved_value_vars if v.name not in names]
+    if var_names is not None:
+        remaining = [v for v in remaining if v.name in set(var_names)]
+    with model:
+        expand_fn = pm.pytensorf.compile(model.value_vars, remaining, on_unused_input="ignore")
+    point = model.initial_point()
+    rem_values = expand_fn(*[point[n] for n in names]) if remaining else []
+    rem_shapes = [tuple(np.shape(v)) for v in rem_values]
+    all_names = names + [v.name for v in remaining]
+    all_shapes = shapes + rem_shapes
+    if jitter_rvs is None and default_initialization_strategy == "support_point":
+        jitter_rvs = set(model.free_RVs)
+    ip_fn = make_initial_point_fn(model=model, overrides=initial_points,
+                                  default_strategy=default_initialization_strategy,
+                                  jitter_rvs=jitter_rvs, return_transformed=True)
+    lock = threading.Lock()
+
+    def initial_point(seed):
+        with lock:
+            p = ip_fn(seed)
+        return np.concatenate([np.asarray(p[n], dtype=np.float64).ravel() for n in names])
+
+    def make_logp():
+        def logp(x, **shared):
+            lp, g = batcher(np.asarray(x, dtype=dp.dtype))
+            return float(lp), np.asarray(g, dtype=np.float64, order="C")
+        return logp
+
+    def make_expand(seed1, seed2, chain):
+        def expand(x, **shared):
+            p = dp.unravel(np.asarray(x, dtype=dp.dtype))
+            values = [p[n] for n in names]
+            extra = expand_fn(*values) if remaining else []
+            return {n: np.asarray(v, dtype=np.float64, order="C").reshape(s)
+                    for n, v, s in zip(all_names, [*values, *extra], all_shapes)}
+        return expand
+
+    coords = {}
+    for name, vals in model.coords.items():
+        if vals is None:
+            vals = pd.RangeIndex(int(model.dim_lengths[name].eval()))
+        coords[name] = pd.Index(vals)
+    labels = []
+    for base, shape in zip(names, shapes):
+        for idx in np.ndindex(*shape):
+            labels.append(base if not idx else f"{base}_{'.'.join(map(str, idx))}")
+    coords["unconstrained_parameter"] = pd.Index(labels)
+    return from_pyfunc(dp.size, make_logp, make_expand, [np.dtype("float64")] * len(all_names),
+                       all_shapes, all_names, coords=coords, dims=dict(model.named_vars_to_dims),
+                       make_initial_point_fn=initial_point)
+
+
+def map_functions(model, value_names, shapes, dtype):
+    """For ``find_map``: the Jacobian terms (value, flat grad) and the point's expansion.
+
+    ``pm.find_MAP`` maximises the log-density without the transforms'
+    Jacobians; the data-parallel log-density has them (as NUTS needs), so
+    find_map subtracts them: the difference of the priors with and without.
+    """
+    x = pt.vector("x", dtype=str(dtype))
+    free = list(model.free_RVs)
+    jac = model.logp(vars=free, jacobian=True, sum=True) - model.logp(vars=free, jacobian=False,
+                                                                          sum=True)
+    replace, lo = {}, 0
+    for v, shape in zip(model.value_vars, shapes):
+        size = int(np.prod(shape, dtype=int))
+        part = x[lo:lo + size].reshape(shape) if shape else x[lo]
+        replace[v] = part.astype(v.dtype)
+        lo += size
+    jac_x = pytensor.clone_replace(jac, replace=replace)
+    grad = pytensor.grad(jac_x, x, disconnected_inputs="ignore")
+    jac_fn = pytensor.function([x], [jac_x, grad], mode=pymc_mode(model))
+
+    def expand(point, include_transformed):
+        from pymc.util import get_default_varnames
+        outs = get_default_varnames(model.unobserved_value_vars, include_transformed)
+        values = model.compile_fn(inputs=model.value_vars, outs=outs)(point)
+        return {v.name: value for v, value in zip(outs, values)}
+
+    return jac_fn, expand

@@ -1,0 +1,338 @@
+"""DataParallelModel: a PyMC log-density and its gradient, summed over ranks, many positions a call."""
+
+import logging
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+
+import synkhronos as synk
+
+from . import graphs, internals, rowcheck, terms
+from .batching import Batcher
+
+logger = logging.getLogger(__name__)
+
+
+class DataParallelModel:
+    """The data-parallel log-density and gradient of one PyMC model.  Master only.
+
+    Built by ``data_parallel(model)``.  Points are point dicts, as
+    ``model.initial_point()`` returns them (value variables in the
+    transformed space, e.g. ``sigma_log__``), or flat vectors in the order of
+    ``value_names`` (see ``ravel``/``unravel``); gradients are flat in that
+    order, as ``model.compile_dlogp()`` returns them.
+
+    Attributes:
+        model: the PyMC model.
+        containers: the ``pm.Data`` containers split by rows.
+        whole: the containers every rank reads whole.
+        n_rows: rows of the split data.
+        value_names, size, dtype: the flat parameter vector.
+    """
+
+    def __init__(self, model, data, unsplit, name):
+        try:
+            synk.layout()
+        except synk.SynkStateError:
+            raise synk.SynkStateError("data_parallel() needs synk.fork() first") from None
+        self.model = model
+        if not model.observed_RVs:
+            raise ValueError("data_parallel: the model has no observed variables")
+        value_vars = list(model.value_vars)
+        discrete = [v.name for v in value_vars
+                    if not np.issubdtype(np.dtype(v.dtype), np.floating)]
+        if discrete:
+            raise ValueError(f"data_parallel: free variables {discrete} are discrete; the "
+                             "gradient needs continuous free variables only")
+        point = model.initial_point()
+        self.value_names = [v.name for v in value_vars]
+        self._shapes = [tuple(np.shape(point[n])) for n in self.value_names]
+        self._sizes = [int(np.prod(s, dtype=int)) for s in self._shapes]
+        self._dtypes = [np.dtype(v.dtype) for v in value_vars]
+        self.dtype = np.result_type(*self._dtypes) if value_vars else np.dtype("float64")
+        self.size = sum(self._sizes)
+
+        given = data if isinstance(data, dict) else None
+        all_terms = terms.model_terms(model)
+        terms.refuse_random_draws(all_terms)
+        plan = terms.choose(model, all_terms, list(given) if given else data, unsplit)
+        terms.refuse_numpy_rows(model, plan)
+        mode = internals.pymc_mode(model)
+        rowcheck.check_rows(model, plan, value_vars, self._check_point,
+                            internals.pymc_mode(model, fast=True))
+        self._plan = plan
+        self.containers = plan.split
+        self.whole = plan.whole
+        self._given = self._given_data(given, plan) if given else None
+        self.n_rows = len(self._given[0]) if self._given else plan.n_rows
+
+        # Whole containers: our own copies, so that the model's containers never
+        # enter synkhronos's registry (and pm.set_data is seen and sent on).
+        self._whole_copies = {c: pytensor.shared(np.array(c.get_value(borrow=True)), name=c.name)
+                              for c in plan.whole}
+        self._n_total = pytensor.shared(np.float64(self.n_rows), name="n_rows_total")
+        inputs = self._inputs = graphs.row_inputs(plan.split)
+        n_sym = pt.dscalar("n_total")
+        split_exprs, whole_expr, frac = graphs.rank_terms(model, plan, inputs, self._whole_copies,
+                                                          n_sym)
+        logp = graphs.rank_logp(split_exprs, whole_expr, frac, self.dtype)
+        logp = pytensor.clone_replace(logp, replace={n_sym: self._n_total})
+        positions = pt.matrix("positions", dtype=self.dtype)
+        logps, grads = graphs.batched(logp, value_vars, self._shapes, positions,
+                                      pregrad=internals.rewrite_pregrad)
+        try:
+            # One output, logp in column 0: one reduction per call, not two.
+            both = pt.concatenate([logps[:, None].astype(grads.dtype), grads], axis=1)
+            self._fn = synk.function(inputs=inputs, bcast_inputs=[positions],
+                                     outputs=[(both, "sum")], name=name, mode=mode,
+                                     on_unused_input="ignore")
+        except synk.SynkStateError as exc:
+            raise synk.SynkStateError(f"data_parallel() must come after synk.fork() and "
+                                      f"before synk.distribute() ({exc})") from None
+        self._data = None
+        self._seen = {}
+        self._n_sent = self.n_rows   # the value distribute() sends
+        # In a cluster a write to a Data is mirrored by a command of its own: positions
+        # then travel inside the call as a NumPy input instead.
+        self._pos = {} if synk.layout().n_machines == 1 else None
+        self.batcher = Batcher(self._evaluate)
+        self._map_fns = None
+        logger.info("pymc model: %d value variables (%d numbers), %s split by rows (%d), "
+                    "%s whole; terms split %s, whole %s", len(value_vars), self.size,
+                    [c.name for c in plan.split], self.n_rows, [c.name for c in plan.whole],
+                    [t.name for t in plan.split_terms], [t.name for t in plan.whole_terms])
+
+    # -- data -------------------------------------------------------------------------------
+    @staticmethod
+    def _given_data(given, plan):
+        out = []
+        for c in plan.split:
+            d = given[c.name] if c.name in given else given.get(c)
+            if not isinstance(d, synk.Data):
+                raise TypeError(f"data_parallel: data[{c.name!r}] must be a synk.Data (for "
+                                f"example synk.data(produce=fn, length=n)); got {type(d).__name__}")
+            if np.dtype(d.dtype) != np.dtype(c.dtype) or d.ndim != c.ndim:
+                raise TypeError(f"data_parallel: data[{c.name!r}] must have the container's "
+                                f"dtype {c.dtype} and ndim {c.ndim} (pm.Data may have cast it); "
+                                f"got {d.dtype}, ndim {d.ndim}")
+            out.append(d)
+        if len({len(d) for d in out}) != 1:
+            raise ValueError(f"data_parallel: the Data given in data= have different lengths "
+                             f"{[len(d) for d in out]}")
+        return out
+
+    def _check_point(self, i):
+        """The i-th point the row check tries: the initial point, then jittered ones."""
+        point = self.model.initial_point()
+        if i == 0:
+            return point
+        rng = np.random.default_rng(i)
+        return {k: np.asarray(v + rng.uniform(-1, 1, size=np.shape(v)), dtype=np.asarray(v).dtype)
+                for k, v in point.items()}
+
+    def scatter(self):
+        """Put the rows of the split containers in shared memory, once.  Master only.
+
+        Called by the first evaluation if you have not; call it again after
+        ``pm.set_data`` (an evaluation that finds changed data raises
+        ``SynkStateError`` until you do; ``sample()`` and ``find_map()`` call it).
+
+        Raises:
+            SynkStateError: before ``synk.distribute()``.
+        """
+        if self._given:
+            self._data = self._given
+        else:
+            values = [c.get_value(borrow=True) for c in self.containers]
+            if self._data is None:
+                self._data = [synk.data(v, var=inp, name=f"pymc:{c.name}")
+                              for v, c, inp in zip(values, self.containers, self._inputs)]
+            else:
+                for d, v in zip(self._data, values):
+                    d.set_value(v)
+            self.n_rows = len(values[0])
+        changed = [(copy, c.get_value(borrow=True)) for c, copy in self._whole_copies.items()
+                   if self._seen and self._seen.get(c) is not c.get_value(borrow=True)]
+        if changed:
+            synk.broadcast([cp for cp, _ in changed], [v for _, v in changed])
+        if self._n_sent != self.n_rows:
+            synk.broadcast(self._n_total, np.float64(self.n_rows))
+            self._n_sent = self.n_rows
+        self._seen = {c: c.get_value(borrow=True) for c in [*self.containers, *self.whole]}
+
+    def _stale(self):
+        """Names of containers changed (pm.set_data) since the last scatter()."""
+        if self._given:
+            return []
+        return [c.name for c in (*self.containers, *self.whole)
+                if self._seen.get(c) is not c.get_value(borrow=True)]
+
+    def _ready(self, where):
+        if self._data is None:
+            self.scatter()
+            return
+        stale = self._stale()
+        if stale:
+            raise synk.SynkStateError(
+                f"{where}: pm.Data {stale} changed (pm.set_data) since dp.scatter(); the ranks "
+                "still hold the old rows. Call dp.scatter() to send the new ones")
+
+    # -- evaluation -------------------------------------------------------------------------
+    def _evaluate(self, positions):
+        """(logps, grads) at the rows of ``positions``: one data-parallel call."""
+        positions = np.asarray(positions, dtype=self.dtype)
+        if self._pos is not None:
+            # One machine: the positions go into a Data of their own (one per batch
+            # size), so the call passes the same Data each time (no per-call copy).
+            k = len(positions)
+            held = self._pos.get(k)
+            if held is None:
+                held = self._pos[k] = synk.data(np.empty((k, self.size), self.dtype),
+                                                name=f"pymc:positions{k}")
+            held[...] = positions
+            positions = held
+        both = np.asarray(self._fn(*self._data, positions)[0])
+        return both[:, 0], both[:, 1:]
+
+    def logp_dlogp_many(self, positions):
+        """Return ``(logps, grads)`` at many positions (a k x size matrix) with one call.
+
+        Each row of the result equals ``model.compile_logp()`` /
+        ``model.compile_dlogp()`` at that position on the whole data set.
+        """
+        P = np.asarray(positions, dtype=self.dtype)
+        if P.ndim != 2 or P.shape[1] != self.size:
+            raise ValueError(f"logp_dlogp_many: positions must have shape (k, {self.size}); "
+                             f"got {P.shape}")
+        self._ready("DataParallelModel.logp_dlogp_many")
+        return self._evaluate(P)
+
+    def logp_dlogp(self, point):
+        """Return ``(logp, dlogp)`` at ``point`` (a point dict or flat vector), one call."""
+        x = self._flat(point)
+        self._ready("DataParallelModel.logp_dlogp")
+        logps, grads = self._evaluate(x[None])
+        return logps[0], grads[0]
+
+    def logp(self, point):
+        """Return the log-density at ``point``; equals ``model.compile_logp()(point)``."""
+        return self.logp_dlogp(point)[0]
+
+    def dlogp(self, point):
+        """Return the flat gradient at ``point``; equals ``model.compile_dlogp()(point)``."""
+        return self.logp_dlogp(point)[1]
+
+    def neg_logp_dlogp(self, x):
+        """Return ``(-logp, -dlogp)`` as float64: ``scipy.optimize.minimize(..., jac=True)``."""
+        lp, g = self.logp_dlogp(x)
+        return -float(lp), -np.asarray(g, dtype=np.float64)
+
+    # -- points -----------------------------------------------------------------------------
+    def ravel(self, point):
+        """Return the flat vector of a point dict (keys: ``value_names``)."""
+        missing = [n for n in self.value_names if n not in point]
+        if missing:
+            raise ValueError(f"point lacks value variables {missing}")
+        if not self.value_names:
+            return np.zeros(0, self.dtype)
+        return np.concatenate([np.asarray(point[n], dtype=self.dtype).ravel()
+                               for n in self.value_names])
+
+    def unravel(self, x):
+        """Return the point dict of a flat vector."""
+        x = np.asarray(x)
+        if x.shape != (self.size,):
+            raise ValueError(f"x must have shape ({self.size},); got {x.shape}")
+        out, lo = {}, 0
+        for n, shape, size, dtype in zip(self.value_names, self._shapes, self._sizes,
+                                         self._dtypes):
+            out[n] = x[lo:lo + size].reshape(shape).astype(dtype)
+            lo += size
+        return out
+
+    def initial_x(self):
+        """Return the model's initial point as a flat float64 vector."""
+        return self.ravel(self.model.initial_point()).astype(np.float64)
+
+    def _flat(self, point):
+        if isinstance(point, dict):
+            return self.ravel(point)
+        x = np.asarray(point, dtype=self.dtype)
+        if x.shape != (self.size,):
+            raise ValueError(f"x must have shape ({self.size},); got {x.shape}")
+        return x
+
+    # -- PyMC's own calls -------------------------------------------------------------------
+    def find_map(self, start=None, method="L-BFGS-B", return_raw=False, include_transformed=True,
+                 maxeval=5000, **kwargs):
+        """Find the maximum a posteriori point as ``pm.find_MAP`` does, data-parallel.
+
+        Like ``pm.find_MAP``, it maximises the log-density without the
+        Jacobians of the transforms and returns the point with every
+        unobserved variable (transformed ones too unless told otherwise).
+
+        Args:
+            start: a point dict (value variables) to start from; default the
+                model's initial point.
+            method: a gradient-based ``scipy.optimize.minimize`` method.
+            return_raw: also return scipy's ``OptimizeResult``.
+            include_transformed: include the transformed variables (``sigma_log__``).
+            maxeval: most evaluations (``options["maxiter"]`` unless given).
+            **kwargs: passed on to ``scipy.optimize.minimize``.
+
+        Returns:
+            The point dict, or ``(point, OptimizeResult)`` with ``return_raw``.
+        """
+        from scipy.optimize import minimize
+
+        jac_fn, expand = self._map_functions()
+        self._refresh("DataParallelModel.find_map")
+
+        def objective(x):
+            lp, g = self.logp_dlogp(x)
+            jlp, jg = jac_fn(np.asarray(x, dtype=self.dtype))
+            return -float(lp - jlp), -np.asarray(g - jg, dtype=np.float64)
+
+        x0 = (self.initial_x() if start is None
+              else self.ravel({**self.model.initial_point(), **start}).astype(np.float64))
+        options = dict(kwargs.pop("options", None) or {})
+        options.setdefault("maxiter", maxeval)
+        res = minimize(objective, x0, jac=True, method=method, options=options, **kwargs)
+        point = expand(self.unravel(res.x.astype(self.dtype)), include_transformed)
+        return (point, res) if return_raw else point
+
+    def _map_functions(self):
+        if self._map_fns is None:
+            self._map_fns = internals.map_functions(self.model, self.value_names, self._shapes,
+                                                    self.dtype)
+        return self._map_fns
+
+    def _refresh(self, where):
+        if self._data is None or self._stale():
+            self.scatter()
+
+    def sample(self, draws=1000, *, tune=1000, chains=4, nuts_sampler="pymc", random_seed=None,
+               **kwargs):
+        """Sample the posterior as ``pm.sample`` does, every chain in one data-parallel call per step.
+
+        Takes ``pm.sample``'s arguments and returns what it returns (an
+        ``arviz.InferenceData`` by default, with the same groups, sample
+        statistics and convergence checks, and its progress bar).  The chains
+        run as threads of this process; each step of every chain is one
+        call over all ranks.  ``cores`` is ignored (the ranks use the cores).
+
+        Args:
+            nuts_sampler: ``"pymc"`` (PyMC's NUTS) or ``"nutpie"`` (needs nutpie).
+            **kwargs: any other ``pm.sample`` argument (``init``, ``target_accept``,
+                ``var_names``, ``idata_kwargs``, ``nuts_sampler_kwargs``...).
+
+        Raises:
+            ValueError: a sampler other than "pymc" or "nutpie", or a ``step``.
+            ImportError: nutpie asked for and not installed.
+        """
+        from .sampling import sample
+
+        self._refresh("DataParallelModel.sample")
+        return sample(self, draws=draws, tune=tune, chains=chains, nuts_sampler=nuts_sampler,
+                      random_seed=random_seed, **kwargs)

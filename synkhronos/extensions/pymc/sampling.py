@@ -1,0 +1,42 @@
+"""DataParallelModel.sample: pm.sample with every chain's (logp, dlogp) in one data-parallel call."""
+
+import logging
+
+import pymc as pm
+
+from . import internals
+
+logger = logging.getLogger(__name__)
+
+SAMPLERS = ("pymc", "nutpie")
+
+
+def sample(dp, draws, tune, chains, nuts_sampler, random_seed, **kwargs):
+    """Run ``pm.sample`` on ``dp.model`` with ``dp``'s (logp, dlogp); see ``DataParallelModel.sample``."""
+    where = "DataParallelModel.sample"
+    if nuts_sampler not in SAMPLERS:
+        raise ValueError(f"{where}: nuts_sampler must be 'pymc' or 'nutpie'; got {nuts_sampler!r}")
+    if kwargs.get("step") is not None:
+        raise ValueError(f"{where}: step= is not supported: the data-parallel (logp, dlogp) "
+                         "drives NUTS (pass NUTS's arguments, e.g. target_accept=, instead)")
+    if not isinstance(chains, int) or chains < 1:
+        raise ValueError(f"{where}: chains must be a positive int; got {chains!r}")
+    kwargs.pop("model", None)
+    cores = kwargs.pop("cores", None)
+    if cores not in (None, 1):
+        logger.info("%s: cores=%s ignored: the chains run as threads of this process, and the "
+                    "ranks use the cores", where, cores)
+    if nuts_sampler == "nutpie":
+        try:
+            import nutpie  # noqa: F401
+        except ImportError as exc:
+            raise ImportError(f"{where}: nuts_sampler='nutpie' needs nutpie: "
+                              "pip install -e '.[nutpie]'") from exc
+        # Every chain at once, so that their requests meet in one call.
+        nsk = dict(kwargs.pop("nuts_sampler_kwargs", None) or {})
+        nsk.setdefault("cores", chains)
+        kwargs["nuts_sampler_kwargs"] = nsk
+    dp.batcher.reset()
+    with internals.driving(dp):
+        return pm.sample(draws, tune=tune, chains=chains, cores=1, random_seed=random_seed,
+                         nuts_sampler=nuts_sampler, model=dp.model, **kwargs)

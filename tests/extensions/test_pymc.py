@@ -1,0 +1,200 @@
+"""PyMC models, data-parallel: logp, dlogp and posteriors equal PyMC's own on the whole data.
+
+Expectations come from PyMC itself (``model.compile_logp()``,
+``compile_dlogp()``, ``pm.find_MAP``, serial ``pm.sample``), never from
+synkhronos.  Four models on synthetic data (tests/helpers/pymc_models.py:
+radon multilevel, negative-binomial GLM, censored survival with pm.Censored,
+pm.CustomDist and pm.Potential, Student-t with dims), on 2 ranks and on 2
+simulated machines; tests/test_pymc_terms.py has the cases that used to be
+silently wrong.  Skipped where PyMC is not installed.
+"""
+
+import types
+
+import numpy as np
+import pytest
+
+pm = pytest.importorskip("pymc", reason="PyMC is not installed (pip install -e '.[pymc]')")
+
+import arviz as az  # noqa: E402
+import pytensor  # noqa: E402
+
+import synkhronos as synk  # noqa: E402
+from helpers import pymc_models  # noqa: E402
+from synkhronos.extensions import pymc as synk_pymc  # noqa: E402
+
+# PyMC graphs compile to C on PyTensor 2.x: a cold cache makes the first build slow.
+pytestmark = pytest.mark.timeout(300)
+
+N_ROWS = 301          # no rank count here divides it
+DRAWS = 300
+
+
+def _points(model, rng, k=2):
+    """A few random points in the transformed space, away from the initial point."""
+    start = model.initial_point()
+    return [{name: np.asarray(v + rng.normal(scale=0.5, size=np.shape(v)), dtype=v.dtype)
+             for name, v in start.items()} for _ in range(k)]
+
+
+# -- misuse without a runtime -------------------------------------------------------------------
+def test_needs_fork_first_and_says_so():
+    model = pymc_models.negbin(20)
+    with pytest.raises(synk.SynkStateError, match=r"data_parallel\(\) needs synk.fork\(\)"):
+        synk_pymc.data_parallel(model)
+
+
+# -- the four models on 2 ranks -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def env(runtime_keeper):
+    """Fork 2 ranks, build every model's data-parallel functions, distribute once."""
+    with pytensor.config.change_flags(floatX="float64"):
+        e = types.SimpleNamespace()
+        e.models = {k: f(N_ROWS) for k, f in pymc_models.MODELS.items()}
+        runtime_keeper.fork(2)
+        try:
+            e.dps = {k: synk_pymc.data_parallel(m) for k, m in e.models.items()}
+            synk.distribute()
+        except BaseException:
+            runtime_keeper.close()
+            raise
+        yield e
+        runtime_keeper.close()
+
+
+@pytest.mark.parametrize("name", list(pymc_models.MODELS))
+def test_logp_and_dlogp_equal_pymc(env, name):
+    model, dp = env.models[name], env.dps[name]
+    logp, dlogp = model.compile_logp(), model.compile_dlogp()
+    points = _points(model, np.random.default_rng(11), k=3)
+    for point in points:
+        np.testing.assert_allclose(dp.logp(point), logp(point), rtol=1e-10)
+        np.testing.assert_allclose(dp.dlogp(point), dlogp(point), rtol=1e-9, atol=1e-10)
+    # Several positions in one call: each row is PyMC's value at that position.
+    logps, grads = dp.logp_dlogp_many(np.stack([dp.ravel(p) for p in points]))
+    for point, lp, g in zip(points, logps, grads):
+        np.testing.assert_allclose(lp, logp(point), rtol=1e-10)
+        np.testing.assert_allclose(g, dlogp(point), rtol=1e-9, atol=1e-10)
+
+
+def test_data_split_and_kept_whole(env):
+    dp = env.dps["studentt_dims"]
+    assert [c.name for c in dp.containers] == ["X", "y"]      # "scale" has other rows
+    assert [c.name for c in dp.whole] == ["scale"]
+    assert dp.n_rows == N_ROWS
+    radon = env.dps["radon"]
+    assert sorted(c.name for c in radon.containers) == ["county_idx", "floor", "log_radon"]
+
+
+def _z_scores(a, b, var_names):
+    """|mean difference| and |sd difference| over their Monte Carlo standard errors."""
+    out = []
+    for v in var_names:
+        xa, xb = a.posterior[v], b.posterior[v]
+        ess_a = np.asarray(az.ess(a, var_names=[v])[v])
+        ess_b = np.asarray(az.ess(b, var_names=[v])[v])
+        ma, mb = np.asarray(xa.mean(("chain", "draw"))), np.asarray(xb.mean(("chain", "draw")))
+        sa, sb = np.asarray(xa.std(("chain", "draw"))), np.asarray(xb.std(("chain", "draw")))
+        z_mean = np.abs(ma - mb) / np.sqrt(sa ** 2 / ess_a + sb ** 2 / ess_b)
+        z_sd = np.abs(sa - sb) / np.sqrt(sa ** 2 / (2 * ess_a) + sb ** 2 / (2 * ess_b))
+        out.append((v, float(np.max(z_mean)), float(np.max(z_sd))))
+    return out
+
+
+SAMPLED = [("radon", "pymc"), ("negbin", "pymc"), ("survival", "pymc"),
+           ("studentt_dims", "nutpie"), ("negbin", "nutpie")]
+
+
+@pytest.mark.parametrize("name,sampler", SAMPLED)
+def test_posterior_equals_serial_pm_sample(env, name, sampler):
+    if sampler == "nutpie":
+        pytest.importorskip("nutpie")
+    model, dp = env.models[name], env.dps[name]
+    idata = dp.sample(DRAWS, tune=DRAWS, chains=2, random_seed=5, nuts_sampler=sampler,
+                      progressbar=False)
+    # The same groups and statistics as pm.sample's own result.
+    assert {"posterior", "sample_stats", "observed_data"} <= set(idata.groups())
+    assert idata.posterior.sizes["chain"] == 2 and idata.posterior.sizes["draw"] == DRAWS
+    assert "diverging" in idata.sample_stats
+    # Every chain's request went into shared calls: two chains, fewer calls than positions.
+    assert dp.batcher.positions > 1.3 * dp.batcher.calls, (dp.batcher.positions, dp.batcher.calls)
+    with model:
+        ref = pm.sample(DRAWS, tune=DRAWS, chains=2, cores=1, random_seed=6, progressbar=False,
+                        compute_convergence_checks=False)
+    names = [v.name for v in model.free_RVs]
+    z = _z_scores(idata, ref, names)
+    assert all(zm < 4.5 and zs < 4.5 for _, zm, zs in z), z
+
+
+def test_find_map_is_pm_find_map(env):
+    model, dp = env.models["radon"], env.dps["radon"]
+    point = dp.find_map()
+    ref = pm.find_MAP(model=model, progressbar=False)
+    assert set(point) == set(ref)
+    for k in ref:
+        np.testing.assert_allclose(point[k], ref[k], rtol=1e-4, atol=1e-4, err_msg=k)
+    raw, res = dp.find_map(include_transformed=False, return_raw=True)
+    assert "sigma_a_log__" not in raw and res.success
+
+
+def test_set_data_without_scatter_is_caught(env):
+    model, dp = env.models["negbin"], env.dps["negbin"]
+    old = model["y"].get_value()
+    point = model.initial_point()
+    try:
+        with model:
+            pm.set_data({"y": np.random.default_rng(3).poisson(2.0, size=N_ROWS)})
+        with pytest.raises(synk.SynkStateError, match=r"\['y'\].*dp.scatter\(\)"):
+            dp.logp(point)
+        dp.scatter()
+        np.testing.assert_allclose(dp.logp(point), model.compile_logp()(point), rtol=1e-10)
+    finally:
+        with model:
+            pm.set_data({"y": old})
+        dp.scatter()
+    np.testing.assert_allclose(dp.logp(point), model.compile_logp()(point), rtol=1e-10)
+
+
+# -- data produced where it is used, on simulated machines --------------------------------------
+def _cluster_run(n_machines, local):
+    import os
+
+    from helpers.cluster_jobs import TESTS, assert_nothing_left, machines, mpirun
+
+    script = os.path.join(TESTS, "helpers", "cluster_pymc.py")
+    with machines(n_machines) as m:
+        rc, out, _ = mpirun(m, n_machines, [script, str(local)], timeout=280)
+        assert rc == 0 and "ALL OK" in out, out
+        assert f"MACHINES {n_machines}\n" in out and "OK logp\n" in out, out
+        assert_nothing_left(m, out, "cluster_pymc.py")
+
+
+def _why_no_cluster():
+    from helpers.cluster_jobs import why_no_mpi
+    return why_no_mpi()
+
+
+@pytest.mark.timeout(300)
+def test_sample_on_two_simulated_machines():
+    why = _why_no_cluster()
+    if why:
+        pytest.skip(why)
+    _cluster_run(2, 1)
+
+
+def test_demo_runs_small():
+    """demos/pymc/map_regression.py end to end, on a few rows (its figures are not checked)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "demos/pymc/map_regression.py", "--family", "poisson",
+                           "--rows", "3000", "--features", "3", "--evals", "2", "--rounds", "1",
+                           "--n-parallel", "2"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "synkhronos, 2 ranks" in proc.stdout and "evaluations/s" in proc.stdout
+    diff = float(proc.stdout.rsplit("MAP estimates:", 1)[1].split()[0])
+    assert diff < 1e-6

@@ -1,0 +1,125 @@
+"""What synkhronos/extensions/pymc/internals.py needs from PyMC and nutpie, on the installed versions.
+
+Runs without a synkhronos runtime: a stand-in for DataParallelModel
+evaluates PyMC's own serial (logp, dlogp) through the same Batcher, so
+``pm.sample`` runs the threaded chains, the NUTS hook and the nutpie hook
+exactly as ``dp.sample`` does.  ``make test-pymc-versions`` runs this file
+(and the PyMC tests) on every supported PyMC.
+"""
+
+import inspect
+import types
+
+import numpy as np
+import pytest
+
+pm = pytest.importorskip("pymc", reason="PyMC is not installed (pip install -e '.[pymc]')")
+
+import pytensor  # noqa: E402
+import pytensor.tensor as pt  # noqa: E402
+from pymc.sampling import mcmc  # noqa: E402
+
+from synkhronos.extensions.pymc import internals  # noqa: E402
+from synkhronos.extensions.pymc.batching import Batcher  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_pymc_version_supported():
+    lo, hi = internals.SUPPORTED_PYMC
+    assert lo <= internals.pymc_version() <= hi, pm.__version__
+
+
+def test_names_the_hooks_use():
+    params = inspect.signature(mcmc._sample).parameters
+    for name in ("chain", "rng", "start", "draws", "step", "trace", "tune", "progress_manager"):
+        assert name in params, name
+    assert "progress_manager" not in inspect.signature(mcmc._sample_many).parameters
+    assert internals.progress_manager_class() is not None
+    assert hasattr(mcmc, "default_progress_theme")
+    assert "model.logp_dlogp_function(" in inspect.getsource(mcmc.init_nuts)
+    assert "logp_dlogp_func" in inspect.signature(pm.NUTS.__init__).parameters or \
+        "logp_dlogp_func" in inspect.getsource(pm.step_methods.arraystep.GradientSharedStep)
+    from pymc.step_methods.hmc import integration
+    src = inspect.getsource(integration.CpuLeapfrogIntegrator.__init__)
+    assert "_pytensor_function" in src and "_raveled_inputs" in src
+
+
+def _stand_in(model):
+    """What internals.driving reads from a DataParallelModel, on PyMC's serial functions."""
+    value_vars = model.value_vars
+    point = model.initial_point()
+    shapes = [tuple(np.shape(point[v.name])) for v in value_vars]
+    x = pt.dvector("x")
+    replace, lo = {}, 0
+    for v, shape in zip(value_vars, shapes):
+        size = int(np.prod(shape, dtype=int))
+        replace[v] = x[lo:lo + size].reshape(shape)
+        lo += size
+    logp = pytensor.clone_replace(model.logp(), replace=replace)
+    fn = pytensor.function([x], [logp, pytensor.grad(logp, x)])
+
+    def evaluate(P):
+        out = [fn(p) for p in P]
+        return np.array([o[0] for o in out]), np.stack([o[1] for o in out])
+
+    dp = types.SimpleNamespace(model=model, batcher=Batcher(evaluate), dtype=np.dtype("float64"),
+                               value_names=[v.name for v in value_vars], _shapes=shapes, size=lo)
+
+    def unravel(q):
+        out, lo = {}, 0
+        for name, shape in zip(dp.value_names, shapes):
+            size = int(np.prod(shape, dtype=int))
+            out[name] = q[lo:lo + size].reshape(shape)
+            lo += size
+        return out
+    dp.unravel = unravel
+    return dp
+
+
+def _model():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(50, 2))
+    with pytensor.config.change_flags(floatX="float64"):
+        with pm.Model() as model:
+            X_d = pm.Data("X", X)
+            y_d = pm.Data("y", X @ np.array([1.0, -1.0]) + rng.normal(size=50))
+            b = pm.Normal("b", 0, 1, shape=2)
+            s = pm.HalfNormal("s", 1)
+            pm.Deterministic("b_sum", b.sum())
+            pm.Normal("y_obs", mu=X_d @ b, sigma=s, observed=y_d)
+    return model
+
+
+@pytest.mark.parametrize("sampler", ["pymc", "nutpie"])
+def test_pm_sample_runs_every_chain_through_the_batcher(sampler):
+    if sampler == "nutpie":
+        pytest.importorskip("nutpie")
+    model = _model()
+    dp = _stand_in(model)
+    kw = {"nuts_sampler_kwargs": {"cores": 3}} if sampler == "nutpie" else {}
+    with internals.driving(dp):
+        idata = pm.sample(100, tune=100, chains=3, cores=1, random_seed=1, model=model,
+                          nuts_sampler=sampler, progressbar=False,
+                          compute_convergence_checks=False, **kw)
+    assert idata.posterior.sizes["chain"] == 3 and idata.posterior.sizes["draw"] == 100
+    assert {"b", "s", "b_sum"} <= set(idata.posterior.data_vars)
+    np.testing.assert_allclose(idata.posterior["b_sum"], idata.posterior["b"].sum("b_dim_0"))
+    assert dp.batcher.calls > 0 and dp.batcher.positions > 1.5 * dp.batcher.calls
+    # The hooks are gone afterwards: PyMC's own functions again.
+    assert "logp_dlogp_function" not in vars(model)
+    assert mcmc._sample_many.__module__ == "pymc.sampling.mcmc"
+
+
+def test_total_size_is_found():
+    rng = np.random.default_rng(0)
+    with pytensor.config.change_flags(floatX="float64"):
+        with pm.Model() as model:
+            y_d = pm.Data("y", rng.normal(size=10))
+            mu = pm.Normal("mu", 0, 1)
+            scaled = pm.Normal("scaled", mu, 1, observed=y_d, total_size=1000)
+            plain = pm.Normal("plain", mu, 1, observed=y_d)
+            cols = pm.Normal("cols", mu, 1, observed=y_d, total_size=[None])
+    assert internals.scales_rows(scaled)
+    assert not internals.scales_rows(plain) and not internals.scales_rows(cols)
+    assert [v.name for v in model.observed_RVs] == ["scaled", "plain", "cols"]
