@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 
 from ..commands import COMMANDS, encode
 from ..errors import MachineLostError, SynkError, unpickle_exception
-from .launch import end_launcher_at_exit
+from .launch import end_launcher_at_exit, end_step_at_exit
 from .link import ABORT, CMD, CMD_HEAD, DATA, DONE, REPORT
 from .recovery import going_on, relayout, settle_local, shrink
 
@@ -265,6 +265,9 @@ class Controller:
             # Cut off or stopped: mpiexec would wait for that machine forever.
             end_launcher_at_exit(f"{self.layout.describe(self.heartbeats.silent)} stopped "
                                  "answering")
+        elif self.heartbeats.closed and not self.broken:
+            # Died: srun cannot learn of it where its whole host went down.
+            end_step_at_exit(f"{self.layout.describe(min(self.heartbeats.closed))} died")
         self.heartbeats.close()
         self.broken = True
 
