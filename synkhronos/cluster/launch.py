@@ -160,7 +160,9 @@ _ADVICE = ("Launch MPICH with its mpiexec or `srun --mpi=pmi2`, Open MPI with it
 
 
 def _library(version):
-    return version.strip().splitlines()[0].split(",")[0] if version.strip() else "unknown MPI"
+    """The MPI library's name and version, from ``MPI.Get_library_version()``."""
+    first = version.strip().splitlines()[0].split(",")[0] if version.strip() else "unknown MPI"
+    return " ".join(first.split())
 
 
 def prepare_mpi(version, launch, env=None):
@@ -191,17 +193,16 @@ def prepare_mpi(version, launch, env=None):
                         f"own. Use `srun --mpi=pmix`, or mpirun inside the allocation.")
     if launch.route == SRUN_PMI and "MPICH" in version:
         device = next((line for line in version.splitlines() if "Device:" in line), "")
-        chosen = env.get("MPIR_CVAR_CH4_NETMOD") or env.get("MPIR_CVAR_NETMOD")
-        if chosen is None and "ucx" in device and "ofi" in device:
+        chosen = env.get("MPIR_CVAR_CH4_NETMOD")
+        say = logger.warning if launch.rank == 0 else logger.debug  # once, in the controller
+        if not chosen and "ucx" in device and "ofi" in device:
             env["MPIR_CVAR_CH4_NETMOD"] = "ofi"
-            (logger.warning if launch.rank == 0 else logger.debug)(
-                "%s with %s: MPICH uses its OFI network module (MPIR_CVAR_CH4_NETMOD=ofi), since "
-                "its PMI-1 lines with UCX addresses can exceed Slurm's limit; set "
+            say("%s with %s: MPICH uses its OFI network module (MPIR_CVAR_CH4_NETMOD=ofi), "
+                "since its PMI-1 lines with UCX addresses can exceed Slurm's limit; set "
                 "MPIR_CVAR_CH4_NETMOD yourself to choose", SRUN_PMI, name)
         elif (chosen or "ucx") == "ucx" and "ucx" in device:
-            logger.warning("%s with %s over UCX: its PMI-1 lines can exceed Slurm's 1024-byte "
-                           "limit and hang the job; MPIR_CVAR_CH4_NETMOD=ofi or mpiexec avoid it",
-                           SRUN_PMI, name)
+            say("%s with %s over UCX: its PMI-1 lines can exceed Slurm's 1024-byte limit and "
+                "hang the job; MPIR_CVAR_CH4_NETMOD=ofi or mpiexec avoid it", SRUN_PMI, name)
 
 
 def placement_problem(launch, hosts, local):
