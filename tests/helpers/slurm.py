@@ -8,12 +8,15 @@ with a key and socket of its own, authenticates them all; nothing of the
 host's own munge or Slurm is used or touched. The configuration is the
 smallest that runs MPI jobs: no accounting, ``proctrack/linuxproc``,
 ``task/none`` (so a job's processes keep the cores of their machine), one
-partition of every node.
+partition of every node; a lost node is taken for down after about 10 s
+(``SlurmdTimeout=5``, ``MessageTimeout=3``; Slurm's defaults: 300 s, 10 s), and a
+job that loses a node is not requeued (``JobRequeue=0``).
 
-Facts this relies on (docs and /work/shared/notes/slurm-on-simulated-nodes.md):
+Facts this relies on, measured on Debian 12 with Slurm 22.05:
 ``ip netns exec`` (which makes each machine's holder) remounts /sys without the
 cgroup mounts, and slurmd refuses to start without them, so each node gets a
-tmpfs on /sys/fs/cgroup with one v1 controller mounted under it; the spool
+tmpfs on /sys/fs/cgroup with the named v1 hierarchy "systemd" under it (what
+its cgroup plugin looks for; no controller is used); the spool
 directories must exist before slurmd starts; PMIx (``srun --mpi=pmix``) keeps
 its per-job directories under ``PMIxCliTmpDirBase``, which must differ between
 nodes: a tmpfs in each node's mount namespace.
@@ -63,7 +66,24 @@ def why_no_slurm():
         return "munge is not installed"
     if mpi_flavor() is None:
         return f"no mpiexec next to {sys.executable}"
-    return None
+    return _why_no_cgroup_mount()
+
+
+def _why_no_cgroup_mount():
+    """slurmd wants a cgroup file system in each node (``Slurm._node_mounts``): try one."""
+    d = tempfile.mkdtemp(prefix="synkcgprobe")
+    try:
+        p = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                            _CGROUP.format(d=d)], capture_output=True, text=True, timeout=20)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    return None if p.returncode == 0 else f"cannot mount a cgroup file system: {p.stderr.strip()}"
+
+
+# slurmd needs a cgroup file system at /sys/fs/cgroup, even with proctrack/linuxproc and
+# task/none (its cgroup/v1 plugin looks for the systemd hierarchy); ip netns exec left none.
+_CGROUP = ("mount -t tmpfs synkcg {d} && mkdir {d}/systemd && "
+           "mount -t cgroup -o none,name=systemd synkcg {d}/systemd")
 
 
 def why_no_pmix():
@@ -143,8 +163,7 @@ class Slurm:
         self.conf = None
         self.munged = None
         self.daemons = []  # (machine, Popen): slurmctld first
-        rnd = random.Random()
-        self.ctld_port, self.slurmd_port = rnd.sample(range(10000, 30000), 2)
+        self.ctld_port, self.slurmd_port = random.sample(range(10000, 30000), 2)
 
     # -- setup and teardown ---------------------------------------------------------------------
     def __enter__(self):
@@ -217,8 +236,6 @@ class Slurm:
              f"--seed-file={d}/munged.seed"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             start_new_session=True)
-        # The socket's folder must let Slurm's daemons and clients (root) in; munged
-        # checks only that it is not writable by others.
         deadline = time.monotonic() + 10
         while not os.path.exists(self.munge_socket):
             if self.munged.poll() is not None or time.monotonic() > deadline:
@@ -228,12 +245,8 @@ class Slurm:
     def _node_mounts(self, i, pmix_dir):
         script = f"mount -t tmpfs -o mode=1777 synktmp {self.tmp}"
         if pmix_dir:
-            script += (
-                # slurmd needs a cgroup file system at /sys/fs/cgroup, even with
-                # proctrack/linuxproc and task/none; ip netns exec left none there.
-                " && mount -t tmpfs synkcg /sys/fs/cgroup && mkdir /sys/fs/cgroup/systemd && "
-                "mount -t cgroup -o none,name=systemd synkcg /sys/fs/cgroup/systemd && "
-                f"mount -t tmpfs -o mode=0755 synkpmix {pmix_dir}")
+            script += (f" && {_CGROUP.format(d='/sys/fs/cgroup')}"
+                       f" && mount -t tmpfs -o mode=0755 synkpmix {pmix_dir}")
         p = self.machines.run(i, ["sh", "-c", script], capture_output=True, text=True)
         if p.returncode != 0:
             raise RuntimeError(f"node {i}: {script}: {p.stderr.strip()}")
