@@ -45,8 +45,8 @@ ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
          "PREEMPTED", "BOOT_FAIL", "DEADLINE")
 
 
-def batch_script(launch, args):
-    return (f"#!/bin/sh\ntimeout {LIMIT_S} {launch} python {' '.join(args)}\n"
+def batch_script(launch, args, limit=LIMIT_S):
+    return (f"#!/bin/sh\ntimeout {limit} {launch} python {' '.join(args)}\n"
             "echo \"LAUNCHER EXIT $?\"\n")
 
 
@@ -135,8 +135,9 @@ class _Salloc:
         return m.group(1) if m else None
 
 
-def start(slurm, route, per_node, args, nodes=2, **env):
-    """Start ``python args`` through ``route`` on ``nodes`` nodes; return its ``Job``."""
+def start(slurm, route, per_node, args, nodes=2, limit=LIMIT_S, **env):
+    """Start ``python args`` through ``route`` on ``nodes`` nodes (under ``timeout limit``);
+    return its ``Job``."""
     launch = ROUTES.get(route, (None, route))[1]
     env = slurm.env(**env)
     if route == "salloc + mpiexec":
@@ -145,7 +146,7 @@ def start(slurm, route, per_node, args, nodes=2, **env):
         job = Job(slurm, s.communicate(), None, t0)
         job.proc = s
         return job
-    return sbatch(slurm, batch_script(launch, args), nodes, per_node, env=env)
+    return sbatch(slurm, batch_script(launch, args, limit), nodes, per_node, env=env)
 
 
 class Result(NamedTuple):
