@@ -24,7 +24,7 @@ import pytest
 from helpers.machines import mpi_flavor
 from helpers.slurm import Slurm, why_no_pmix, why_no_slurm
 from helpers.slurm_jobs import (FAULTS_KINDS, RECOMMENDED, REFUSED, ROUTES, SRUN, fault_run,
-                                refused, run_route, settle, start)
+                                fork_once, refused, run_route, settle, start)
 
 WHY = why_no_slurm()
 FLAVOR = mpi_flavor()
@@ -98,8 +98,18 @@ def test_fault_leaves_nothing_and_ends_the_job(route, fault):
     with Slurm(2) as s:
         f = fault_run(s, route, fault, HEARTBEAT_S)
         queue = s.squeue()
+        # Open MPI may abort through PMIx before the controller raises; Slurm then
+        # SIGKILLs the whole step, the controller's janitor too, whose segments stay
+        # until the next fork on that node sweeps them (docs/slurm.md).
+        slurm_killed = (route == "srun --mpi=pmix" and "task 0: Killed" in f.out
+                        and set(f.left) == {0} and not f.left[0][0])
+        swept = fork_once(s, 0) if slurm_killed else None
     print(f.line())
-    assert f.t_gone is not None and not f.left, f.line() + f.out
+    if slurm_killed:
+        print(f"Slurm killed the step; a fork on node 0 then left: {swept or 'nothing'}")
+        assert not swept, swept
+    else:
+        assert f.t_gone is not None and not f.left, f.line() + f.out
     assert f.t_end is not None and queue == [], f.line() + f.out
     named = re.compile(r"machine 1 \(\S+, ranks 1\.\.1\)")
     if fault == "link cut":

@@ -13,6 +13,7 @@ every process of the job, and the job's end in Slurm.
 import os
 import re
 import subprocess
+import sys
 import time
 from typing import NamedTuple
 
@@ -204,7 +205,8 @@ def refused(slurm, name):
     return out, job.took, settle(slurm)
 
 
-FAULTS_KINDS = ("processes killed", "node crashed", "link cut", "controller killed")
+FAULTS_KINDS = ("processes killed", "node crashed", "link cut", "controller killed",
+                "job cancelled")
 
 
 class Fault(NamedTuple):
@@ -255,6 +257,8 @@ def fault_run(slurm, route, fault, heartbeat_s=3, bound=60.0):
     elif fault == "link cut":
         m.cut(1)
         waiting = (1,)
+    elif fault == "job cancelled":  # scancel, as at the job's time limit: SIGTERM, then SIGKILL
+        slurm.run_head(["scancel", job.id], timeout=20)
 
     def left():
         return {i: (procs, segs) for i, (procs, segs) in slurm.leftovers(lost).items()
@@ -281,3 +285,16 @@ def fault_run(slurm, route, fault, heartbeat_s=3, bound=60.0):
     return Fault(route, fault, out, f"{caught.group(1)}: {caught.group(3)}" if caught else None,
                  float(caught.group(2)) - t0 if caught else None, t_gone, t_node, t_end, job.state,
                  rest, t_mended)
+
+
+def fork_once(slurm, node):
+    """Fork and close a 1-rank run on ``node`` (no MPI); return what is left in its /dev/shm.
+
+    ``fork()`` first removes the segments of runs that are provably dead.
+    """
+    code = "import synkhronos as synk; synk.fork(1, use_gpu=False); synk.close()"
+    env = slurm.env(SYNK_CLUSTER="0")
+    p = slurm.machines.run(node, [sys.executable, "-c", code], env=env, cwd=TESTS,
+                           capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return slurm.machines.segments(node)
