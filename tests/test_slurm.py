@@ -10,13 +10,14 @@ processes on a node, disjoint cores.  A route the library cannot read must
 end at fork() with the reason in every process, never run as separate
 one-machine programs.  Faults run under each MPI's recommended route (and
 its srun route): nothing of the job may be left on any node, and the job
-must leave Slurm's queue.
+must leave Slurm's queue.  ``SYNK_SLURM_ALL=1`` adds every fault under srun.
 
 Each environment holds one MPI: the main one runs MPICH's routes, `make
 test-openmpi` Open MPI's.  Needs root and Slurm's Debian packages (`make
 test` installs them where apt works); skipped with the reason otherwise.
 """
 
+import os
 import re
 
 import pytest
@@ -88,8 +89,12 @@ def test_route_the_library_cannot_read_is_refused_at_fork(slurm, name):
     assert not left and slurm.squeue() == [], (left, out)
 
 
+# Every fault under the recommended route; under srun (the controller's parent is then
+# slurmstepd) the cut link in `make test`, every fault with SYNK_SLURM_ALL=1 (about a
+# minute more per MPI; bench/slurm_routes.py runs them all).
 FAULTS = [(RECOMMENDED[FLAVOR], f) for f in FAULTS_KINDS] + \
-         [(SRUN[FLAVOR], "link cut"), (SRUN[FLAVOR], "node crashed")]
+         [(SRUN[FLAVOR], f) for f in FAULTS_KINDS
+          if f == "link cut" or os.environ.get("SYNK_SLURM_ALL") == "1"]
 
 
 @pytest.mark.parametrize("route,fault", FAULTS)
@@ -111,19 +116,17 @@ def test_fault_leaves_nothing_and_ends_the_job(route, fault):
     else:
         assert f.t_gone is not None and not f.left, f.line() + f.out
     assert f.t_end is not None and queue == [], f.line() + f.out
-    named = re.compile(r"machine 1 \(\S+, ranks 1\.\.1\)")
     if fault == "link cut":
-        assert f.error and f.error.startswith("WorkerStalledError") and named.search(f.error), f
+        assert f.error and f.error.startswith("WorkerStalledError") and f.named, f
         # The cut node ends its share by itself within 2 heartbeats (its sentinel).
         assert f.t_error < 2 * HEARTBEAT_S and f.t_node < 2 * HEARTBEAT_S, f.line()
         assert f.t_mended is not None, f.line()
-    elif fault in ("processes killed", "node crashed"):
-        # The controller names the machine, where the launcher does not end it first
-        # (Open MPI's PRRTE ends a job that lost a daemon within 0.04 s).
-        caught = f.error and named.search(f.error)
-        logged = re.search(named.pattern + r" lost: the connection to its sentinel closed", f.out)
-        assert caught or logged or (route.startswith("sbatch + mpirun") and fault == "node crashed"), f
+    elif fault in ("processes killed", "node crashed") and route.startswith("srun"):
+        # srun leaves the controller running: it names the machine (in its error, or in
+        # its log line where Open MPI aborts the step first). Hydra and PRRTE end the
+        # job at once and may end the controller before it can (bench/slurm_routes.py).
+        assert f.named, f
     if route == "sbatch + mpirun --with-ft ulfm" and fault == "processes killed":
         # ULFM: the run goes on with the machine left, as under mpirun without Slurm.
         assert f.error.startswith("MachineLostError") and "the run goes on" in f.error, f
-        assert f.t_error < 2.0 and "CLOSED" in f.out, f
+        assert f.named and f.t_error < 2.0 and "CLOSED" in f.out, f

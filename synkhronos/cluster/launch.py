@@ -20,7 +20,6 @@ PRRTE = "mpirun (Open MPI)"
 SRUN_PMI = "srun --mpi=pmi2"
 SRUN_PMIX = "srun --mpi=pmix"
 PMI = "a PMI launcher"
-ROUTES = (HYDRA, PRRTE, SRUN_PMI, SRUN_PMIX, PMI)
 
 
 class Launch(NamedTuple):
@@ -30,7 +29,7 @@ class Launch(NamedTuple):
     size: int           # MPI processes in the job (machines)
     local_index: int    # index among the MPI processes on this host
     local_count: int    # MPI processes on this host
-    route: str = HYDRA  # the launcher it was read from (one of ROUTES)
+    route: str = HYDRA  # the launcher it was read from (one of the routes above)
     seen: str = ""      # the variables read, for error messages
 
 

@@ -226,13 +226,15 @@ class Fault(NamedTuple):
     state: str
     left: dict
     t_mended: float
+    named: bool       # the controller named node 1's machine (its error, or its log line)
 
     def line(self):
         def s(t):
             return "never" if t is None else f"{t:.1f} s"
         mended = f"; cut node's slurmstepd gone {s(self.t_mended)} after mending" \
             if self.fault == "link cut" else ""
-        return (f"{self.route}, {self.fault}: error {self.error!r} after {s(self.t_error)}; every "
+        return (f"{self.route}, {self.fault}: error {self.error!r} after {s(self.t_error)}; "
+                f"machine named: {'yes' if self.named else 'no'}; every "
                 f"process gone after {s(self.t_gone)}; job ended ({self.state}) after "
                 f"{s(self.t_end)}; node 1's processes gone after {s(self.t_node)}; left: "
                 f"{self.left or 'nothing'}{mended}")
@@ -282,9 +284,13 @@ def fault_run(slurm, route, fault, heartbeat_s=3, bound=60.0):
             t_mended = time.monotonic() - t1
     out = job.output()
     caught = re.search(r"^CAUGHT (\w+) at ([\d.]+) (.*)$", out, re.M)
+    named = re.search(NAMED + r"(: | lost: the connection to its sentinel closed)", out)
     return Fault(route, fault, out, f"{caught.group(1)}: {caught.group(3)}" if caught else None,
                  float(caught.group(2)) - t0 if caught else None, t_gone, t_node, t_end, job.state,
-                 rest, t_mended)
+                 rest, t_mended, bool(named))
+
+
+NAMED = r"machine 1 \(\S+, ranks 1\.\.1\)"  # how the controller names node 1's machine
 
 
 def fork_once(slurm, node):
