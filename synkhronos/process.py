@@ -105,7 +105,8 @@ def probe(use_gpu):
     return Machine(cores=tuple(sorted(os.sched_getaffinity(0))), n_gpus=n_gpus,
                    cuda_user=devices.cuda_in_use() if n_gpus else None, launch=launch,
                    cluster_finished=launch is not None and mpi_launch.finished(),
-                   env=environment(), max_procs=process_limit(), shm_free=shmem.shm_space()[0])
+                   env=environment(), max_procs=process_limit(), shm_free=shmem.shm_space()[0],
+                   shm_read_only=shmem.read_only())
 
 
 def start(p):
@@ -247,6 +248,7 @@ def close():
 
 def _close(rt):
     try:
+        profiling.end_open_profiles(rt)  # close() inside synk.profile(): keep its records
         run_command(rt, Command.QUIT, None)
     except Exception as exc:  # noqa: BLE001 - the workers are stopped below whatever happened
         logger.warning("workers did not quit cleanly: %s", exc)

@@ -168,6 +168,14 @@ class Data:
         if self._rt.peers.copies:
             self._mirror(*conditioning.rows_written(arr, k))
 
+    def __reduce_ex__(self, protocol):
+        # A Data is a handle on this run's shared memory (its id, its segment): a copy
+        # in another process or run would name memory that is not there.
+        raise TypeError(f"cannot pickle or copy {type(self).__name__} {self._ID}: it is a handle "
+                        "on this run's shared memory; pickle its contents instead "
+                        "(numpy.asarray(d.data)) and make a Data of them again with "
+                        "synk.data(array); synk.data(d) copies it within the run")
+
     def __repr__(self):
         return (f"Data(name={self._name!r}, dtype={self._dtype}, shape={self.shape}, "
                 f"alloc_size={self._alloc_size}, minibatch={self._minibatch})")
