@@ -23,10 +23,12 @@ class Layout:
 
     @property
     def n_machines(self):
+        """The number of machines (1 without a cluster)."""
         return len(self.n_local)
 
     @property
     def n_parallel(self):
+        """The number of ranks on every machine together."""
         return sum(self.n_local)
 
     def ranks(self, machine):

@@ -244,13 +244,7 @@ def profile():
 
     Inside the ``with`` block, every command (calls, collectives, data
     allocation) is timed on every rank; on leaving it, the records come to
-    the master::
-
-        with synk.profile() as prof:
-            for _ in range(10):
-                train_step(x_data, y_data, batch=idx)
-        text = prof.table()               # mean ms per call, by rank and category
-        prof.write_trace("steps.json")    # one track per rank, for ui.perfetto.dev
+    the master.
 
     Profiles nest: an inner one records its block, and its commands count in
     the outer one too.  ``synk.close()`` inside the block ends the profile
@@ -258,8 +252,17 @@ def profile():
     inside the block otherwise (a worker died, Ctrl-C), the error that ended
     it goes on and the profile stays empty.
 
+    Example:
+        ```python
+        with synk.profile() as prof:
+            for _ in range(10):
+                train_step(x_data, y_data, batch=idx)
+        text = prof.table()               # mean ms per call, by rank and category
+        prof.write_trace("steps.json")    # one track per rank, for ui.perfetto.dev
+        ```
+
     Returns:
-        A context manager whose ``__enter__`` returns a ``Profile``.
+        A context manager; ``with synk.profile() as prof`` gives a ``Profile``.
 
     Raises:
         SynkStateError: before fork(); nested profiles ended out of order.
