@@ -233,3 +233,15 @@ def test_dir_shows_the_public_api():
     for name in names:
         assert getattr(synk, name) is not None
     assert synk.checkpoint.load is checkpoint.load
+
+
+def test_floatx_set_in_python_c_before_the_import_stands():
+    code = ("import pytensor; pytensor.config.floatX = 'float64'; import synkhronos; "
+            "print(pytensor.config.floatX)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.stdout.split() == ["float64"], p.stderr
+    p = subprocess.run([sys.executable, "-c", "import synkhronos, pytensor; "
+                        "print(pytensor.config.floatX)"], capture_output=True, text=True,
+                       timeout=60, env={k: v for k, v in os.environ.items()
+                                        if k not in ("PYTENSOR_FLAGS", "THEANO_FLAGS")})
+    assert p.stdout.split() == ["float32"], p.stderr
