@@ -89,7 +89,14 @@ test-openmpi: $(OMPI_STAMP)
 bench-pymc: $(PYMC_STAMP)
 	$(PYMC_VENV)/bin/python bench/pymc_sampling.py
 
-demo: $(STAMP)
+# The demo needs the package and the demo extra only (not the test, docs and MPI ones).
+DEMO_STAMP := $(VENV)/.demo-installed
+$(DEMO_STAMP): pyproject.toml
+	[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -e ".[demo]"
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/python demos/mnist/train_mnist_cpu_data.py
 
 # The PyMC MAP demo (10^6 rows), in the PyMC environment.
