@@ -18,7 +18,7 @@ OMPI_STAMP := $(OMPI_VENV)/.installed
 PYTEST_DEPS := "pytest>=8" "pytest-timeout>=2.2"
 
 .PHONY: test test-main test-compat test-lowest test-pymc test-pymc-versions test-openmpi demo \
-	demo-pymc bench bench-pymc docs clean
+	demo-pymc bench bench-pymc docs docs-screenshots clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -105,6 +105,18 @@ demo-pymc: $(PYMC_STAMP)
 
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict
+
+# The pages in a real browser: headless Chromium (Debian's package, installed here if
+# missing) measures every table against the text column and saves full-page PNGs of the
+# pages whose tables used to be cut off into tests/screenshots/ (look at them).
+SHOT_PAGES := installation/index.html clusters/index.html internals/index.html \
+	pymc/index.html
+docs-screenshots: $(STAMP)
+	command -v chromium >/dev/null || { apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium fonts-dejavu-core; }
+	$(BIN)/mkdocs build --strict -q --site-dir build/site-shots
+	$(BIN)/python tests/helpers/browser_pages.py build/site-shots --shots tests/screenshots $(SHOT_PAGES)
+	$(BIN)/python tests/helpers/browser_pages.py build/site-shots
 
 # Figures for bench/RESULTS.md and the docs' pictures (needs the bench extra).
 bench: $(STAMP)

@@ -109,7 +109,7 @@ def main(argv=None):
     ap.add_argument("site")
     ap.add_argument("pages", nargs="*")
     ap.add_argument("--shots", help="folder for full-page PNGs")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)
     browser = chromium()
     if browser is None:
         print("no Chromium found (make docs-screenshots installs it)", file=sys.stderr)
