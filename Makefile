@@ -18,7 +18,7 @@ OMPI_STAMP := $(OMPI_VENV)/.installed
 PYTEST_DEPS := "pytest>=8" "pytest-timeout>=2.2"
 
 .PHONY: test test-main test-compat test-lowest test-pymc test-pymc-versions test-openmpi \
-	slurm-packages demo demo-pymc bench bench-pymc docs clean
+	slurm-packages demo demo-pymc bench bench-pymc docs docs-screenshots clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -95,7 +95,14 @@ test-openmpi: $(OMPI_STAMP)
 bench-pymc: $(PYMC_STAMP)
 	$(PYMC_VENV)/bin/python bench/pymc_sampling.py
 
-demo: $(STAMP)
+# The demo needs the package and the demo extra only (not the test, docs and MPI ones).
+DEMO_STAMP := $(VENV)/.demo-installed
+$(DEMO_STAMP): pyproject.toml
+	[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -e ".[demo]"
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/python demos/mnist/train_mnist_cpu_data.py
 
 # The PyMC MAP demo (10^6 rows), in the PyMC environment.
@@ -104,6 +111,18 @@ demo-pymc: $(PYMC_STAMP)
 
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict
+
+# The pages in a real browser: headless Chromium (Debian's package, installed here if
+# missing) measures every table against the text column and saves full-page PNGs of the
+# pages whose tables used to be cut off into tests/screenshots/ (look at them).
+SHOT_PAGES := installation/index.html clusters/index.html internals/index.html \
+	pymc/index.html
+docs-screenshots: $(STAMP)
+	command -v chromium >/dev/null || { apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium fonts-dejavu-core; }
+	$(BIN)/mkdocs build --strict -q --site-dir build/site-shots
+	$(BIN)/python tests/helpers/browser_pages.py build/site-shots --shots tests/screenshots $(SHOT_PAGES)
+	$(BIN)/python tests/helpers/browser_pages.py build/site-shots
 
 # Figures for bench/RESULTS.md and the docs' pictures (needs the bench extra).
 bench: $(STAMP)
