@@ -186,11 +186,14 @@ class Heartbeats:
     Args:
         layout: the run's ``Layout`` (to name a lost machine).
         secret: the job's secret (``new_secret``), which every sentinel proves it holds.
+        drop_silent: a machine that stops answering is lost (``MachineLostError``),
+            not stalled: where machines come and go, the run goes on without it.
     """
 
-    def __init__(self, layout, secret):
+    def __init__(self, layout, secret, drop_silent=False):
         self.layout = layout
         self.secret = secret
+        self.drop_silent = drop_silent  # silence is a loss the run survives (cluster/elastic.py)
         self.socks = {}        # machine -> connected socket
         self.last_beat = {}    # machine -> when its sentinel was last heard
         self.closed = {}       # machine -> when its connection closed (the beating thread saw it)
@@ -201,7 +204,7 @@ class Heartbeats:
         self._stop = threading.Event()
         self._beater = None
 
-    def accept(self, listener, n_machines, timeout_s=CONNECT_TIMEOUT_S):
+    def accept(self, listener, n_machines, timeout_s=CONNECT_TIMEOUT_S, expected=None):
         """Take one proven connection per node master from ``listener``.
 
         Each connection gets a fresh nonce and must answer it (``prove``)
@@ -210,25 +213,31 @@ class Heartbeats:
         warning, and the wait goes on: strangers cannot take a sentinel's place
         or stall the job.  Nothing received is unpickled.
 
+        ``expected``: {number a sentinel proves: its machine} (default: each
+        machine 1..n-1 proves its own number).
+
         Raises:
             SynkError: not every node master's sentinel proved itself in time.
         """
+        if expected is None:
+            expected = {m: m for m in range(1, n_machines)}
         deadline = time.monotonic() + timeout_s
+        want = len(self.socks) + len(expected)
         listener.setblocking(False)
         pending = {}  # socket -> (nonce, bytes received so far)
         try:
-            while len(self.socks) < n_machines - 1:
+            while len(self.socks) < want:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise SynkError(
                         f"fork: not every node master's sentinel reached the controller "
-                        f"({len(self.socks)} of {n_machines - 1} within {timeout_s:g} s)")
+                        f"({len(self.socks)} of {want} within {timeout_s:g} s)")
                 ready, _, _ = select.select([listener, *pending], [], [], min(left, 0.5))
                 for sock in ready:
                     if sock is listener:
                         self._challenge(listener, pending)
                     else:
-                        self._answer(sock, pending, n_machines)
+                        self._answer(sock, pending, expected)
         finally:
             for sock in pending:
                 sock.close()
@@ -250,7 +259,7 @@ class Heartbeats:
             return
         pending[sock] = (nonce, b"")
 
-    def _answer(self, sock, pending, n_machines):
+    def _answer(self, sock, pending, expected):
         nonce, got = pending[sock]
         try:
             more = sock.recv(_ANSWER.size - len(got) + 1)
@@ -264,14 +273,16 @@ class Heartbeats:
             return
         del pending[sock]
         node, mac = _ANSWER.unpack(got) if len(got) == _ANSWER.size else (None, None)
-        if node is None or not 0 < node < n_machines or node in self.socks \
+        machine = expected.get(node)
+        if machine is None or machine in self.socks \
                 or not hmac.compare_digest(mac, _mac(self.secret, nonce, node)):
             logger.warning("liveness port: dropped a connection that did not prove it "
                            "belongs to this job")
             sock.close()
             return
-        self.socks[node] = sock
-        self.last_beat[node] = time.monotonic()
+        with self._lock:  # the beating thread may run (a machine joining)
+            self.socks[machine] = sock
+            self.last_beat[machine] = time.monotonic()
 
     def read(self):
         """Raise if a machine died or went silent (what the beating thread saw)."""
@@ -285,6 +296,11 @@ class Heartbeats:
                     f"{self.layout.describe(closed)}: its node master died (the connection to "
                     "its sentinel closed)", self.layout.offsets[closed], [closed])
             for m, beat in self.last_beat.items():
+                if now - beat > self.limit and self.drop_silent:
+                    raise MachineLostError(
+                        f"{self.layout.describe(m)}: stopped answering (no heartbeat for "
+                        f"{now - beat:.1f} s, SYNK_HEARTBEAT_S={self.limit:g}): cut off or "
+                        "stopped; it is dropped", self.layout.offsets[m], [m])
                 if now - beat > self.limit:
                     self.silent = m
                     raise WorkerStalledError(
