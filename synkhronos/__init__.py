@@ -42,3 +42,20 @@ __all__ = [
     "broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
     "set_value", "get_value", "get_lengths", "get_shapes", "profile", "layout", "Layout", "on_machines",
 ]
+
+# Public modules beside __all__, imported on first use (``synk.checkpoint.save(...)``).
+_PUBLIC_MODULES = ["checkpoint", "extensions", "ingraph"]
+
+
+def __getattr__(name):
+    if name in _PUBLIC_MODULES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'synkhronos' has no attribute {name!r}")
+
+
+def __dir__():
+    # The public API only: the package's own submodules (runtime, process, ...) and the
+    # modules it imports are reachable, but not what a user looks for here.
+    return sorted(__all__ + _PUBLIC_MODULES + ["__version__"])

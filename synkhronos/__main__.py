@@ -15,6 +15,15 @@ def _say(line):
     sys.stdout.flush()
 
 
+KEY_WIDTH = 20  # the report's keys, aligned across sections printed one by one
+
+
+def _say_step(s):
+    _say(f"{'ok  ' if s.ok else 'FAIL'}  {s.name}")
+    if s.detail:
+        _say(f"      {s.detail}")
+
+
 def _seconds(text):
     """argparse type: a number of seconds > 0 (``inf``: no limit)."""
     try:
@@ -53,17 +62,19 @@ def main(argv=None):
                         help="seconds before --check gives up (default 120; inf: never)")
     args = parser.parse_args(argv)
 
-    from . import doctor
-
     if not args.check:
-        _say(doctor.format_report(doctor.report()))
+        from . import doctor
+
+        # Each section as soon as it is known: a cold cache makes some take seconds.
+        for section in doctor.report_sections():
+            _say(doctor.format_report([section], width=KEY_WIDTH))
         return 0
-    steps = doctor.check(args.n_parallel, use_gpu=True if args.gpu else False,
-                         timeout=args.timeout)
-    for s in steps:
-        _say(f"{'ok  ' if s.ok else 'FAIL'}  {s.name}")
-        if s.detail:
-            _say(f"      {s.detail}")
+    from . import selfcheck
+
+    _say("checking: fork every rank, then a call and each collective "
+         "(the first run compiles, which can take a minute) ...")
+    steps = selfcheck.check(args.n_parallel, use_gpu=True if args.gpu else False,
+                            timeout=args.timeout, on_step=_say_step)
     failed = [s for s in steps if not s.ok]
     if failed:
         _say(f"FAIL: {len(failed)} of {len(steps)} steps failed: "

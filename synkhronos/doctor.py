@@ -1,20 +1,14 @@
-"""The environment report and the self-check behind ``python -m synkhronos``.
+"""The environment report behind ``python -m synkhronos`` (the self-check: ``selfcheck``).
 
-Nothing here prints: ``report()`` and ``check()`` return text and results,
-and ``synkhronos/__main__.py`` (the program) writes them out.
+Nothing here prints: ``report_sections()`` yields the report a section at a
+time, and ``synkhronos/__main__.py`` (the program) writes each out as it comes.
 """
 
 import importlib.metadata
 import importlib.util
-import math
 import os
 import platform
-import signal
 import sys
-import traceback
-from dataclasses import dataclass
-
-import numpy as np
 
 from .fork_plan import SETTINGS, environment, setting_problems
 
@@ -23,22 +17,27 @@ PACKAGES = ("pytensor", "numpy", "scipy", "numba", "jax", "jaxlib", "cupy", "mpi
             "pyzmq", "posix_ipc", "threadpoolctl", "nvidia-ml-py")
 
 
+def report_sections():
+    """Yield the environment report a section at a time: ``(section, [(key, value), ...])``.
+
+    Some sections take seconds on a cold cache (PyTensor's and Numba's), so a
+    program prints each as it comes.
+    """
+    for title, make in (("versions", _versions), ("pytensor", _pytensor), ("cpu", _cpu),
+                        ("gpu", _gpus), ("shared memory", shm_report), ("backends", _backends),
+                        ("settings", settings_report)):
+        yield title, make()
+
+
 def report():
     """Return the environment report as a list of ``(section, [(key, value), ...])``."""
-    return [
-        ("versions", _versions()),
-        ("pytensor", _pytensor()),
-        ("cpu", _cpu()),
-        ("gpu", _gpus()),
-        ("shared memory", shm_report()),
-        ("backends", _backends()),
-        ("settings", settings_report()),
-    ]
+    return list(report_sections())
 
 
-def format_report(sections):
-    """Return ``sections`` (as ``report()`` gives them) as aligned text."""
-    width = max((len(k) for _, items in sections for k, _ in items), default=0)
+def format_report(sections, width=None):
+    """Return ``sections`` (as ``report()`` gives them) as aligned text (keys ``width`` wide)."""
+    if width is None:
+        width = max((len(k) for _, items in sections for k, _ in items), default=0)
     lines = []
     for title, items in sections:
         lines.append(f"{title}:")
@@ -138,7 +137,9 @@ def _gpus():
     try:
         import pynvml
     except ImportError:
-        items.append(("NVML", "not installed (pip install nvidia-ml-py)"))
+        # Only worth installing where there are NVIDIA GPUs to see.
+        items.append(("NVML", "not installed (the gpu extra has it: nvidia-ml-py)" if n
+                      else "not installed; not needed without NVIDIA GPUs"))
         return items
     try:
         pynvml.nvmlInit()
@@ -208,18 +209,27 @@ def _backends():
     from . import comm
     from .errors import BackendUnavailableError
 
+    from .runtime import devices
+
+    # What each backend needs beyond its own module, which always imports.
+    needs = {"nccl": ("cupy", "GPU mode only; needs CuPy with NCCL and a GPU (the gpu extra)"),
+             "mpi": ("mpi4py", "clusters only; needs mpi4py and an MPI (the mpi extra)")}
     items = []
     for name in comm.backend_names():
         try:
             comm.get_backend(name)
-            items.append((name, "loads"))
         except (BackendUnavailableError, ImportError) as exc:
             items.append((name, f"unavailable: {exc}"))
-    for what, mod, missing in (("nccl (GPU mode)", "cupy", "needs cupy-cuda12x and a GPU"),
-                               ("mpi (clusters)", "mpi4py", "pip install mpi4py"),
-                               ("JAX mode", "jax", "pip install jax")):
-        items.append((what, f"{mod} present" if importlib.util.find_spec(mod) is not None
-                      else f"unavailable: {missing}"))
+            continue
+        mod, need = needs.get(name, (None, None))
+        if mod is not None and importlib.util.find_spec(mod) is None:
+            items.append((name, f"unavailable: {need}"))
+        elif name == "nccl" and not devices.count_gpus():
+            items.append((name, "unavailable: no GPU here (CuPy is installed)"))
+        else:
+            items.append((name, "available"))
+    items.append(("JAX mode", "available" if importlib.util.find_spec("jax") is not None
+                  else "unavailable: needs jax (the jax extra)"))
     return items
 
 
@@ -230,171 +240,3 @@ def settings_report(env=None):
     return [(k, f"INVALID: {bad[k]}" if k in bad else v if k in SETTINGS else
              f"{v!r} (not a synkhronos setting: a typo?)")
             for k, v in sorted(env.items())] or [("SYNK_*", "none set (defaults)")]
-
-
-@dataclass
-class Step:
-    """One step of ``check()``: its name, whether it passed, and what went wrong."""
-
-    name: str
-    ok: bool
-    detail: str = ""
-
-
-class _Timeout(Exception):
-    pass
-
-
-def check(n_parallel=None, use_gpu=False, timeout=120):
-    """Fork, run a function call and every collective, compare with NumPy; return the steps.
-
-    Runs in the calling process (it becomes the master) and closes the
-    runtime before returning, whatever happened.
-
-    Args:
-        n_parallel: number of ranks; default every usable core (or GPU).
-        use_gpu: passed on to ``synk.fork``.
-        timeout: seconds before the check gives up (a step that hangs fails), or math.inf.
-
-    Returns:
-        A list of ``Step``; the check passed if every step is ``ok``.
-
-    Raises:
-        ValueError: ``timeout`` is not a number > 0.
-    """
-    import synkhronos as synk
-    from .runtime.state import get_runtime
-
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"check: timeout must be a number of seconds > 0 or math.inf; got {timeout!r}")
-    steps = []
-
-    def on_alarm(signum, frame):
-        raise _Timeout(f"no answer within {timeout:g} s")
-
-    timed = math.isfinite(timeout)
-    old = signal.signal(signal.SIGALRM, on_alarm) if timed else None
-    if timed:
-        signal.setitimer(signal.ITIMER_REAL, timeout)
-    try:
-        try:
-            n = synk.fork(n_parallel, use_gpu=use_gpu)
-            steps.append(Step(f"fork ({n} ranks, {get_runtime().config.device} mode)", True))
-        except Exception as exc:  # noqa: BLE001 - reported as the step's failure
-            steps.append(Step("fork", False, _why(exc)))
-            return steps
-        _collective_steps(synk, n, steps)
-    except _Timeout as exc:
-        steps.append(Step("timeout", False, str(exc)))
-    finally:
-        if timed:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, old)
-        rt = get_runtime()
-        pid = os.getpid()
-        try:
-            if rt is not None and not rt.closed:
-                synk.close()
-            left = [f for f in os.listdir("/dev/shm") if f.startswith(f"synk_{pid}_")]
-            steps.append(Step("close (no segment left)", not left,
-                              f"left in /dev/shm: {left}" if left else ""))
-        except Exception as exc:  # noqa: BLE001
-            steps.append(Step("close", False, _why(exc)))
-    return steps
-
-
-def _why(exc):
-    tb = traceback.format_exception_only(type(exc), exc)
-    return "".join(tb).strip()
-
-
-def _collective_steps(synk, n, steps):
-    """Build, distribute, call, then each collective; a failed step does not stop the rest."""
-    import pytensor
-    import pytensor.tensor as pt
-
-    rows = 2 * n + 1                                    # uneven: some ranks get one more
-    x_np = np.arange(rows * 3, dtype="float64").reshape(rows, 3) / 7.0
-    parts = np.array_split(x_np, n)
-    x = pt.dmatrix("x")
-    s = pytensor.shared(np.zeros(3), name="doctor_s")
-    v = pytensor.shared(np.zeros(0), name="doctor_v")
-    try:
-        f = synk.function([x], [(x.sum(axis=0), "sum"), (x.mean(axis=0), "avg"),
-                                (x.max(axis=0), "max"), (2 * x, "gather")],
-                          updates=[(s, x.sum(axis=0))], name="doctor_f")
-        g = synk.function([], (v.sum(), "sum"), name="doctor_g")
-        synk.distribute()
-        steps.append(Step("build and distribute", True))
-    except Exception as exc:  # noqa: BLE001
-        steps.append(Step("build and distribute", False, _why(exc)))
-        return
-
-    def step(name, body):
-        try:
-            body()
-            steps.append(Step(name, True))
-        except _Timeout:
-            raise
-        except Exception as exc:  # noqa: BLE001 - reported as the step's failure
-            steps.append(Step(name, False, _why(exc)))
-
-    def call():
-        got = f(synk.data(x_np))
-        _same("sum", got[0], x_np.sum(axis=0))
-        _same("avg", got[1], x_np.mean(axis=0))
-        _same("max", got[2], x_np.max(axis=0))
-        _same("gather", got[3], 2 * x_np)
-
-    def gather():
-        _same("gather(s)", synk.gather(s), np.stack([p.sum(axis=0) for p in parts]))
-
-    def broadcast():
-        a = np.array([1.5, -2.0, 3.25])
-        synk.broadcast(s, a)
-        _same("broadcast then gather", synk.gather(s), np.tile(a, (n, 1)))
-
-    def scatter():
-        whole = np.arange(rows, dtype="float64")
-        synk.scatter(v, whole)
-        _same("get_lengths", np.asarray(synk.get_lengths(v)), [len(p) for p in parts])
-        _same("gather(nd_up=0)", synk.gather(v, nd_up=0), whole)
-        _same("call on scattered", g(), whole.sum())
-
-    def all_gather():
-        synk.all_gather(v)
-        whole = np.arange(rows, dtype="float64")
-        _same("all_gather", synk.gather(v, nd_up=0), np.tile(whole, n))
-
-    def set_get():
-        for r in range(n):
-            synk.set_value(r, s, np.full(3, float(r + 1)))
-        for r in range(n):
-            _same(f"get_value(rank {r})", synk.get_value(r, s), np.full(3, float(r + 1)))
-
-    def reduce():
-        _same("reduce sum", synk.reduce(s, op="sum", in_place=False),
-              np.full(3, n * (n + 1) / 2))
-
-    def all_reduce():
-        # Each op from values that differ by rank (r + 1), so none can pass by accident.
-        for op, want in (("avg", (n + 1) / 2), ("max", float(n))):
-            for r in range(n):
-                synk.set_value(r, s, np.full(3, float(r + 1)))
-            synk.all_reduce(s, op=op)
-            _same(f"all_reduce {op}", synk.gather(s), np.full((n, 3), want))
-
-    step("function call (sum, avg, max, gather, updates)", call)
-    step("gather", gather)
-    step("broadcast", broadcast)
-    step("scatter", scatter)
-    step("all_gather", all_gather)
-    step("set_value / get_value", set_get)
-    step("reduce", reduce)
-    step("all_reduce", all_reduce)
-
-
-def _same(what, got, want):
-    got, want = np.asarray(got), np.asarray(want)
-    if got.shape != want.shape or not np.allclose(got, want, rtol=1e-6, atol=1e-9):
-        raise AssertionError(f"{what}: expected {want.tolist()}, got {got.tolist()}")

@@ -6,8 +6,10 @@ A choice the user made always stands (DESIGN decision 13):
 
 1. floatX given in ``PYTENSOR_FLAGS``, ``THEANO_FLAGS`` or a ``.pytensorrc``;
 2. floatX set in code before ``import synkhronos`` (``pytensor.config.floatX = ...``
-   or ``change_flags(floatX=...)`` above the import in the importing file, or
-   any value other than PyTensor's default float64);
+   or ``change_flags(floatX=...)`` above the import in the importing file, a
+   notebook cell or ``python -c``, or any value other than PyTensor's default
+   float64); typed at an interactive prompt or piped to ``python -`` it cannot be
+   read back, so say it in ``PYTENSOR_FLAGS`` there;
 3. PyMC in the program: ``import pymc`` before synkhronos keeps float64; ``import
    pymc`` after it puts float64 back (PyMC users keep PyMC's precision),
    unless the user set floatX in code since ``import synkhronos``.
@@ -27,6 +29,7 @@ import pytensor
 logger = logging.getLogger(__name__)
 
 _SET_IN_CODE = re.compile(r"floatX\s*=\s*['\"]\w+['\"]")
+_IMPORT = re.compile(r"(?:import|from)\s+synkhronos")
 _OWN = os.path.dirname(os.path.abspath(__file__))
 
 DEFAULTED = False
@@ -52,7 +55,15 @@ def _set_in_importing_code():
     frame = sys._getframe(1)
     while frame is not None:
         path = frame.f_code.co_filename
-        if not (path.startswith("<") or os.path.abspath(path).startswith(_OWN)):
+        if path == "<string>" and "-c" in getattr(sys, "orig_argv", ()):
+            # python -c "...": the program is in the command line, not in a file.
+            argv = sys.orig_argv
+            code = argv[argv.index("-c") + 1] if argv.index("-c") + 1 < len(argv) else ""
+            above = _IMPORT.split(code, maxsplit=1)[0]
+            if _SET_IN_CODE.search(above):
+                return "python -c"
+        elif not os.path.abspath(path).startswith(_OWN):
+            # Files, and "<...>" sources that linecache knows (IPython's cells).
             for lineno in range(1, frame.f_lineno):
                 if _SET_IN_CODE.search(linecache.getline(path, lineno)):
                     return f"{path}:{lineno}"

@@ -5,6 +5,7 @@ number of ranks, the cores and GPUs, before anything is created: a bad value
 leaves nothing behind, and the decision is checkable without processes.
 """
 
+import errno
 import math
 import numbers
 import os
@@ -13,7 +14,8 @@ from typing import NamedTuple, Optional
 
 from .comm import backend_names
 from .runtime.control import ERR_BYTES, MSG_BYTES, RANK_BASE, RANK_STRIDE
-from .errors import SynkStateError
+from .errors import SharedMemoryError, SynkStateError
+from .runtime.shmem import shm_read_only_text
 from .runtime.liveness import DEFAULT_TIMEOUT_S
 
 
@@ -30,6 +32,7 @@ class Machine(NamedTuple):
         max_procs: ``(n, what)``: at most n more processes may start here, a limit set
             by ``what`` (``process_limit``); None if unknown.
         shm_free: bytes free in /dev/shm, or None if unknown.
+        shm_read_only: /dev/shm is mounted read-only.
     """
 
     cores: tuple
@@ -40,6 +43,7 @@ class Machine(NamedTuple):
     env: dict = {}
     max_procs: Optional[tuple] = None
     shm_free: Optional[int] = None
+    shm_read_only: bool = False
 
 
 class Plan(NamedTuple):
@@ -147,6 +151,8 @@ def _check_capacity(machine, n_parallel):
         limit, what = machine.max_procs
         raise ValueError(f"fork: n_parallel={n_parallel} is more ranks than this machine can "
                          f"start: at most {limit} more processes ({what})")
+    if machine.shm_read_only:
+        raise SharedMemoryError(errno.EROFS, shm_read_only_text("fork"))
     need = control_bytes(n_parallel)
     if machine.shm_free is not None and need > machine.shm_free:
         raise ValueError(f"fork: n_parallel={n_parallel} is more ranks than /dev/shm holds: "

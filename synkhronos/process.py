@@ -49,13 +49,13 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
     GPU; each rank sees only its own GPU and functions compile with PyTensor's
     JAX backend.  The master is a rank and computes too.
 
-    Under ``mpiexec -n N`` (several MPI processes, ``pip install
-    "synkhronos[mpi]"``) the run spans N machines: every process forks its own
+    Under ``mpiexec -n N`` (several MPI processes; in a clone of the
+    repository, ``pip install -e ".[mpi]"``) the run spans N machines: every process forks its own
     ranks, then MPI starts; MPI rank 0 is the controller, where ``fork()``
     returns and the program goes on, and every other process serves as its
     machine's node master until the controller closes, never returning from
     ``fork()``.  Ranks are numbered machine by machine (``layout()``); see
-    docs/clusters.md.
+    the Clusters page of the documentation (docs/clusters.md).
 
     Args:
         n_parallel: number of ranks (default: every usable core, or every
@@ -105,7 +105,8 @@ def probe(use_gpu):
     return Machine(cores=tuple(sorted(os.sched_getaffinity(0))), n_gpus=n_gpus,
                    cuda_user=devices.cuda_in_use() if n_gpus else None, launch=launch,
                    cluster_finished=launch is not None and mpi_launch.finished(),
-                   env=environment(), max_procs=process_limit(), shm_free=shmem.shm_space()[0])
+                   env=environment(), max_procs=process_limit(), shm_free=shmem.shm_space()[0],
+                   shm_read_only=shmem.read_only())
 
 
 def start(p):
@@ -247,6 +248,7 @@ def close():
 
 def _close(rt):
     try:
+        profiling.end_open_profiles(rt)  # close() inside synk.profile(): keep its records
         run_command(rt, Command.QUIT, None)
     except Exception as exc:  # noqa: BLE001 - the workers are stopped below whatever happened
         logger.warning("workers did not quit cleanly: %s", exc)

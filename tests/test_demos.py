@@ -44,6 +44,26 @@ def test_mnist_cpu_data_default_digits():
     assert len(acc) >= 4                       # 2 data-parallel epochs, 1 + 1 serial
     assert acc[1] > 85.0, out                  # learns: the digits are easy
     assert re.search(r"speedup \d+\.\d+x", out), out
+    # The speedup comes with the idle cores measured before each timed phase, or a warning.
+    assert "cores idle before each timed phase" in out or "WARNING: the machine was busy" in out
+
+
+def test_speedup_warns_when_the_machine_was_busy(capsys):
+    sys.path.insert(0, os.path.join(DEMOS, "mnist"))
+    import common
+
+    class Log:
+        def __init__(self, label, idle):
+            self.label, self.idle = label, idle
+
+    common.warn_if_busy([(Log("2 ranks", 0.6), 2), (Log("serial, 1 thread", 1.9), 1)], 2)
+    out = capsys.readouterr().out
+    assert "WARNING: the machine was busy: 0.6 of 2 cores were idle before the '2 ranks'" in out
+    assert "serial, 1 thread'" not in out       # that phase had its core
+    common.warn_if_busy([(Log("2 ranks", 1.95), 2)], 2)
+    assert "WARNING" not in capsys.readouterr().out
+    idle = common.idle_cores(0.2)
+    assert idle is None or 0 <= idle <= len(os.sched_getaffinity(0)) + 0.01
 
 
 def write_idx(path, array):

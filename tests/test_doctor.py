@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from synkhronos import doctor
+from synkhronos import doctor, selfcheck
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,11 +45,18 @@ def test_report_lists_every_section():
     out = proc.stdout
     for section in ("versions:", "pytensor:", "cpu:", "gpu:", "shared memory:", "backends:"):
         assert section in out
-    assert f"pytensor         {pytensor.__version__}" in out
+    assert re.search(rf"pytensor +{re.escape(pytensor.__version__)}", out)
     assert numpy.__version__ in out
     assert "default mode" in out and "linker" in out
     assert "affinity" in out and "/dev/shm" in out
-    assert "shm" in out and "loads" in out
+    backends = out[out.index("backends:"):out.index("settings:")]
+    assert re.search(r"shm +available", backends)
+    # No "available" beside "unavailable" for the same thing: NCCL needs CuPy and a GPU.
+    from synkhronos.runtime import devices
+    if devices.count_gpus() == 0:
+        assert re.search(r"nccl +unavailable: ", backends), backends
+        assert "nvidia-ml-py" not in out     # nothing to install for GPUs that are not there
+    assert "loads" not in backends
 
 
 def test_report_names_stale_segments(tmp_path):
@@ -85,6 +92,16 @@ def test_check_passes(n):
     assert "FAIL" not in proc.stdout
 
 
+def test_check_streams_its_steps():
+    # python -m synkhronos --check prints each step as it is taken (on_step), not at the end.
+    seen = []
+    steps = selfcheck.check(2, on_step=lambda step: seen.append((step, list(seen))))
+    assert [s for s, _ in seen] == steps and len(steps) >= 10
+    assert all(len(before) == k for k, (_, before) in enumerate(seen))  # one at a time
+    proc = _run("--check", "-n", "2")
+    assert proc.stdout.startswith("checking: fork every rank"), proc.stdout
+
+
 def test_check_says_what_failed():
     proc = _run("--check", "-n", "2", env={"SYNK_BACKEND": "nonesuch"})
     assert proc.returncode == 1
@@ -107,7 +124,7 @@ def test_check_refuses_a_bad_timeout(value):
         in proc.stderr
     assert "PASS" not in proc.stdout and "Traceback" not in proc.stderr
     with pytest.raises(ValueError, match="timeout"):
-        doctor.check(2, timeout=float(value) if value != "soon" else value)
+        selfcheck.check(2, timeout=float(value) if value != "soon" else value)
 
 
 def test_report_flags_invalid_settings():

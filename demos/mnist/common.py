@@ -174,13 +174,46 @@ def progress(iterable, desc, args, total=None):
     return tqdm(iterable, desc=desc, total=total, leave=False, file=sys.stderr)
 
 
+def idle_cores(seconds=0.5):
+    """How many of this process's usable cores were idle over ``seconds`` (/proc/stat).
+
+    Other programs on the cores make a speedup meaningless: ranks wait for the
+    slowest one at every step.  None where /proc/stat cannot be read.
+    """
+    cpus = {f"cpu{c}" for c in os.sched_getaffinity(0)}
+
+    def snap():
+        idle = total = 0
+        with open("/proc/stat") as f:
+            for line in f:
+                parts = line.split()
+                if parts and parts[0] in cpus:
+                    v = [int(x) for x in parts[1:9]]
+                    idle += v[3] + v[4]          # idle and iowait
+                    total += sum(v)
+        return idle, total
+
+    try:
+        i0, t0 = snap()
+        time.sleep(seconds)
+        i1, t1 = snap()
+    except (OSError, ValueError, IndexError):
+        return None
+    return len(cpus) * (i1 - i0) / max(t1 - t0, 1)
+
+
 class EpochLog:
-    """Prints one line per epoch and keeps the epoch times (compile time excluded)."""
+    """Prints one line per epoch and keeps the epoch times (compile time excluded).
+
+    Made right before the timed epochs, it first measures how many cores are
+    idle (``idle``), so the speedup can say when the machine was busy.
+    """
 
     def __init__(self, label):
         self.label = label
         self.times = []
         self.last_accuracy = None
+        self.idle = idle_cores()
 
     def record(self, epoch, seconds, train_loss, test_loss, test_accuracy):
         self.times.append(seconds)
@@ -247,6 +280,25 @@ def finish(params, log, args, data, n_parallel):
     every = serial_epochs(args, data, args.serial_epochs, f"serial, {cores} threads")
     report_speedup(log, one, n_parallel, "1 BLAS thread")
     report_speedup(log, every, n_parallel, f"{cores} BLAS threads")
+    warn_if_busy([(log, min(n_parallel, cores)), (one, 1), (every, cores)], cores)
+
+
+def warn_if_busy(phases, cores):
+    """Say so when a timed phase began with fewer idle cores than it uses: then the
+    speedup measures the other programs as much as synkhronos."""
+    busy = [(log.label, log.idle, need) for log, need in phases
+            if log is not None and log.idle is not None and log.idle < need - 0.3]
+    if not busy:
+        seen = [f"{log.label} {log.idle:.1f}" for log, _ in phases
+                if log is not None and log.idle is not None]
+        print(f"(cores idle before each timed phase: {', '.join(seen)} of {cores})", flush=True)
+        return
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    for label, idle, need in busy:
+        print(f"WARNING: the machine was busy: {idle:.1f} of {cores} cores were idle before the "
+              f"'{label}' epochs, which use {need} (load average {load:.2f}); other programs "
+              "shared the cores, so the speedups above do not mean much. Run it again on a "
+              "quiet machine.", flush=True)
 
 
 def report_speedup(parallel, serial, n_parallel, how=""):

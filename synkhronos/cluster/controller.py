@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 from ..errors import MachineLostError, SynkError, WorkerDiedError, unpickle_exception
 from ..runtime.commands import COMMANDS, encode
 from ..runtime.peers import Peers
-from .launch import end_launcher_at_exit
+from .launch import end_launcher_at_exit, end_step_at_exit
 from .link import ABORT, CMD, CMD_HEAD, DATA, DONE, REPORT
 from .recovery import relayout, settle_local
 
@@ -311,6 +311,9 @@ class Controller(Peers):
             # Cut off or stopped: mpiexec would wait for that machine forever.
             end_launcher_at_exit(f"{self.layout.describe(self.heartbeats.silent)} stopped "
                                  "answering")
+        elif self.heartbeats.closed and not self.broken:
+            # Died: srun cannot learn of it where its whole host went down.
+            end_step_at_exit(f"{self.layout.describe(min(self.heartbeats.closed))} died")
         self.heartbeats.close()
         self.broken = True
 

@@ -7,92 +7,48 @@ import os
 import sys
 from typing import NamedTuple
 
+from ..errors import SynkError
 from ..runtime.liveness import proc_start_time, stop_process
+from .elastic_env import elastic_launch
+from .slurm import cancel_step, slurm_step, slurm_task, warn_batch_step
 
 logger = logging.getLogger(__name__)
 
 
+# The launch routes launched() reads.
+HYDRA = "mpiexec (MPICH's Hydra)"
+PRRTE = "mpirun (Open MPI)"
+SRUN_PMI = "srun --mpi=pmi2"
+SRUN_PMIX = "srun --mpi=pmix"
+PMI = "a PMI launcher"
+
+
 class Launch(NamedTuple):
-    """This process's place in an MPI job, read from mpiexec's environment."""
+    """This process's place in an MPI job, read from its launcher's environment."""
 
     rank: int           # MPI rank (0: the controller)
     size: int           # MPI processes in the job (machines)
     local_index: int    # index among the MPI processes on this host
     local_count: int    # MPI processes on this host
-
-
-_ENV_KEYS = (
-    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    ("PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-     "OMPI_COMM_WORLD_LOCAL_SIZE"),
-)
-
-
-class Elastic(NamedTuple):
-    """This process's place in a cluster whose machines come and go (cluster/elastic.py).
-
-    The controller runs with ``SYNK_LISTEN=[HOST:]PORT``; each node master,
-    started on its own, with ``SYNK_JOIN=HOST:PORT``; both hold the job's
-    secret (``SYNK_SECRET`` or ``SYNK_SECRET_FILE``).
-    """
-
-    rank: int           # 0: the controller; -1: a node master (its machine number comes at join)
-    size: int           # machines the controller's fork() waits for (SYNK_MACHINES), itself included
-    local_index: int    # always 0: one node master per machine
-    local_count: int    # always 1
-    host: str           # where the controller listens (SYNK_LISTEN) or is (SYNK_JOIN)
-    port: int
-    secret: bytes
-
-
-SECRET_MIN_BYTES = 16
-
-
-def elastic_launch(env):
-    """The ``Elastic`` this process was started as (``SYNK_LISTEN`` or ``SYNK_JOIN``), or None.
-
-    Raises:
-        ValueError: both set, an address without a port, or no secret of at
-            least ``SECRET_MIN_BYTES`` bytes.
-    """
-    listen, join = env.get("SYNK_LISTEN"), env.get("SYNK_JOIN")
-    if not listen and not join:
-        return None
-    if listen and join:
-        raise ValueError("fork: set SYNK_LISTEN (the controller) or SYNK_JOIN (a node master), "
-                         "not both")
-    where = listen or join
-    host, _, port = where.rpartition(":")
-    if not port.isdigit() or (join and not host):
-        raise ValueError(f"fork: {'SYNK_LISTEN' if listen else 'SYNK_JOIN'} must be "
-                         f"{'[HOST:]PORT' if listen else 'HOST:PORT'}; got {where!r}")
-    secret = env.get("SYNK_SECRET", "").encode()
-    path = env.get("SYNK_SECRET_FILE")
-    if not secret and path:
-        try:
-            with open(path, "rb") as f:
-                secret = f.read().strip()
-        except OSError as exc:
-            raise ValueError(f"fork: SYNK_SECRET_FILE {path!r} cannot be read ({exc})") from None
-    if len(secret) < SECRET_MIN_BYTES:
-        raise ValueError(f"fork: machines that come and go need the job's secret, at least "
-                         f"{SECRET_MIN_BYTES} bytes, in SYNK_SECRET or a file named by "
-                         "SYNK_SECRET_FILE (the same on every machine)")
-    machines = env.get("SYNK_MACHINES", "1")
-    if not machines.isdigit() or int(machines) < 1:
-        raise ValueError(f"fork: SYNK_MACHINES must be a number of machines >= 1; got {machines!r}")
-    return Elastic(0 if listen else -1, int(machines), 0, 1, host, int(port), secret)
+    route: str = HYDRA  # the launcher it was read from (one of the routes above)
+    seen: str = ""      # the variables read, for error messages
 
 
 def launched(env=None):
-    """Return this process's ``Launch`` (or ``Elastic``), or None.
+    """Return this process's ``Launch``, or None; raise where the launch cannot be read.
 
-    Read from the environment mpiexec sets (MPICH's Hydra, Open MPI, PMIx),
-    without initialising MPI, or from ``SYNK_LISTEN``/``SYNK_JOIN``.  None when
-    not started by mpiexec, when the job has one process, or when
+    Read from the environment the launcher sets, without initialising MPI:
+    MPICH's Hydra (``mpiexec``, also inside a Slurm allocation), Open MPI's
+    ``mpirun``, and ``srun --mpi=pmi2`` / ``--mpi=pmix`` (PMI's rank and Slurm's
+    task variables: ``SLURM_LOCALID``, ``SLURM_STEP_TASKS_PER_NODE``, ...);
+    or an ``elastic_env.Elastic`` where ``SYNK_LISTEN``/``SYNK_JOIN`` is set
+    (machines that come and go).  None when not started by a launcher, when the job has one process, or when
     ``SYNK_CLUSTER=0``.
+
+    Raises:
+        SynkError: started as one of several processes that would each run
+            alone (``srun`` without an MPI plugin; a PMIx rank with no job
+            size): what was seen, and how to launch instead.
     """
     env = os.environ if env is None else env
     if env.get("SYNK_CLUSTER", "1") == "0":
@@ -100,14 +56,62 @@ def launched(env=None):
     elastic = elastic_launch(env)
     if elastic is not None:
         return elastic
-    for rank_k, size_k, lrank_k, lsize_k in _ENV_KEYS:
-        if rank_k in env and size_k in env:
-            size = int(env[size_k])
-            if size < 2:
-                return None
-            return Launch(int(env[rank_k]), size, int(env.get(lrank_k, 0)),
-                          int(env.get(lsize_k, 1)))
-    return None
+    launch = _read(env)
+    if launch is None:
+        warn_batch_step(env)
+    return launch if launch is not None and launch.size >= 2 else None
+
+
+def _read(env):
+    if all(k in env for k in ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID")):
+        return Launch(int(env["PMI_RANK"]), int(env["PMI_SIZE"]), int(env["MPI_LOCALRANKID"]),
+                      int(env.get("MPI_LOCALNRANKS", 1)), HYDRA,
+                      _seen(env, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"))
+    if "OMPI_COMM_WORLD_SIZE" in env and ("OMPI_COMM_WORLD_RANK" in env or "PMIX_RANK" in env):
+        return Launch(int(env.get("OMPI_COMM_WORLD_RANK", env.get("PMIX_RANK"))),
+                      int(env["OMPI_COMM_WORLD_SIZE"]),
+                      int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)),
+                      int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1)), PRRTE,
+                      _seen(env, "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE",
+                            "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"))
+    task = slurm_task(env)
+    if "PMI_RANK" in env and "PMI_SIZE" in env:
+        rank, size, route = int(env["PMI_RANK"]), int(env["PMI_SIZE"]), SRUN_PMI
+    elif "PMIX_RANK" in env:
+        rank, size, route = int(env["PMIX_RANK"]), None, SRUN_PMIX
+    else:
+        if task is not None and task[1] > 1:
+            raise SynkError(
+                f"fork: srun started this program as task {task[0]} of {task[1]} "
+                f"({_seen(env, *_SLURM_KEYS)}) without MPI: no PMI_RANK or PMIX_RANK is set, "
+                "so each task would run as a one-machine program of its own. Start it with "
+                "`srun --mpi=pmi2` (MPICH) or `srun --mpi=pmix` (Open MPI), or with mpiexec / "
+                "mpirun inside the allocation; or set SYNK_CLUSTER=0 to run the tasks as "
+                "separate programs on purpose.")
+        return None
+    pmi_seen = _seen(env, "PMI_RANK", "PMI_SIZE", "PMIX_RANK")
+    if task is not None and task[0] == rank and size in (None, task[1]):
+        return Launch(rank, task[1], task[2], task[3], route,
+                      f"{pmi_seen} {_seen(env, *_SLURM_KEYS)}")
+    if size is None:
+        raise SynkError(
+            f"fork: a PMIx launcher started this program ({pmi_seen}), but nothing says how "
+            "many processes the job has or which share this host: neither Open MPI's mpirun "
+            "(OMPI_COMM_WORLD_SIZE) nor srun (SLURM_PROCID, SLURM_STEP_NUM_TASKS, "
+            "SLURM_LOCALID, SLURM_STEP_TASKS_PER_NODE) set them. Start it with mpirun, or "
+            "`srun --mpi=pmix` inside a Slurm allocation; or set SYNK_CLUSTER=0 to run each "
+            "process as a one-machine program on purpose.")
+    # A PMI launcher that names no host mates: one process per host is assumed, and
+    # checked against MPI's own view once it runs (placement_problem).
+    return Launch(rank, size, 0, 1, PMI, pmi_seen)
+
+
+_SLURM_KEYS = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_NODEID",
+               "SLURM_STEP_TASKS_PER_NODE")
+
+
+def _seen(env, *keys):
+    return " ".join(f"{k}={env[k]}" for k in keys if k in env)
 
 
 def close_launcher_fds():
@@ -125,13 +129,102 @@ def close_launcher_fds():
             pass
 
 
-def init_mpi():
-    """Initialise MPI (after the local fork) and return the module; finalised by ``finalize``."""
+def init_mpi(launch=None):
+    """Initialise MPI (after the local fork) and return the module; finalised by ``finalize``.
+
+    With this process's ``launch``: first refuse an MPI that cannot work under its
+    launcher, and choose MPICH's network module under srun (``prepare_mpi``); then
+    refuse a job that MPI sees otherwise than the launcher's environment said.
+
+    Raises:
+        SynkError: what was seen, and how to launch instead.
+    """
     import mpi4py
+    mpi4py.rc.initialize = False  # prepare_mpi reads the library first
     mpi4py.rc.finalize = False  # synkhronos finalises at close; never a blocking atexit
     mpi4py.rc.thread_level = "single"
     from mpi4py import MPI
+    if launch is not None:
+        prepare_mpi(MPI.Get_library_version(), launch)
+    if not MPI.Is_initialized():
+        MPI.Init_thread(MPI.THREAD_SINGLE)
+    world = MPI.COMM_WORLD
+    if launch is not None and (world.Get_size(), world.Get_rank()) != (launch.size, launch.rank):
+        raise SynkError(
+            f"fork: MPI started this program as process {world.Get_rank()} of "
+            f"{world.Get_size()}, but {launch.route} said process {launch.rank} of "
+            f"{launch.size} ({launch.seen}): the MPI library ({_library(MPI.Get_library_version())}) "
+            f"did not join the launcher's job, and each process would run alone. "
+            f"{_ADVICE}")
     return MPI
+
+
+_ADVICE = ("Launch MPICH with its mpiexec or `srun --mpi=pmi2`, Open MPI with its mpirun or "
+           "`srun --mpi=pmix` (docs/slurm.md).")
+
+
+def _library(version):
+    """The MPI library's name and version, from ``MPI.Get_library_version()``."""
+    first = version.strip().splitlines()[0].split(",")[0] if version.strip() else "unknown MPI"
+    return " ".join(first.split())
+
+
+def prepare_mpi(version, launch, env=None):
+    """Before MPI_Init: refuse an MPI library that cannot join ``launch``'s launcher; under
+    ``srun --mpi=pmi2`` make MPICH use its OFI network module unless one was chosen.
+
+    ``version``: ``MPI.Get_library_version()``.  MPICH's PMI-1 client sends
+    Slurm's pmi2 plugin lines longer than its 1024-byte limit when it passes
+    UCX's long addresses (``mpi/pmi2: value not properly terminated``, then
+    ``UCX ERROR failed to unpack address``: one process dies, the others hang),
+    depending on memory contents; OFI's addresses are short, and with them every
+    run passed (docs/slurm.md).
+
+    Raises:
+        SynkError: MPICH without PMIx under ``srun --mpi=pmix``; Open MPI 5 (PMIx
+            only) under ``srun --mpi=pmi2``.
+    """
+    env = os.environ if env is None else env
+    name = _library(version)
+    if launch.route == SRUN_PMIX and "MPICH" in version and "pmix" not in version.lower():
+        raise SynkError(f"fork: {SRUN_PMIX} started this program ({launch.seen}), but its MPI "
+                        f"({name}) speaks PMI-1/PMI-2, not PMIx: each process would fail or "
+                        f"run alone. Use `srun --mpi=pmi2`, or mpiexec inside the allocation.")
+    major = version.split("Open MPI v", 1)[1][:1] if "Open MPI v" in version else ""
+    if launch.route == SRUN_PMI and major.isdigit() and int(major) >= 5:
+        raise SynkError(f"fork: {SRUN_PMI} started this program ({launch.seen}), but its MPI "
+                        f"({name}) speaks PMIx only: each process would run as a job of its "
+                        f"own. Use `srun --mpi=pmix`, or mpirun inside the allocation.")
+    if launch.route == SRUN_PMI and "MPICH" in version:
+        device = next((line for line in version.splitlines() if "Device:" in line), "")
+        chosen = env.get("MPIR_CVAR_CH4_NETMOD")
+        say = logger.warning if launch.rank == 0 else logger.debug  # once, in the controller
+        if not chosen and "ucx" in device and "ofi" in device:
+            env["MPIR_CVAR_CH4_NETMOD"] = "ofi"
+            say("%s with %s: MPICH uses its OFI network module (MPIR_CVAR_CH4_NETMOD=ofi), "
+                "since its PMI-1 lines with UCX addresses can exceed Slurm's limit; set "
+                "MPIR_CVAR_CH4_NETMOD yourself to choose", SRUN_PMI, name)
+        elif (chosen or "ucx") == "ucx" and "ucx" in device:
+            say("%s with %s over UCX: its PMI-1 lines can exceed Slurm's 1024-byte limit and "
+                "hang the job; MPIR_CVAR_CH4_NETMOD=ofi or mpiexec avoid it", SRUN_PMI, name)
+
+
+def placement_problem(launch, hosts, local):
+    """Return what is wrong with where the launcher said the MPI processes are, or None.
+
+    ``hosts``: each MPI process's host (MPI's processor name); ``local``: each
+    one's ``(local_index, local_count)`` as read from its launcher.  Run once MPI
+    runs, in every process alike, so that all refuse together: processes that
+    read the wrong place on a host would take the same cores.
+    """
+    for i, (host, (index, count)) in enumerate(zip(hosts, local)):
+        mates = [j for j, h in enumerate(hosts) if h == host]
+        if (index, count) != (mates.index(i), len(mates)):
+            return (f"fork: MPI process {i} read its place on {host} as {index} of {count} "
+                    f"from {launch.route} ({launch.seen} here), but MPI runs {len(mates)} "
+                    f"process(es) there (MPI processes {', '.join(map(str, mates))}): they "
+                    f"would share cores wrongly. {_ADVICE}")
+    return None
 
 
 def mpi_segments():
@@ -246,10 +339,27 @@ def end_launcher_at_exit(why):
     For a machine that stopped answering: mpiexec would wait for its daemon
     there forever (a cut link carries no news of its end), so mpiexec would
     never return.  At exit, not now: the user's program goes on after the error.
+
+    Under Slurm the launcher to end is the srun step this process runs in
+    (``srun`` itself, or the one that started Hydra's proxies), which would wait
+    until Slurm takes the machine for down (``SlurmdTimeout``): it is cancelled.
     """
     pid = launcher_pid()
     if pid is not None:
         atexit.register(_end_launcher, pid, why)
+    else:
+        end_step_at_exit(why)
+
+
+def end_step_at_exit(why):
+    """When this process exits, cancel the srun step it runs in, if any (``end_launcher_at_exit``).
+
+    Also for a machine that died: where its host went down with it, nothing
+    tells srun until Slurm takes the host for down.
+    """
+    step = slurm_step(os.environ)
+    if step is not None and launcher_pid() is None:
+        atexit.register(cancel_step, step, why, LAUNCHER_GRACE_S)
 
 
 def _end_launcher(pid, why):

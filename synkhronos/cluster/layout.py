@@ -26,25 +26,42 @@ class Layout:
 
     @property
     def n_machines(self):
+        """The number of machines (1 without a cluster)."""
         return len(self.n_local)
 
     @property
     def n_parallel(self):
+        """The number of ranks on every machine together."""
         return sum(self.n_local)
 
     def ranks(self, machine):
-        """The global ranks on ``machine``."""
+        """Return the global ranks on ``machine`` (a ``range``).
+
+        Raises:
+            ValueError: no machine numbered ``machine`` (valid: 0 to ``n_machines - 1``).
+        """
+        if isinstance(machine, bool) or not isinstance(machine, int) \
+                or not 0 <= machine < self.n_machines:
+            valid = "0" if self.n_machines == 1 else f"0 to {self.n_machines - 1}"
+            raise ValueError(f"Layout.ranks: machine must be {valid} (the run has "
+                             f"{self.n_machines} machine{'s' * (self.n_machines > 1)}); "
+                             f"got {machine!r}")
         lo = self.offsets[machine]
         return range(lo, lo + self.n_local[machine])
 
     def machine_of(self, rank):
-        """The machine that holds global ``rank``."""
+        """Return the machine that holds global ``rank``.
+
+        Raises:
+            ValueError: ``rank`` is not one of the run's ranks.
+        """
         for m in range(self.n_machines):
             if rank < self.offsets[m] + self.n_local[m]:
                 return m
         raise ValueError(f"rank {rank} is not in the run's {self.n_parallel} ranks")
 
     def describe(self, machine):
+        """Return ``machine`` in words: its number, host name and ranks."""
         r = self.ranks(machine)
         return f"machine {machine} ({self.hosts[machine]}, ranks {r.start}..{r.stop - 1})"
 
@@ -81,11 +98,23 @@ def layout():
     after ``fork()``.  Where machines come and go, machines that asked to join
     are admitted first (as at every call).
 
-    Example::
+    Example:
+        On one machine with 2 cores:
 
+        ```python
         synk.fork()
         lay = synk.layout()
-        lay.n_machines, lay.n_local, lay.ranks(1)   # 2, [2, 2], range(2, 4)
+        lay.n_machines, lay.n_local, lay.ranks(0)   # 1, [2], range(0, 2)
+        ```
+
+        Under ``mpiexec -n 2`` with ``synk.fork(2)``, two machines:
+        ``lay.n_machines, lay.n_local, lay.ranks(1)`` are ``2, [2, 2], range(2, 4)``.
+
+    Returns:
+        A ``Layout``.
+
+    Raises:
+        SynkStateError: before ``fork()``.
     """
     rt = require_forked("layout()")
     if rt.peers.layout is not None:

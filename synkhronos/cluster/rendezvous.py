@@ -16,7 +16,8 @@ from ..runtime.run import run_command
 from ..errors import SynkError
 from ..runtime.liveness import deadline_check, wait_until
 from .controller import Controller
-from .launch import Elastic, init_mpi, mpi_segments
+from .elastic_env import Elastic
+from .launch import init_mpi, mpi_segments, placement_problem
 from .layout import Layout, LayoutMsg, set_layout
 from .link import Link
 from .node import NodeMaster, serve
@@ -42,11 +43,11 @@ def join(rt, launch, tell_janitor, join_workers, pin):
     if launch.rank != 0:
         sentinel, sentinel_fd = start_sentinel(close_fds=[rt.processes.janitor.fd])
     try:
-        mpi = init_mpi()
+        mpi = init_mpi(launch)
         made = mpi_segments()
         if made:
             tell_janitor(made)
-        link, heartbeats, pids = _connect(rt, mpi, sentinel_fd)
+        link, heartbeats, pids = _connect(rt, mpi, sentinel_fd, launch)
     except BaseException:
         rt.abandon(rt, "the cluster could not be set up")
         raise
@@ -69,7 +70,7 @@ def join(rt, launch, tell_janitor, join_workers, pin):
     return layout.n_parallel
 
 
-def _connect(rt, mpi, sentinel_fd):
+def _connect(rt, mpi, sentinel_fd, launch):
     """Exchange the layout, link the sentinels to the controller; return (Link, Heartbeats, pids)."""
     comm = mpi.COMM_WORLD.Dup()
     me, size = comm.Get_rank(), comm.Get_size()
@@ -84,13 +85,18 @@ def _connect(rt, mpi, sentinel_fd):
         except mpi.Exception as exc:  # a process of the job died while it started
             raise SynkError(f"fork: MPI failed while the {size} MPI processes met "
                             f"({exc.Get_error_string()}); the job cannot start") from None
-    mine = np.array([rt.place.n_local, os.getpid()], dtype=np.int64)
-    everyone = np.empty((size, 2), dtype=np.int64)
+    mine = np.array([rt.place.n_local, os.getpid(), launch.local_index, launch.local_count],
+                    dtype=np.int64)
+    everyone = np.empty((size, 4), dtype=np.int64)
     wait(comm.Iallgather(mine, everyone))
     hosts_buf = bytearray(256 * size)
     name = mpi.Get_processor_name().encode()[:255].ljust(256, b"\0")
     wait(comm.Iallgather(name, hosts_buf))
     hosts = [bytes(hosts_buf[256 * i:256 * (i + 1)]).rstrip(b"\0").decode() for i in range(size)]
+    # Every process checks every one's place, so that all refuse together.
+    wrong = placement_problem(launch, hosts, everyone[:, 2:].tolist())
+    if wrong:
+        raise SynkError(wrong)
     layout = Layout([int(n) for n in everyone[:, 0]], hosts)
     link = Link(mpi, comm, layout, rt.config.spin_s)
     addr = bytearray(_ADDR.size)

@@ -83,13 +83,23 @@ def send_address(fd, host, port, node, secret, remote):
 
 
 # The MPI launchers' daemons on each host: MPICH's Hydra proxy, Open MPI's PRRTE daemon.
+# On a machine cut off from the controller they would wait forever: the sentinel ends them.
 LAUNCHER_DAEMONS = ("hydra_pmi_proxy", "prted")
+# Slurm's step daemon, the parent under srun (and of the daemons above inside an
+# allocation): left alone.  It reports its tasks' end to Slurm by itself once it can reach
+# it, and the controller cancels the step meanwhile (launch.end_step_at_exit); ending it
+# would leave slurmd a step it cannot account for.
+STEP_DAEMONS = ("slurmstepd",)
 
 
-def _launcher_daemon(pid):
-    """(pid, start time) of the MPI launcher's daemon that started ``pid``, or None."""
+def launcher_daemon(pid):
+    """(pid, start time) of the MPI launcher's daemon that started ``pid``, or None (no
+    launcher daemon, or Slurm's ``STEP_DAEMONS``, which the sentinel leaves alone)."""
     ppid, _ = parent_and_name(pid)
-    if ppid is None or parent_and_name(ppid)[1] not in LAUNCHER_DAEMONS:
+    name = parent_and_name(ppid)[1] if ppid is not None else None
+    if name not in LAUNCHER_DAEMONS:
+        if name in STEP_DAEMONS:
+            logger.debug("node master %d runs under %s, which ends with its step", pid, name)
         return None
     return ppid, proc_start_time(ppid)
 
@@ -119,7 +129,7 @@ def _sentinel_main(parent, read_fd):
     # On a host of its own, the launcher's daemon here serves only this job's node
     # masters: when the controller goes silent it is ended too, since it would wait
     # for a launcher it cannot reach, and the launcher for it (mpiexec never returns).
-    daemon = _launcher_daemon(parent) if remote else None
+    daemon = launcher_daemon(parent) if remote else None
     try:
         sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
         prove(sock, node, secret)

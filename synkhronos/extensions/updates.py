@@ -10,16 +10,18 @@ halves:
    once it has been all-reduced, reshaping its slices back to the parameters.
 
 One all-reduce of one long vector is much faster than one per parameter.
-A training step on every rank::
+A training step on every rank:
 
-    grad_updates, param_updates, grad_shared = updates.adam(loss, params, weight=x.shape[0])
-    f_grad = synk.function([x, y], loss, updates=grad_updates)
-    f_update = synk.function([], updates=param_updates)
-    synk.distribute()
-    ...
-    f_grad(x_data, y_data, batch=idx)    # each rank: gradient of its share of the batch
-    synk.all_reduce(grad_shared, op="sum")
-    f_update()                           # each rank: the same update
+```python
+grad_updates, param_updates, grad_shared = updates.adam(loss, params, weight=x.shape[0])
+f_grad = synk.function([x, y], loss, updates=grad_updates)
+f_update = synk.function([], updates=param_updates)
+synk.distribute()
+...
+f_grad(x_data, y_data, batch=idx)    # each rank: gradient of its share of the batch
+synk.all_reduce(grad_shared, op="sum")
+f_update()                           # each rank: the same update
+```
 
 Exact averaging over uneven splits: the flat vector holds ``w * g`` followed by
 ``w``, where ``g`` is the gradient of the rank's loss and ``w`` its weight

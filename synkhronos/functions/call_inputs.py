@@ -48,7 +48,11 @@ def as_data(name, var, value, rt, scratch, key, placed_ok):
 def as_array(name, var, value):
     """A NumPy input ``value`` for ``var``, conditioned, or raise naming it."""
     if isinstance(value, np.ndarray) or np.isscalar(value) or isinstance(value, (list, tuple)):
-        return conditioning.condition(value, var.dtype, var.ndim, name, f"input {var}")
+        # A call has no force_cast (its keywords name inputs): say what casts instead.
+        hint = (f"cast it first, value.astype({str(var.dtype)!r}), or pass "
+                f"synk.data(value, var={var.name or '<the input variable>'}, force_cast=True)")
+        return conditioning.condition(value, var.dtype, var.ndim, name, f"input {var}",
+                                      hint=hint)
     raise TypeError(f"{name}: input {var} must be a synkhronos Data or a NumPy array; "
                     f"got {type(value).__name__}")
 

@@ -32,14 +32,12 @@ class Function:
     """A data-parallel function, made by ``synkhronos.function()``.
 
     Call it like a PyTensor function, with Data objects (or NumPy arrays) as
-    inputs, once ``distribute()`` has run.
-
-    Attributes:
-        spec: what every rank runs (the compiled PyTensor function and its parts).
+    inputs, once ``distribute()`` has run: see ``__call__`` for ``batch``,
+    ``batch_s`` and ``num_slices``.
     """
 
     def __init__(self, spec):
-        self.spec = spec
+        self.spec = spec   # what every rank runs: the compiled PyTensor function and its parts
         self._rt = None
         self._scratch = {}  # per input: the Data a NumPy value is copied into
         self._last = None   # the last call without options: (message, its bytes)
@@ -104,7 +102,15 @@ class Function:
 
     @serialized
     def as_theano(self, *args, **kwargs):
-        """Call the underlying PyTensor function in the master only (updates apply there)."""
+        """Call the underlying PyTensor function in the master only (updates apply there).
+
+        Args:
+            *args: values (Data or arrays) for the inputs, in order; ``**kwargs``
+                by input name.
+
+        Returns:
+            What the PyTensor function returns, on the master's whole inputs.
+        """
         args = [a.data if isinstance(a, Data) else a for a in args]
         kwargs = {k: v.data if isinstance(v, Data) else v for k, v in kwargs.items()}
         fn = self.spec.fn
@@ -118,6 +124,12 @@ class Function:
     @serialized
     def build_inputs(self, *args, force_cast=False, oversize=1.0, minibatch=False, **kwargs):
         """Make a Data object for each input from values given as for a call.
+
+        Args:
+            *args: values for the inputs, in order; ``**kwargs`` by input name.
+            force_cast: cast values whatever they lose (as ``synk.data``).
+            oversize: allocate this factor more (in [1, 2]).
+            minibatch: make minibatch Data (see ``synk.data``).
 
         Returns:
             One Data, or a list of them in input order (inputs, then bcast_inputs).

@@ -30,7 +30,7 @@ def collect(spec, rt, mine, subset, name):
     parts[rt.place.rank] = mine
     if spec.simple and subset is None and None not in parts:
         # Fast path: one reducible output, every rank contributed.
-        values = [p[0][0] for p in parts]
+        values = counted(spec.output_ops[0], [p[0][0] for p in parts])
         if len({v.shape for v in values}) == 1:
             out = reduce_ops.combine(spec.output_ops[0], values, [p[1] for p in parts])
             return [out] if spec.return_list else out
@@ -49,7 +49,7 @@ def collect(spec, rt, mine, subset, name):
         if not have:
             final.append(None)
             continue
-        values = [e[0] for e in have]
+        values = counted(op, [e[0] for e in have])
         shapes = {v.shape for v in values}
         if len(shapes) > 1:
             raise ValueError(
@@ -58,6 +58,17 @@ def collect(spec, rt, mine, subset, name):
                 "(use 'gather' or None)")
         final.append(reduce_ops.combine(op, values, [e[1] for e in have]))
     return final if spec.return_list else final[0]
+
+
+def counted(op, values):
+    """Bools under "sum" or "prod" as NumPy's ``sum``/``prod`` take them: as integers.
+
+    ``True + True`` is 2 in ``numpy.sum``; an elementwise ``numpy.add`` of bools
+    would be a logical or.
+    """
+    if op in ("sum", "prod") and values and values[0].dtype == np.bool_:
+        return [v.astype(np.int_) for v in values]
+    return values
 
 
 # A cluster's machine combines its ranks' outputs of at least this many bytes before they
@@ -93,7 +104,7 @@ def machine_part(spec, subset, entries, offset, n_ranks):
     outputs, combined = [], False
     for j, i in enumerate(out_idx):
         op = spec.output_ops[i]
-        values = [np.asarray(a[j]) for _, a, _ in entries]
+        values = counted(op, [np.asarray(a[j]) for _, a, _ in entries])
         big = values[0].nbytes >= MACHINE_PART_BYTES
         if op == "gather" and big and all(v.ndim for v in values):
             outputs.append((concat(values), None))
@@ -148,7 +159,7 @@ def fold(op, acc, value, w_acc, w):
             # so the master still gets one value per rank.
             return reduce_ops.accumulate("sum", acc, value)
         return (acc or []) + [np.asarray(value)]
-    return reduce_ops.accumulate(op, acc, value, w_acc, w)
+    return reduce_ops.accumulate(op, acc, counted(op, [np.asarray(value)])[0], w_acc, w)
 
 
 def unfold(op, acc):

@@ -82,7 +82,7 @@ def check_dtype(dtype, where):
     return dtype
 
 
-def condition(value, dtype, ndim, where, what="value", force_cast=False):
+def condition(value, dtype, ndim, where, what="value", force_cast=False, hint=None):
     """Return ``value`` as a NumPy array of ``dtype`` and ``ndim``.
 
     An ndarray of the right dtype comes back as it is (no copy).
@@ -94,12 +94,15 @@ def condition(value, dtype, ndim, where, what="value", force_cast=False):
         where: the method, for messages (``"set_value"``, ``"broadcast"``).
         what: the argument, for messages (``"input x"``, ``"the value for W"``).
         force_cast: cast whatever converts, losing what it must.
+        hint: how to cast, for messages; the default names ``force_cast=True``,
+            so callers without that argument pass what works for them.
 
     Raises:
         TypeError: a cast that would lose information without ``force_cast``,
             a value that does not convert, or the wrong ndim.
     """
     dtype = np.dtype(dtype)
+    hint = hint or "pass force_cast=True to cast"
     if force_cast is not False:
         force_cast = check_bool(force_cast, f"{where}: force_cast")
     if type(value) is np.ndarray or isinstance(value, np.ndarray):
@@ -107,10 +110,10 @@ def condition(value, dtype, ndim, where, what="value", force_cast=False):
         if arr.dtype != dtype:
             if not (force_cast or np.can_cast(arr.dtype, dtype, "safe")):
                 raise TypeError(f"{where}: {what} needs dtype {dtype}; got {arr.dtype}, which "
-                                "does not cast without loss (pass force_cast=True to cast)")
+                                f"does not cast without loss ({hint})")
             arr = arr.astype(dtype)
     else:
-        arr = _convert(value, dtype, where, what, force_cast)
+        arr = _convert(value, dtype, where, what, force_cast, hint)
     if ndim is not None and arr.ndim != ndim:
         raise TypeError(f"{where}: {what} needs ndim {ndim}; got ndim {arr.ndim} "
                         f"(shape {arr.shape})")
@@ -125,7 +128,7 @@ def as_array(value, where):
         raise TypeError(f"{where}: value does not convert to an array: {exc}") from exc
 
 
-def _convert(value, dtype, where, what, force_cast):
+def _convert(value, dtype, where, what, force_cast, hint):
     """Python values (numbers, lists): convert when no value changes, as PyTensor does."""
     try:
         raw = np.asarray(value)
@@ -143,7 +146,7 @@ def _convert(value, dtype, where, what, force_cast):
         lossless = raw.shape == arr.shape and bool(np.all(arr == raw))
     if not lossless:
         raise TypeError(f"{where}: {what} needs dtype {dtype}; its values change when cast "
-                        "(pass force_cast=True to cast)")
+                        f"({hint})")
     return arr
 
 

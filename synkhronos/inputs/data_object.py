@@ -51,7 +51,7 @@ def replicated(rt, value, var, dtype, ndim, shape, minibatch, force_cast, oversi
     obj = Data(new_id(rt), dtype, ndim, minibatch=minibatch, name=name)
     try:
         if value is not None:
-            obj._store(obj.condition_data(value, force_cast, "data"), oversize)
+            obj._store(obj._condition(value, force_cast, "data"), oversize)
         elif shape is not None:
             obj.set_shape(shape, oversize=oversize)
     except BaseException:
@@ -127,28 +127,32 @@ class Data:
 
     @property
     def dtype(self):
+        """The NumPy dtype, fixed at creation."""
         return self._dtype
 
     @property
     def ndim(self):
+        """The number of dimensions, fixed at creation."""
         return self._ndim
 
     @property
     def shape(self):
+        """The shape of the contents, or None before any memory."""
         return None if self._data is None else self._data.shape
 
     @property
     def size(self):
+        """The number of items in the contents (0 before any memory)."""
         return 0 if self._data is None else self._data.size
 
     alloc_size = property(lambda self: self._alloc_size, doc="Items the allocation holds (>= size).")
 
     @property
     def minibatch(self):
-        """Whether rows pair with positions of a call's ``batch`` (see Function.__call__)."""
+        """Whether rows pair with positions of a call's ``batch`` (see ``Function.__call__``)."""
         return self._minibatch
 
-    name = property(lambda self: self._name)
+    name = property(lambda self: self._name, doc="The name given to ``synk.data(name=...)``, or None.")
 
     def __len__(self):
         if self._data is None or self._ndim == 0:
@@ -167,6 +171,14 @@ class Data:
         arr[k] = v
         if self._rt.peers.copies:
             self._mirror(*conditioning.rows_written(arr, k))
+
+    def __reduce_ex__(self, protocol):
+        # A Data is a handle on this run's shared memory (its id, its segment): a copy
+        # in another process or run would name memory that is not there.
+        raise TypeError(f"cannot pickle or copy {type(self).__name__} {self._ID}: it is a handle "
+                        "on this run's shared memory; pickle its contents instead "
+                        "(numpy.asarray(d.data)) and make a Data of them again with "
+                        "synk.data(array); synk.data(d) copies it within the run")
 
     def __repr__(self):
         return (f"Data(name={self._name!r}, dtype={self._dtype}, shape={self.shape}, "
@@ -213,16 +225,25 @@ class Data:
         """
         return self._data
 
-    def condition_data(self, input_data, force_cast=False, where="condition_data"):
-        """Return ``input_data`` as the array ``set_value`` would store.
+    def condition_data(self, input_data, force_cast=False):
+        """Return ``input_data`` as the array ``set_value`` would store; store nothing.
 
-        Lossless casts happen silently; others need ``force_cast``
-        (see ``synkhronos.inputs.conditioning``).
+        Lossless casts happen silently; others need ``force_cast``.
+
+        Args:
+            input_data: an array, anything ``numpy.asarray`` takes, or a Data.
+            force_cast: cast whatever converts, losing what it must.
+
+        Returns:
+            A NumPy array of this Data's dtype and ndim.
 
         Raises:
             TypeError: a cast that loses information without ``force_cast``,
                 or the wrong number of dimensions.
         """
+        return self._condition(input_data, force_cast, "condition_data")
+
+    def _condition(self, input_data, force_cast, where):
         if isinstance(input_data, Data):
             input_data = input_data.data
         return conditioning.condition(input_data, self._dtype, self._ndim, where,
@@ -239,7 +260,7 @@ class Data:
         """
         conditioning.check_oversize(oversize, "set_value")
         force_cast = conditioning.check_bool(force_cast, "set_value: force_cast")
-        self._store(self.condition_data(input_data, force_cast, "set_value"), oversize)
+        self._store(self._condition(input_data, force_cast, "set_value"), oversize)
 
     def _store(self, arr, oversize):
         self._reshape(arr.shape, oversize, keep=False)

@@ -93,6 +93,9 @@ class Janitor:
 def _main(prefix, dirs, pids, read_fd):
     """Wait for the leader to go; then kill its workers, unlink its segments, remove its dirs."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A scheduler ending the job (Slurm at a time limit or scancel: SIGTERM to every
+    # process of the step, SIGKILL after KillWait) must leave it to clean up after the leader.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Its own session: mpiexec (and shells) kill a failed job's process groups,
     # and the janitor must outlive them to clean up.
     os.setsid()

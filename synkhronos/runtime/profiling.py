@@ -43,6 +43,7 @@ class Profiler:
         self._laps = None
         self._depth = 0
         self.marks = []         # where each open synk.profile() began in records, outermost first
+        self.contexts = []      # the master's open synk.profile() blocks, outermost first
 
     def mark(self):
         """Return where the records of a profile opened now begin (after the current command)."""
@@ -194,6 +195,7 @@ class _ProfileContext:
                                  "synk.profile() instead")
         run_command(rt, Command.PROFILE, ProfileMsg(True))
         _open(rt)
+        rt.profiler.contexts.append(self)
         self._rt, self._depth = rt, len(rt.profiler.marks)
         return self.profile
 
@@ -201,11 +203,18 @@ class _ProfileContext:
     def __exit__(self, exc_type, exc, tb):
         rt, self._rt = self._rt, None
         if rt is None or rt.closed:
-            # The run ended inside the block (a dead worker, Ctrl-C, close()): nothing to
-            # collect, and the error that ended it, if still on its way, is the one to see.
+            # The run ended inside the block (a dead worker, Ctrl-C), or close() ended the
+            # profile already: nothing (more) to collect, and the error that ended the
+            # run, if still on its way, is the one to see.
             return False
         if rt.profiler is None or len(rt.profiler.marks) != self._depth:
             raise SynkStateError("profile(): nested profiles must end in reverse order")
+        self._finish(rt)
+        return False
+
+    def _finish(self, rt):
+        """End this (the innermost) profile on every rank and keep their records."""
+        rt.profiler.contexts.remove(self)
         mine = _close(rt)
 
         def after(_):
@@ -216,7 +225,18 @@ class _ProfileContext:
             records[rt.place.rank] = mine
             return records
         self.profile.records = run_command(rt, Command.PROFILE, ProfileMsg(False), after=after)
-        return False
+
+
+def end_open_profiles(rt):
+    """``close()`` inside ``synk.profile()`` blocks: end them first, innermost first.
+
+    Each profile then holds the commands run up to ``close()``; leaving its
+    block later collects nothing more.
+    """
+    while rt.profiler is not None and rt.profiler.contexts:
+        ctx = rt.profiler.contexts[-1]
+        ctx._rt = None
+        ctx._finish(rt)
 
 
 def profile():
@@ -224,20 +244,25 @@ def profile():
 
     Inside the ``with`` block, every command (calls, collectives, data
     allocation) is timed on every rank; on leaving it, the records come to
-    the master::
+    the master.
 
+    Profiles nest: an inner one records its block, and its commands count in
+    the outer one too.  ``synk.close()`` inside the block ends the profile
+    first: it holds the commands run up to ``close()``.  If the run ends
+    inside the block otherwise (a worker died, Ctrl-C), the error that ended
+    it goes on and the profile stays empty.
+
+    Example:
+        ```python
         with synk.profile() as prof:
             for _ in range(10):
                 train_step(x_data, y_data, batch=idx)
         text = prof.table()               # mean ms per call, by rank and category
         prof.write_trace("steps.json")    # one track per rank, for ui.perfetto.dev
-
-    Profiles nest: an inner one records its block, and its commands count in
-    the outer one too.  If the run ends inside the block (a worker died,
-    Ctrl-C), the error that ended it goes on and the profile stays empty.
+        ```
 
     Returns:
-        A context manager whose ``__enter__`` returns a ``Profile``.
+        A context manager; ``with synk.profile() as prof`` gives a ``Profile``.
 
     Raises:
         SynkStateError: before fork(); nested profiles ended out of order.

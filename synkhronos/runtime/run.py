@@ -52,6 +52,8 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None, wire=None):
         except (WorkerDiedError, KeyboardInterrupt):
             raise
         except BaseException as exc:  # noqa: BLE001 - reported after the end barrier
+            if interrupted(exc):
+                raise KeyboardInterrupt from exc
             local_exc = exc
             control.abort(seq)
         control.wait_done(rt, seq, rt.check)
@@ -80,6 +82,22 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None, wire=None):
     if prof is not None:
         prof.end("reduce")
     return result
+
+
+def interrupted(exc):
+    """Whether ``exc`` is Ctrl-C in disguise.
+
+    A SIGINT that lands while compiled code (Numba, a C extension) runs can come
+    out as ``SystemError: ... returned a result with an exception set`` whose
+    cause is the KeyboardInterrupt; the user pressed Ctrl-C and should see that.
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _worker_error(rt, cmd, local_exc, remote):

@@ -41,6 +41,21 @@ def shm_space():
     return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 
 
+def read_only():
+    """Whether /dev/shm is mounted read-only (False where that cannot be read)."""
+    try:
+        return bool(os.statvfs(SHM_DIR).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def shm_read_only_text(where):
+    """The message for a read-only /dev/shm, where its free space would mislead."""
+    return (f"{where}: {SHM_DIR} is mounted read-only, so no shared memory can be made "
+            f"there; remount it read-write (mount -o remount,rw {SHM_DIR}), or in a "
+            "container drop the read-only mount of /dev/shm")
+
+
 def _size_text(n):
     for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= div:
@@ -49,6 +64,8 @@ def _size_text(n):
 
 
 def _full_error(name, nbytes):
+    if read_only():
+        return SharedMemoryError(errno.EROFS, shm_read_only_text(f"segment {name}"))
     free, total = shm_space()
     where = ("" if free is None else
              f"; {SHM_DIR} has {_size_text(free)} free of {_size_text(total)}")
@@ -85,6 +102,8 @@ class SharedArray:
             shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX if create else 0,
                                          mode=0o600, size=size if create else 0)
         except (posix_ipc.Error, OSError, ValueError) as exc:
+            if create and read_only():
+                raise _full_error(name, size) from exc
             action = "create" if create else "open"
             raise SharedMemoryError(
                 errno.EEXIST if isinstance(exc, posix_ipc.ExistentialError) else errno.EIO,
@@ -171,6 +190,8 @@ def hold_run_lock(prefix):
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
+        if exc.errno == errno.EROFS:
+            raise SharedMemoryError(exc.errno, shm_read_only_text("fork")) from exc
         raise SharedMemoryError(exc.errno, f"cannot create the run's lock {path}: {exc}") \
             from exc
     return fd

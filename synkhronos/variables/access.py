@@ -121,7 +121,8 @@ def condition(rt, var, value, where, whole=True):
         if whole:
             check_static_shape(var, value.data.shape, where)
         return value
-    value = conditioning.condition(value, var.dtype, var.ndim, where, what)
+    value = conditioning.condition(value, var.dtype, var.ndim, where, what,
+                                   hint=f"cast it first: value.astype({str(var.dtype)!r})")
     if whole:
         check_static_shape(var, value.shape, where)
     return value

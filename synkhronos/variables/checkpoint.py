@@ -102,8 +102,10 @@ def load(path, shared_vars=None):
     Args:
         path: a file written by ``save()``.
         shared_vars: the variables to restore (shared variables, or their
-            names after ``distribute()``), in the order they were saved;
-            default: every distributed one.
+            names after ``distribute()``); default: every distributed one, in
+            the order they were saved.  Given, each is found in the file by
+            its name (any subset, any order) where every name is saved once,
+            else by order.
 
     Returns:
         The ``metadata`` dict given to ``save()``.
@@ -113,16 +115,14 @@ def load(path, shared_vars=None):
             (or, after ``distribute()``, their names).
         ValueError: the file is not a complete synkhronos checkpoint, or does
             not match the variables (count, names, kinds, dtypes, shapes in
-            every rank), or holds per-rank values for another number of ranks.
+            every rank), or holds per-rank values (ranks that differed) for
+            another number of ranks.
         WorkerError: a rank failed while storing.
     """
     rt = _run()
     shareds = _variables(rt, shared_vars, "load")
     manifest, arrays = cf.read(path, "load")
-    entries = manifest["variables"]
-    if len(entries) != len(shareds):
-        raise ValueError(f"load: {path} holds {len(entries)} variables; this run has "
-                         f"{len(shareds)}")
+    entries = _entries_for(manifest["variables"], shareds, shared_vars is not None, path)
     n = 1 if rt is None else rt.place.n_parallel
     shapes = _current_shapes(rt, shareds)
     per_rank = [[] for _ in range(n)]
@@ -138,8 +138,34 @@ def load(path, shared_vars=None):
                  for v in per_rank]
         msg = LoadMsg(idx)
         run_command(rt, Command.LOAD_STATE, msg, lambda seq: _load_local(rt, msg, blobs))
-    logger.info("checkpoint %s restored into %d ranks", path, n)
+    if manifest["n_parallel"] != n:
+        # Allowed (every value was saved once, _values_of checked), but the run differs.
+        logger.info("checkpoint %s, saved from %d ranks, restored into %d ranks (each "
+                    "variable held one value for every rank)", path, manifest["n_parallel"], n)
+    else:
+        logger.info("checkpoint %s restored into %d ranks", path, n)
     return manifest["metadata"]
+
+
+def _entries_for(entries, shareds, named, path):
+    """The manifest entry of each variable: by name when the caller named the variables
+    and each name is in the file once, else by order (then the counts must agree)."""
+    if named:
+        by_name = {}
+        for e in entries:
+            by_name.setdefault(e["name"], []).append(e)
+        if all(v.name is not None and len(by_name.get(v.name, ())) == 1 for v in shareds):
+            return [by_name[v.name][0] for v in shareds]
+        if len(entries) != len(shareds):
+            bad = next(v for v in shareds if v.name is None or len(by_name.get(v.name, ())) != 1)
+            found = len(by_name.get(bad.name, ())) if bad.name is not None else 0
+            raise ValueError(f"load: {path} holds {found} variables named {bad.name!r}; a "
+                             "subset of a checkpoint loads by name, each name saved once "
+                             f"(the file holds {len(entries)} variables)")
+    elif len(entries) != len(shareds):
+        raise ValueError(f"load: {path} holds {len(entries)} variables; this run has "
+                         f"{len(shareds)} (pass shared_vars to load some of them by name)")
+    return entries
 
 
 # ---- commands ---------------------------------------------------------------

@@ -120,7 +120,7 @@ class Machines:
         launcher: the path of the ssh-like launcher script.
     """
 
-    def __init__(self, n, cores=None):
+    def __init__(self, n, cores=None, cores_each=None):
         self.n = n
         k = next(_COUNT)
         self.tag = f"{PREFIX}{os.getpid()}x{k}"
@@ -129,7 +129,9 @@ class Machines:
         self.names = [f"{self.tag}m{i}" for i in range(n)]
         subnet = (os.getpid() * 7 + k) % 250 + 1
         self.addresses = [f"10.213.{subnet}.{i + 1}" for i in range(n)]
-        self.cores = core_sets(n, cores)
+        # cores_each: each machine's cores, given (they may overlap: a Slurm node
+        # declares every core of this host so that two MPI processes on it divide them).
+        self.cores = core_sets(n, cores) if cores_each is None else [list(c) for c in cores_each]
         self.holders = []
         self.nets = []   # each machine's network namespace, as /proc/PID/ns/net reads
         self.dir = None
