@@ -61,31 +61,34 @@ def _check_run(plan, n_start, lost, heartbeat_s=3.0):
         assert_nothing_left(m, out, "cluster_elastic.py", lost=lost)
     finally:
         m.__exit__(None, None, None)
-    return out, events
+    return out, events, m.names
 
 
 @on_machines
 def test_whole_machine_lost_mid_training_matches_the_serial_twin():
-    out, events = _check_run({3: ("crash", 2)}, 3, lost=(2,))
-    assert re.search(r"CAUGHT MachineLostError at step 4 completed (True|False) .*machine 2 "
-                     r"\(\S+, ranks 2\.\.2\)", out), out
-    assert "EVENT lost machine 2" in out and "on 2 machines 2 ranks" in out, out
+    out, events, names = _check_run({3: ("crash", 2)}, 3, lost=(2,))
+    # Machines are numbered in the order they joined: the lost one is named by its host.
+    assert re.search(rf"CAUGHT MachineLostError at step 4 completed (True|False) .*machine (\d) "
+                     rf"\({names[2]}, ranks \2\.\.\2\)", out), out
+    assert re.search(rf"EVENT lost machine \d \({names[2]},", out), out
+    assert re.search(r"step 7 \S+ sum \S+ on 2 machines 2 ranks", out), out
     assert events[0].t_error < 5.0, events
 
 
 @on_machines
 def test_join_mid_training_then_another_machine_lost():
-    out, events = _check_run({2: ("join", 2), 4: ("crash", 1)}, 2, lost=(1,))
-    assert re.search(r"EVENT joined machine 2 \(\S+, ranks 2\.\.2\) -> 3 machines", out), out
-    assert "on 3 machines 3 ranks" in out, out
-    assert re.search(r"CAUGHT MachineLostError at step 5 .*machine 1 \(", out), out
+    out, events, names = _check_run({2: ("join", 2), 4: ("crash", 1)}, 2, lost=(1,))
+    assert re.search(rf"EVENT joined machine 2 \({names[2]}, ranks 2\.\.2\) -> 3 machines",
+                     out), out
+    assert re.search(r"^step 3 \S+ sum \S+ on 3 machines 3 ranks", out, re.M), out
+    assert re.search(rf"CAUGHT MachineLostError at step 5 .*machine 1 \({names[1]},", out), out
     assert re.search(r"step 7 \S+ sum \S+ on 2 machines 2 ranks", out), out
 
 
 @on_machines
 def test_cut_machine_is_dropped_and_ends_itself():
     heartbeat_s = 3.0
-    out, events = _check_run({2: ("cut", 1)}, 2, lost=(), heartbeat_s=heartbeat_s)
+    out, events, names = _check_run({2: ("cut", 1)}, 2, lost=(), heartbeat_s=heartbeat_s)
     assert re.search(r"CAUGHT MachineLostError at step 3 .*machine 1 \(\S+, ranks 1\.\.1\): "
                      r"stopped answering", out), out
     assert events[0].t_error < 2 * heartbeat_s, events

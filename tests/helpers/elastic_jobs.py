@@ -163,7 +163,7 @@ def run_training(n_start, n_steps, plan, heartbeat_s=3.0, timeout=200):
     n = n_start
     for k in sorted(plan):
         n += 1 if plan[k][0] == "join" else -1
-        want[k] = n
+        want[k] = n if plan[k][0] == "join" else 0
     n_all = n_start + sum(a == "join" for a, _ in plan.values())
     m = machines(n_all)
     m.__enter__()
