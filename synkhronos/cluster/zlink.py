@@ -187,6 +187,8 @@ class ZmqLink(LinkBase):
     def finish(self):
         """At this process's end: close the socket (nothing waits for unsent messages)."""
         mark_finished()
+        if self.leaders is not None:
+            self.leaders.close()
         try:
             self.sock.close(linger=0)
         except zmq.ZMQError:

@@ -102,6 +102,7 @@ class Job:
     def wait(self, timeout=120):
         try:
             self.controller.wait(timeout)
+            self.t_exit = time.monotonic()
         finally:
             self.close()
         self.reader.join(10)
@@ -201,4 +202,8 @@ def run_training(n_start, n_steps, plan, heartbeat_s=3.0, timeout=200):
                     for _, line in after if line.startswith(mark)), None)
         measured.append(Event(f"{action} machine {i}", None if err is None else err - t0,
                               None if first is None else first - t0))
+    closed = next((t for t, line in job.lines if line.startswith("CLOSED")), None)
+    if closed is not None:
+        # How long the controller's process took to end after synk.close() returned.
+        measured.append(Event("exit after close", job.t_exit - closed, None))
     return rc, out, measured, m
