@@ -17,7 +17,6 @@ for ``SYNK_HEARTBEAT_S``) is dropped the same way, and its routing id is
 banned: if it comes back it is told GONE and ends itself.
 """
 
-import hashlib
 import hmac
 import logging
 import os
@@ -41,28 +40,15 @@ from ..runtime.run import run_command
 from .controller import Controller
 from .layout import Layout, LayoutMsg, set_layout
 from .link import CMD, CMD_HEAD, DATA, DONE, REPORT
-from .node import NodeMaster, serve
 from .recovery import relayout
-from .sentinel import CONNECT_TIMEOUT_S, Heartbeats, heartbeat_limit_s, send_address, start_sentinel
+from .sentinel import CONNECT_TIMEOUT_S, Heartbeats, heartbeat_limit_s
+from .elastic_node import PROOF_MSG, Welcome, join_as_node, proof_mac, survives_loss, zmq_socket
 from .zlink import ACK, GONE, HELLO, MEMBERS, NONCE, PROOF, TAG, WELCOME, ZmqLink
+
 
 logger = logging.getLogger(__name__)
 
-_PROOF = struct.Struct("32sqq64s")  # HMAC(secret, nonce + routing id), ranks, pid, host name
 MAX_KNOCKING = 64                   # challenges outstanding at once (strangers cannot pile up)
-
-
-class Welcome(NamedTuple):
-    """WELCOME: what a node master admitted into the run needs first."""
-
-    member: int          # the number its sentinel proves (never reused)
-    machine: int         # its machine in ``n_local``/``hosts``
-    n_local: list
-    hosts: list
-    store_port: int
-    liveness_port: int
-    gen: int
-    members: int
 
 
 class Joiner(NamedTuple):
@@ -72,27 +58,13 @@ class Joiner(NamedTuple):
     host: str
 
 
-def _mac(secret, nonce, ident):
-    return hmac.new(secret, nonce + ident, hashlib.sha256).digest()
-
-
-def _survives():
-    return os.environ.get("SYNK_ON_MACHINE_LOSS", "continue") != "end"
-
-
-def _socket(ctx, kind):
-    sock = ctx.socket(kind)
-    for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
-        sock.setsockopt(opt, value)
-    return sock
-
 
 # -- the controller ---------------------------------------------------------------------------
 
 def join(rt, launch, tell_janitor, join_workers, pin):
     """``fork()`` of an elastic cluster: the controller returns the run's size; a node master serves."""
     if launch.rank != 0:
-        _join_as_node(rt, launch, join_workers, pin)  # never returns
+        join_as_node(rt, launch, join_workers, pin)  # never returns
     try:
         controller = _start_controller(rt, launch)
         pin()
@@ -117,7 +89,7 @@ def _start_controller(rt, launch):
     _, dist = import_torch()
     bind = "0.0.0.0" if launch.host in ("", "*") else launch.host
     me = _own_address(launch.host)
-    sock = _socket(zmq.Context.instance(), zmq.ROUTER)
+    sock = zmq_socket(zmq.Context.instance(), zmq.ROUTER)
     sock.bind(f"tcp://{bind}:{launch.port}")
     store = dist.TCPStore(me, 0, None, True, timeout=timedelta(seconds=GROUP_TIMEOUT_S),
                           wait_for_workers=False)
@@ -155,7 +127,7 @@ class Door:
         self.banned = set()      # routing ids of machines dropped: never admitted again
         self.next_member = 1
         self.members = 0         # membership changes so far
-        self.survives = _survives()
+        self.survives = survives_loss()
         self.watchers = []       # callbacks: watcher(event, description, layout)
 
     # -- knocks on the door (from ZmqLink.drain, for routing ids it does not know) ---------
@@ -174,9 +146,9 @@ class Door:
         elif tag == PROOF and ident in self.knocking:
             nonce = self.knocking.pop(ident)
             body = frames[1].bytes
-            if len(body) == _PROOF.size:
-                mac, n_local, pid, host = _PROOF.unpack(body)
-                if hmac.compare_digest(mac, _mac(self.secret, nonce, ident)) and n_local >= 1:
+            if len(body) == PROOF_MSG.size:
+                mac, n_local, pid, host = PROOF_MSG.unpack(body)
+                if hmac.compare_digest(mac, proof_mac(self.secret, nonce, ident)) and n_local >= 1:
                     self.ready.append(Joiner(ident, n_local, pid,
                                              host.rstrip(b"\0").decode(errors="replace")))
                     return
@@ -347,102 +319,3 @@ def _report(link, k, box):
     link.receive(got[0], head, k)
     box.append(link.rest(k, REPORT, head, no_check, pooled=False))
     return True
-
-
-# -- a node master ------------------------------------------------------------------------------
-
-class Follower:
-    """A node master's side of membership changes: the controller decides, it follows."""
-
-    def __init__(self, link):
-        self.link = link
-        self.survives = _survives()
-
-    def stranger(self, ident, frames):
-        """Only the controller has a door."""
-
-    def regroup_after_loss(self, done_seq, lost=None):
-        """Take the controller's MEMBERS: answer, renumber, build the new gloo group."""
-        link = self.link
-        link.wait(link.news, deadline_check(
-            GROUP_TIMEOUT_S, f"the controller did not regroup the machines within "
-            f"{GROUP_TIMEOUT_S:g} s"))
-        members, gen, index, n_local, hosts = pickle.loads(link.take(0, MEMBERS))
-        link.send_bytes(0, ACK, struct.pack("q", done_seq))
-        link.forget(keep=(MEMBERS, GONE))
-        link.rebind(Layout(n_local, hosts, generation=members), index)
-        link.leaders.regroup(index, len(n_local), members, gen, no_check)
-        return None, None
-
-
-def _route_address(host, port):
-    """This machine's address on the way to ``host`` (what the other leaders reach it at)."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        s.connect((host, port))
-        return s.getsockname()[0]
-    finally:
-        s.close()
-
-
-def _expect(sock, want, timeout_s, what):
-    """The body of the next message with tag ``want`` from the controller (GONE: refused)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise SynkError(f"fork: the controller did not {what} within {timeout_s:g} s")
-        if not sock.poll(min(left, 1.0) * 1000):
-            continue
-        frames = sock.recv_multipart()
-        if len(frames) != 2 or len(frames[0]) != TAG.size:
-            continue
-        tag = TAG.unpack(frames[0])[0]
-        if tag == GONE:
-            raise SynkError("fork: the controller refused this machine (a wrong secret, or "
-                            "this machine was dropped from the run before)")
-        if tag == want:
-            return frames[1]
-
-
-def _join_as_node(rt, launch, join_workers, pin):
-    """A node master started on its own: knock, prove, catch up, serve until the end."""
-    sentinel, sentinel_fd = start_sentinel(close_fds=[rt.processes.janitor.fd])
-    try:
-        _, dist = import_torch()
-        ident = secrets.token_bytes(16)
-        sock = _socket(zmq.Context.instance(), zmq.DEALER)
-        sock.setsockopt(zmq.ROUTING_ID, ident)
-        sock.connect(f"tcp://{launch.host}:{launch.port}")
-        sock.send_multipart([TAG.pack(HELLO), b""])
-        nonce = _expect(sock, NONCE, CONNECT_TIMEOUT_S, "answer")
-        sock.send_multipart([TAG.pack(PROOF), _PROOF.pack(
-            _mac(launch.secret, nonce, ident), rt.place.n_local, os.getpid(),
-            socket.gethostname().encode()[:64])])
-        timeout_s = float(os.environ.get("SYNK_JOIN_TIMEOUT_S", "600"))
-        welcome = Welcome(*pickle.loads(_expect(sock, WELCOME, timeout_s, "admit this machine")))
-        send_address(sentinel_fd, launch.host, welcome.liveness_port, welcome.member,
-                     launch.secret, remote=True)
-        store = dist.TCPStore(launch.host, welcome.store_port, None, False,
-                              timeout=timedelta(seconds=GROUP_TIMEOUT_S))
-        leaders = GlooLeaders(store, _route_address(launch.host, launch.port), rt.config.spin_s,
-                              None)
-        leaders.gen, leaders.members = welcome.gen, welcome.members
-        layout = Layout(welcome.n_local, welcome.hosts)
-        link = ZmqLink(sock, layout, welcome.machine, rt.config.spin_s, leaders)
-        leaders.lost = link.lost
-        link.members = Follower(link)
-    except BaseException:
-        rt.abandon(rt, "could not join the controller")
-        raise
-    offset = layout.offsets[welcome.machine]
-    run_command(rt, Command.LAYOUT, LayoutMsg(offset, layout.n_parallel),
-                local=lambda seq: set_layout(rt, offset, layout.n_parallel))
-    node = rt.peers = NodeMaster(rt, link, sentinel)
-    rt.registry.datas = {}  # segments mapped here, as in a worker
-    rt.backend.attach(link, None)
-    pin()
-    logger.info("joined the controller at %s:%d as %s", launch.host, launch.port,
-                layout.describe(welcome.machine))
-    serve(rt, node, join_workers)  # never returns
-
