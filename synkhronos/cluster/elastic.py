@@ -152,8 +152,10 @@ class Door:
                     self.ready.append(Joiner(ident, n_local, pid,
                                              host.rstrip(b"\0").decode(errors="replace")))
                     return
-            logger.warning("elastic door: dropped a machine that did not prove it belongs to "
-                           "this job")
+            logger.warning("elastic door: refused a machine that did not prove it belongs to "
+                           "this job (a wrong secret?)")
+            self.banned.add(ident)
+            self.link.send_to(ident, GONE, b"")
 
     def wait_for(self, n_machines, timeout_s=None):
         """Admit machines until the run has ``n_machines`` (``fork()`` with ``SYNK_MACHINES``)."""

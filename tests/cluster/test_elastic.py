@@ -116,3 +116,21 @@ def test_lost_controller_machine_ends_every_machine():
         finally:
             job.close()
         assert_nothing_left(m, job.out, "cluster_elastic.py", lost=(0,))
+
+
+@on_machines
+def test_wrong_secret_is_refused_and_the_job_goes_on():
+    """A machine without the job's secret is told so and ends; the right one is let in after."""
+    with machines(2) as m:
+        job = Job(m, ["train", "2", ""], 2)
+        try:
+            intruder = job._start(1, SYNK_JOIN=job.address, SYNK_SECRET="not-the-job-secret-42")
+            out, _ = intruder.communicate(timeout=60)
+            assert intruder.returncode != 0 and "refused this machine" in out, out
+            assert not m.processes(1), m.leftovers()
+            job.join(1)
+            rc = job.wait(120)
+        finally:
+            job.close()
+        assert rc == 0 and "CLOSED" in job.out and "on 2 machines 2 ranks" in job.out, job.out
+        assert_nothing_left(m, job.out, "cluster_elastic.py")
