@@ -92,7 +92,7 @@ def test_cut_machine_is_dropped_and_ends_itself():
     heartbeat_s = 3.0
     out, events, names = _check_run({2: ("cut", 1)}, 2, lost=(), heartbeat_s=heartbeat_s)
     assert re.search(r"CAUGHT MachineLostError at step 3 .*machine 1 \(\S+, ranks 1\.\.1\): "
-                     r"stopped answering", out), out
+                     r"its node master stopped answering", out), out
     assert events[0].t_error < 2 * heartbeat_s, events
     assert re.search(r"step 7 \S+ sum \S+ on 1 machines 1 ranks", out), out
 
