@@ -149,9 +149,9 @@ def elastic(rounds):
           f"step), 3 machines x 1 rank, machine 2 crashed after step 2, machine 3 joined after "
           f"step 4 (exit {rc}):")
     print("\n".join(line for line in out.splitlines() if line.startswith(("CAUGHT", "EVENT"))))
-    got = dict(re.findall(r"^step (\d+) (\S+) sum \S+ on (\d+) machines", out, re.M))
-    machines_at = {k: n for k, _, n in re.findall(r"^step (\d+) (\S+) sum \S+ on (\d+) machines",
-                                                   out, re.M)}
+    rows = re.findall(r"^step (\d+) (\S+) sum \S+ on (\d+) machines", out, re.M)
+    got = {k: loss for k, loss, _ in rows}
+    machines_at = {k: n for k, _, n in rows}
     print("| step | machines | serial twin | elastic cluster | relative difference |")
     print("|---|---|---|---|---|")
     for k in sorted(want):
