@@ -8,6 +8,7 @@ line.  ``run_training`` drives helpers/cluster_elastic.py's training run
 through a plan of faults and joins and returns what it measured.
 """
 
+import importlib.util
 import os
 import re
 import secrets
@@ -26,12 +27,15 @@ PORT = 29517
 
 
 def why_no_elastic():
-    """Why jobs whose machines come and go cannot run here (no torch's gloo), or None."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return "torch is not installed (pip install -e '.[elastic]')"
-    return None if dist.is_gloo_available() else "torch has no gloo"
+    """Why jobs whose machines come and go cannot run here (no torch), or None.
+
+    Not imported here: torch in pytest's own process (every test forks ranks from it)
+    would only cost time; the jobs import it, and fail loudly where it has no gloo.
+    """
+    if importlib.util.find_spec("torch") is None:
+        return ("torch is not installed (`make elastic-torch`, or pip install torch "
+                "--index-url https://download.pytorch.org/whl/cpu)")
+    return None
 
 
 class Job:
