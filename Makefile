@@ -18,13 +18,24 @@ OMPI_STAMP := $(OMPI_VENV)/.installed
 PYTEST_DEPS := "pytest>=8" "pytest-timeout>=2.2"
 
 .PHONY: test test-main test-compat test-lowest test-pymc test-pymc-versions test-openmpi \
-	slurm-packages demo demo-pymc bench bench-pymc docs docs-screenshots clean
+	slurm-packages elastic-torch demo demo-pymc bench bench-pymc docs docs-screenshots clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[test,demo,docs,mpi]"
+	$(MAKE) --no-print-directory elastic-torch
 	touch $(STAMP)
+
+# torch's CPU-only wheel for the elastic extra (tests/cluster/test_elastic.py): from PyTorch's
+# CPU index, or a local copy of that wheel pip finds through its own settings (find-links);
+# never the CUDA wheel (5.5 GB).  Where neither has it, test_elastic.py skips and says why.
+TORCH_CPU := torch==2.13.*
+elastic-torch:
+	@$(BIN)/python -m pip install -q "$(TORCH_CPU)" --index-url https://download.pytorch.org/whl/cpu \
+		--timeout 10 --retries 1 2>/dev/null \
+	  || $(BIN)/python -m pip install -q "torch==2.13.0+cpu" 2>/dev/null \
+	  || echo "elastic-torch: no CPU-only torch wheel reachable; tests/cluster/test_elastic.py will skip"
 
 $(OLD_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(OLD_VENV)

@@ -17,6 +17,14 @@ Printed per fault and launcher: the error the controller raised and after how
 many seconds, when mpiexec returned (its exit status), when the last process of
 the job on any machine was gone, and what was left (processes, segments);
 medians over the rounds.  The same faults are asserted in tests/cluster/test_cluster.py.
+With torch's gloo installed (the elastic extra) it also measures machines that
+come and go (SYNK_LISTEN / SYNK_JOIN, no launcher; tests/helpers/elastic_jobs.py):
+a whole machine crashed, a link cut and a machine joining, each after step 3 of
+a training run: seconds from the event to the error (for a join: from the new
+machine's process start to its admission), and to the first step made after it
+(its gradients' all-reduce on the machines then in the run); then a training run
+that loses a whole machine and gains one, its losses beside its serial twin's
+(``--elastic-only`` runs these alone).
 Under Open MPI it also runs a training run that loses a machine after step 3
 under ULFM (tests/helpers/cluster_survive.py) and prints its losses beside its
 serial twin's (asserted in tests/cluster/test_cluster_survival.py).
@@ -61,7 +69,11 @@ def _median(xs):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--elastic-only", action="store_true",
+                    help="only the machines that come and go (no MPI)")
     args = ap.parse_args(argv)
+    if args.elastic_only:
+        return elastic(args.rounds)
     if NO_MACHINES or not FLAVOR:
         sys.exit(f"bench/faults.py: {NO_MACHINES or 'no mpiexec next to ' + sys.executable}")
     rows = []
@@ -95,6 +107,75 @@ def main(argv=None):
               f"| {left} |")
     if FLAVOR == "openmpi":
         training()
+    elastic(args.rounds)
+
+
+ELASTIC_CASES = (  # (name, machines at the start, plan: {step: (action, machine)})
+    ("whole machine crashed", 3, {3: ("crash", 2)}),
+    ("link cut", 2, {3: ("cut", 1)}),
+    ("machine joined", 2, {3: ("join", 2)}),
+)
+
+
+def elastic(rounds):
+    """Machines that come and go: the faults and a join, then a run that loses one and gains one."""
+    from helpers.elastic_jobs import run_training, serial_losses, why_no_elastic
+    why = NO_MACHINES or why_no_elastic()
+    if why:
+        print(f"\nmachines that come and go: not measured ({why})")
+        return
+    steps = 8
+    want = serial_losses(steps)
+    print(f"\nmachines that come and go (SYNK_LISTEN/SYNK_JOIN, gloo), {rounds} rounds each, "
+          f"median [min-max] (SYNK_HEARTBEAT_S={HEARTBEAT_S})")
+    print("| event | to the error (join: process start to admitted) | to the first step after it "
+          "| steps equal to the serial twin's | exit after close |")
+    print("|---|---|---|---|---|")
+    for name, n, plan in ELASTIC_CASES:
+        t_err, t_first, t_exit, equal = [], [], [], []
+        for _ in range(rounds):
+            rc, out, events, m = run_training(n, steps, plan, HEARTBEAT_S)
+            m.__exit__(None, None, None)
+            t_err.append(events[0].t_error)
+            t_first.append(events[0].t_first)
+            t_exit.append(events[-1].t_error if events[-1].what == "exit after close" else None)
+            equal.append(_equal_steps(out, want) if rc == 0 else f"exit {rc}")
+        print(f"| {name} | {_spread(t_err)} | {_spread(t_first)} | {', '.join(map(str, equal))} "
+              f"| {_spread(t_exit)} |")
+    plan = {2: ("crash", 2), 4: ("join", 3)}
+    rc, out, events, m = run_training(3, steps, plan, HEARTBEAT_S)
+    m.__exit__(None, None, None)
+    print(f"\ntraining run (make_train_function, Adam, Data inputs; a produced Data summed each "
+          f"step), 3 machines x 1 rank, machine 2 crashed after step 2, machine 3 joined after "
+          f"step 4 (exit {rc}):")
+    print("\n".join(line for line in out.splitlines() if line.startswith(("CAUGHT", "EVENT"))))
+    rows = re.findall(r"^step (\d+) (\S+) sum \S+ on (\d+) machines", out, re.M)
+    got = {k: loss for k, loss, _ in rows}
+    machines_at = {k: n for k, _, n in rows}
+    print("| step | machines | serial twin | elastic cluster | relative difference |")
+    print("|---|---|---|---|---|")
+    for k in sorted(want):
+        a, b = float(want[k][0]), got.get(str(k))
+        diff = f"{abs(a - float(b)) / abs(a):.1e}" if b is not None else "-"
+        print(f"| {k} | {machines_at.get(str(k), '-')} | {a:.7f} | "
+              f"{'missing' if b is None else f'{float(b):.7f}'} | {diff} |")
+
+
+def _equal_steps(out, want):
+    """How many steps' losses match the serial twin's (rel. 1e-5) and produced sums equal it."""
+    from helpers.elastic_jobs import losses
+    got = losses(out)
+    ok = sum(1 for k, (loss, total) in got.items() if loss != "lost"
+             and abs(float(loss) - float(want[k][0])) <= 1e-5 * abs(float(want[k][0]))
+             and float(total) == float(want[k][1]))
+    return f"{ok}/{len(want)}"
+
+
+def _spread(xs):
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "never"
+    return f"{statistics.median(xs):.2f} s [{min(xs):.2f}-{max(xs):.2f}]"
 
 
 def training():

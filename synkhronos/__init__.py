@@ -17,7 +17,7 @@ from . import floatx as _floatx  # noqa: E402
 
 _floatx.apply_default()
 
-from .cluster.layout import Layout, layout  # noqa: E402
+from .cluster.layout import Layout, layout, on_machines  # noqa: E402
 from .inputs.data_object import Data  # noqa: E402
 from .inputs.create import data  # noqa: E402
 from .inputs.produced import PlacedData  # noqa: E402
@@ -40,7 +40,7 @@ __all__ = [
     "SynkError", "SynkStateError", "WorkerError", "WorkerDiedError", "WorkerStalledError",
     "MachineLostError", "SharedMemoryError", "BackendUnavailableError",
     "broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
-    "set_value", "get_value", "get_lengths", "get_shapes", "profile", "layout", "Layout",
+    "set_value", "get_value", "get_lengths", "get_shapes", "profile", "layout", "Layout", "on_machines",
 ]
 
 # Public modules beside __all__, imported on first use (``synk.checkpoint.save(...)``).

@@ -221,6 +221,7 @@ SETTINGS = {
     "SYNK_CONTROLLER_HOST": (lambda v: None, True),
     "SYNK_ON_MACHINE_LOSS": (lambda v: None if v in ("continue", "end") else "continue or end",
                              True),
+    "SYNK_MACHINES": (lambda v: None if v.isdigit() and int(v) >= 1 else "a number >= 1", True),
 }
 
 

@@ -13,9 +13,9 @@ from typing import NamedTuple, Optional
 from ..errors import MachineLostError, SynkError, WorkerDiedError, unpickle_exception
 from ..runtime.commands import COMMANDS, encode
 from ..runtime.peers import Peers
-from .launch import end_launcher_at_exit, end_step_at_exit, finalize
+from .launch import end_launcher_at_exit, end_step_at_exit
 from .link import ABORT, CMD, CMD_HEAD, DATA, DONE, REPORT
-from .recovery import going_on, relayout, settle_local, shrink
+from .recovery import relayout, settle_local
 
 
 class NodeReport(NamedTuple):
@@ -48,6 +48,7 @@ class Controller(Peers):
     """
 
     copies = True  # every machine holds every (replicated) Data
+    door = None    # where machines come and go: cluster/elastic.Door
 
     def __init__(self, rt, link, heartbeats, pids):
         self.rt = rt
@@ -67,6 +68,16 @@ class Controller(Peers):
         # that aborted, sent with the next command so every leader renews it there.
         self.gen = 0
         self.node_only = False  # the current command runs on the node masters only
+
+    def between(self):
+        """Before a public call: admit the machines that asked to join (cluster/elastic.py)."""
+        if self.door is not None and not self.broken:
+            self.door.admit()
+
+    def watch(self, callback):
+        """Call ``callback(event, machine, layout)`` when machines join or are lost."""
+        if self.door is not None:
+            self.door.watchers.append(callback)
 
     def forward(self, cmd, data):
         """Send a posted command's bytes to every node master (unless it stays on this machine)."""
@@ -229,7 +240,7 @@ class Controller(Peers):
         try:
             self._send_command(cmd, payload, attachment, check)
         except MachineLostError as exc:
-            if not going_on(self.link.MPI):
+            if not self.link.survives():
                 raise
             lost = self.go_on(exc)
             self._send_command(cmd, payload, attachment, check)
@@ -258,9 +269,10 @@ class Controller(Peers):
         """
         if not isinstance(exc, MachineLostError):
             return None
-        if not going_on(self.link.MPI):
+        if not self.link.survives():
             exc.args = (f"{exc}; the run is ended (it goes on only under Open MPI with ULFM, "
-                        "mpirun --with-ft ulfm, unless SYNK_ON_MACHINE_LOSS=end)",)
+                        "mpirun --with-ft ulfm, or with machines that come and go, "
+                        "SYNK_LISTEN; unless SYNK_ON_MACHINE_LOSS=end)",)
             return None
         if settle_local(rt, seq, leader_ok):
             self.local_done = self.seq
@@ -271,7 +283,7 @@ class Controller(Peers):
         """Shrink to the machines left, renumber every rank; return the error for the user."""
         rt = self.rt
         before = self.layout
-        survivors, done = shrink(self.link, self.local_done)
+        survivors, done = self.link.shrink(self.local_done, getattr(exc, "machines", None))
         lost = [m for m in range(before.n_machines) if m not in survivors]
         self.layout = self.link.layout
         self.heartbeats.keep(survivors, self.layout)
@@ -280,6 +292,9 @@ class Controller(Peers):
         relayout(rt, self.layout, 0)
         named = "; ".join(before.describe(m) for m in lost) or str(exc)
         self.survivors, self.done = survivors, done
+        if self.door is not None:
+            for m in lost:
+                self.door.tell("lost", before.describe(m))
         return MachineLostError(
             f"{named}: {str(exc).split(': ', 1)[-1]}; the run goes on with "
             f"{self.layout.n_machines} machines and {self.layout.n_parallel} ranks "
@@ -307,7 +322,7 @@ class Controller(Peers):
         self.heartbeats.close()
         if not self.broken:
             # After this mpiexec lets the node masters end; MPI cannot start again here.
-            finalize(self.link.MPI)
+            self.link.finish()
 
 
 def _outcome(done, seq, survivors):

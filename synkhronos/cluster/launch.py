@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 from ..errors import SynkError
 from ..runtime.liveness import proc_start_time, stop_process
+from .elastic_env import elastic_launch
 from .slurm import cancel_step, slurm_step, slurm_task, warn_batch_step
 
 logger = logging.getLogger(__name__)
@@ -39,8 +40,9 @@ def launched(env=None):
     Read from the environment the launcher sets, without initialising MPI:
     MPICH's Hydra (``mpiexec``, also inside a Slurm allocation), Open MPI's
     ``mpirun``, and ``srun --mpi=pmi2`` / ``--mpi=pmix`` (PMI's rank and Slurm's
-    task variables: ``SLURM_LOCALID``, ``SLURM_STEP_TASKS_PER_NODE``, ...).
-    None when not started by a launcher, when the job has one process, or when
+    task variables: ``SLURM_LOCALID``, ``SLURM_STEP_TASKS_PER_NODE``, ...);
+    or an ``elastic_env.Elastic`` where ``SYNK_LISTEN``/``SYNK_JOIN`` is set
+    (machines that come and go).  None when not started by a launcher, when the job has one process, or when
     ``SYNK_CLUSTER=0``.
 
     Raises:
@@ -51,6 +53,9 @@ def launched(env=None):
     env = os.environ if env is None else env
     if env.get("SYNK_CLUSTER", "1") == "0":
         return None
+    elastic = elastic_launch(env)
+    if elastic is not None:
+        return elastic
     launch = _read(env)
     if launch is None:
         warn_batch_step(env)
@@ -248,6 +253,11 @@ _LOST = []
 def finished():
     """Whether this process's cluster job has ended (MPI cannot start again)."""
     return bool(_FINISHED)
+
+
+def mark_finished():
+    """Note that this process's cluster job has ended (it forks once, as under MPI)."""
+    _FINISHED.append(True)
 
 
 def lost_a_process():

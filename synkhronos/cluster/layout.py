@@ -4,7 +4,7 @@ import socket
 from typing import NamedTuple
 
 from ..runtime.commands import Command, handler
-from ..runtime.state import require_forked
+from ..runtime.state import require_forked, serialized
 
 
 class Layout:
@@ -14,11 +14,14 @@ class Layout:
         n_local: ranks on each machine (machine 0 holds the controller).
         offsets: the first global rank of each machine.
         hosts: each machine's host name.
+        generation: how many times machines joined or were lost before this
+            layout (where machines come and go; compare it to learn of a change).
     """
 
-    def __init__(self, n_local, hosts):
+    def __init__(self, n_local, hosts, generation=0):
         self.n_local = list(n_local)
         self.hosts = list(hosts)
+        self.generation = generation
         self.offsets = [sum(self.n_local[:m]) for m in range(len(self.n_local))]
 
     @property
@@ -87,11 +90,13 @@ def _layout_worker(rt, msg):
     set_layout(rt, msg.offset, msg.n_parallel)
 
 
+@serialized
 def layout():
     """Return where the run's ranks are: a ``Layout`` (machines, ranks on each, host names).
 
     On one machine: one machine holding every rank.  Master (controller) only,
-    after ``fork()``.
+    after ``fork()``.  Where machines come and go, machines that asked to join
+    are admitted first (as at every call).
 
     Example:
         On one machine with 2 cores:
@@ -115,3 +120,24 @@ def layout():
     if rt.peers.layout is not None:
         return rt.peers.layout
     return Layout([rt.place.n_parallel], [socket.gethostname()])
+
+
+def on_machines(callback):
+    """Call ``callback(event, machine, layout)`` in the controller whenever machines change.
+
+    Where machines come and go (``SYNK_LISTEN``, docs/clusters.md): ``event``
+    is ``"joined"`` or ``"lost"``, ``machine`` describes the machine ("machine 2
+    (node3, ranks 4..5)", numbered as before the change), and ``layout`` is the
+    run's new ``Layout``.  It runs at the command boundary where the change is
+    made (a join: before the call that admits it; a loss: before the
+    ``MachineLostError`` is raised), so a program can rescale its learning
+    rate or batch size there.  Without it, compare ``synk.layout().generation``.
+    Master only, after ``fork()``; never called on one machine or under MPI
+    without machines that come and go.
+
+    Args:
+        callback: a callable taking (event, machine, layout); its exceptions are logged.
+    """
+    if not callable(callback):
+        raise TypeError(f"on_machines: callback must be callable; got {callback!r}")
+    require_forked("on_machines()").peers.watch(callback)

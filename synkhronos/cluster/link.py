@@ -1,4 +1,9 @@
-"""The MPI link between machines: the control messages, and the leaders' collective communicator.
+"""The link between machines: control messages, and the leaders' collectives (MPI's carrier).
+
+``LinkBase`` holds what does not depend on the carrier (pickled messages
+with out-of-band buffers, bounded waits, kept receive buffers); ``Link``
+carries them over MPI, ``cluster.zlink.ZmqLink`` over ZeroMQ (clusters
+whose machines come and go, cluster/elastic.py).
 
 Commands, reports, aborts and Data writes travel as point-to-point messages
 on the job's communicator, by tag; collectives between machines run on the
@@ -16,6 +21,8 @@ import struct
 from ..comm.mpi_leaders import Leaders
 from ..errors import MachineLostError, SynkError
 from ..runtime.liveness import spin_until, wait_until
+from . import recovery
+from .launch import finalize
 
 # Tags of the messages between the controller and node masters.
 CMD, REPORT, ABORT, DATA, DONE = 1, 2, 3, 4, 5   # DONE: a report of nothing but success
@@ -26,7 +33,96 @@ POOL_MAX = 64
 YIELD_SPIN_S = 2e-3  # where cores are shared, how long a wait polls (yielding) before sleeping
 
 
-class Link:
+class LinkBase:
+    """What every link has: pickled messages over ``send_bytes``/``probe``/``receive``, and waits.
+
+    A carrier defines ``send_bytes``, ``probe``, ``receive``, ``complete_sends``,
+    ``retire_sends``, ``begin``, ``renew``, ``lost``, ``survives``, ``shrink``
+    and ``finish``; ``layout``, ``node``, ``others``, ``seq``, ``spin_s`` and
+    ``leaders`` (the leaders' collectives) are its attributes.
+    """
+
+    pool: dict
+
+    def send(self, dest, tag, obj):
+        """Send ``obj`` (pickled; large buffers out of band, not copied) to machine ``dest``."""
+        bufs = []
+        head = pickle.dumps(obj, protocol=5, buffer_callback=lambda b: _inband(b, bufs))
+        self.send_bytes(dest, tag, struct.pack("q", len(bufs)) + head)
+        for b in bufs:
+            self.send_bytes(dest, tag, b.raw())
+
+    def _wait_probe(self, src, tag, check):
+        box = []
+
+        def arrived():
+            got = self.probe(src, tag)
+            if got is None:
+                return False
+            box.append(got)
+            return True
+        self.wait(arrived, check)
+        return box[0]
+
+    def wait(self, pred, check):
+        """Return once ``pred()`` is true, calling ``check``.
+
+        Where cores are shared (``spin_s`` 0) a wait sleeps between polls, and
+        each sleep delays the peer's next message by as much: first poll for
+        a while, yielding the core to whoever runs beside this process.
+        """
+        if self.spin_s == 0:
+            def yielding():
+                os.sched_yield()
+                return pred()
+            if spin_until(yielding, check, YIELD_SPIN_S):
+                return
+        wait_until(pred, check, self.spin_s)
+
+    def recv_bytes(self, src, tag, check, slot=None):
+        """Receive one message's bytes (into a kept buffer when ``slot`` is given)."""
+        m, n = self._wait_probe(src, tag, check)
+        buf = self._buffer(src, slot, n)
+        self.receive(m, buf, src)
+        return buf
+
+    def _buffer(self, src, slot, n):
+        """A receive buffer: large ones are kept per (sender, place in message, size).
+
+        Fresh memory costs a page fault per 4 KiB at every call (about as much
+        as the transfer itself); what was received is only valid until the
+        next collective (the backend contract), so the buffer can be reused.
+        """
+        if slot is None or n < POOL_BYTES:
+            return bytearray(n)
+        key = (src, slot, n)
+        buf = self.pool.get(key)
+        if buf is None:
+            if len(self.pool) >= POOL_MAX:
+                self.pool.clear()
+            buf = self.pool[key] = bytearray(n)
+        return buf
+
+    def recv_into(self, src, tag, buf, check):
+        """Receive raw bytes from machine ``src`` into ``buf`` (a writable buffer of their size)."""
+        m, n = self._wait_probe(src, tag, check)
+        if n != len(buf):
+            raise SynkError(f"expected {len(buf)} bytes from machine {src}, got {n}")
+        self.receive(m, buf, src)
+
+    def rest(self, src, tag, head, check, pooled):
+        """Unpickle a message from its head, receiving its out-of-band buffers.
+
+        ``pooled``: receive them into kept buffers (results valid until the
+        next collective), not for what must outlive the command.
+        """
+        n_bufs = struct.unpack_from("q", head)[0]
+        bufs = [self.recv_bytes(src, tag, check, slot=i if pooled else None)
+                for i in range(n_bufs)]
+        return pickle.loads(memoryview(head)[8:], buffers=bufs)
+
+
+class Link(LinkBase):
     """This process's MPI messages to and from the other machines' leaders.
 
     Args:
@@ -53,6 +149,22 @@ class Link:
     def begin(self, seq):
         """Start command ``seq`` (its reports carry the number)."""
         self.seq = seq
+
+    def survives(self):
+        """Whether the run goes on after losing a machine (ULFM, and not SYNK_ON_MACHINE_LOSS=end)."""
+        return recovery.going_on(self.MPI)
+
+    def shrink(self, done_seq, lost=None):
+        """Go on with the machines left (``recovery.shrink``); return (survivors, each one's done_seq)."""
+        return recovery.shrink(self, done_seq)
+
+    def news(self):
+        """Whether the controller regrouped the machines (never under MPI: ULFM tells)."""
+        return False
+
+    def finish(self):
+        """At this process's end: finalise MPI (``launch.finalize``)."""
+        finalize(self.MPI)
 
     def renew(self, gen):
         """Replace the leaders' communicator (generation ``gen``): a command aborted before.
@@ -109,14 +221,6 @@ class Link:
         except self.MPI.Exception as exc:
             raise self.lost(exc, dest) from None
 
-    def send(self, dest, tag, obj):
-        """Send ``obj`` (pickled; large buffers out of band, not copied) to machine ``dest``."""
-        bufs = []
-        head = pickle.dumps(obj, protocol=5, buffer_callback=lambda b: _inband(b, bufs))
-        self.send_bytes(dest, tag, struct.pack("q", len(bufs)) + head)
-        for b in bufs:
-            self.send_bytes(dest, tag, b.raw())
-
     def probe(self, src, tag):
         """Return (message, size in bytes) if one from ``src`` with ``tag`` has arrived, else None."""
         st = self.MPI.Status()
@@ -126,81 +230,12 @@ class Link:
             raise self.lost(exc, src) from None
         return None if m is None else (m, st.Get_count(self.MPI.BYTE))
 
-    def _wait_probe(self, src, tag, check):
-        box = []
-
-        def arrived():
-            got = self.probe(src, tag)
-            if got is None:
-                return False
-            box.append(got)
-            return True
-        self.wait(arrived, check)
-        return box[0]
-
-    def wait(self, pred, check):
-        """Return once ``pred()`` is true, calling ``check``.
-
-        Where cores are shared (``spin_s`` 0) a wait sleeps between polls, and
-        each sleep delays the peer's next message by as much: first poll for
-        a while, yielding the core to whoever runs beside this process.
-        """
-        if self.spin_s == 0:
-            def yielding():
-                os.sched_yield()
-                return pred()
-            if spin_until(yielding, check, YIELD_SPIN_S):
-                return
-        wait_until(pred, check, self.spin_s)
-
-    def recv_bytes(self, src, tag, check, slot=None):
-        """Receive one message's bytes (into a kept buffer when ``slot`` is given)."""
-        m, n = self._wait_probe(src, tag, check)
-        buf = self._buffer(src, slot, n)
-        self.receive(m, buf, src)
-        return buf
-
     def receive(self, message, buf, src):
         """Receive a probed ``message`` from machine ``src`` into ``buf``."""
         try:
             message.Recv(buf)
         except self.MPI.Exception as exc:
             raise self.lost(exc, src) from None
-
-    def _buffer(self, src, slot, n):
-        """A receive buffer: large ones are kept per (sender, place in message, size).
-
-        Fresh memory costs a page fault per 4 KiB at every call (about as much
-        as the transfer itself); what was received is only valid until the
-        next collective (the backend contract), so the buffer can be reused.
-        """
-        if slot is None or n < POOL_BYTES:
-            return bytearray(n)
-        key = (src, slot, n)
-        buf = self.pool.get(key)
-        if buf is None:
-            if len(self.pool) >= POOL_MAX:
-                self.pool.clear()
-            buf = self.pool[key] = bytearray(n)
-        return buf
-
-    def recv_into(self, src, tag, buf, check):
-        """Receive raw bytes from machine ``src`` into ``buf`` (a writable buffer of their size)."""
-        m, n = self._wait_probe(src, tag, check)
-        if n != len(buf):
-            raise SynkError(f"expected {len(buf)} bytes from machine {src}, got {n}")
-        self.receive(m, buf, src)
-
-    def rest(self, src, tag, head, check, pooled):
-        """Unpickle a message from its head, receiving its out-of-band buffers.
-
-        ``pooled``: receive them into kept buffers (results valid until the
-        next collective), not for what must outlive the command.
-        """
-        n_bufs = struct.unpack_from("q", head)[0]
-        bufs = [self.recv_bytes(src, tag, check, slot=i if pooled else None)
-                for i in range(n_bufs)]
-        return pickle.loads(memoryview(head)[8:], buffers=bufs)
 
     def complete_sends(self, check):
         """Wait until every send so far has completed (its buffer may be reused)."""

@@ -21,7 +21,7 @@ from ..runtime.shmem import SharedArray
 from ..runtime.peers import Peers
 from . import recovery
 from .controller import NodeReport
-from .launch import exit_finalized, finalize
+from .launch import exit_finalized
 from .link import ABORT, CMD, CMD_HEAD, DATA, DONE, REPORT
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class NodeMaster(Peers):
 
     def go_on(self):
         """Go on with the machines left: shrink to them and renumber this machine's ranks."""
-        recovery.shrink(self.link, self.done_seq)
+        self.link.shrink(self.done_seq)
         self.layout = self.link.layout
         self.node = self.link.node
         recovery.relayout(self.rt, self.layout, self.node)
@@ -75,14 +75,16 @@ class NodeMaster(Peers):
 
         Returns ``exc`` (the serve loop then shrinks) where the run goes on, else None.
         """
-        if not isinstance(exc, MachineLostError) or not recovery.going_on(self.link.MPI):
+        if not isinstance(exc, MachineLostError) or not self.link.survives():
             return None
         if recovery.settle_local(rt, seq, leader_ok):
             self.done_seq = self.link.seq  # this machine's share was made: the controller asks
         return exc
 
     def poll(self):
-        """The check while this node master waits: an abort order from the controller."""
+        """The check while this node master waits: an abort order, or the machines regrouped."""
+        if self.link.news():
+            raise MachineLostError("the controller regrouped the machines", self.rt.place.rank)
         got = self.link.probe(0, ABORT)
         if got is None:
             return
@@ -142,7 +144,7 @@ def serve(rt, node, join_workers):
         # A controller that went silent cannot take part in MPI_Finalize: bounded, and
         # SIGALRM's default action ends this process past the bound.
         signal.setitimer(signal.ITIMER_REAL, ENDED_FINALIZE_S)
-        finalize(link.MPI)
+        link.finish()
         exit_finalized(0)
     def silent(signum, frame):
         # The sentinel's way to end this machine when the controller stopped answering
@@ -154,7 +156,7 @@ def serve(rt, node, join_workers):
         os._exit(1)
     signal.signal(signal.SIGTERM, ended)
     signal.signal(signal.SIGUSR2, silent)
-    going_on = recovery.going_on(link.MPI)
+    going_on = link.survives()
     try:
         while True:
             try:
@@ -190,7 +192,7 @@ def serve(rt, node, join_workers):
         # process exits without it.  MPI_Finalize waits for messages still in
         # flight, so it gets a deadline: SIGALRM ends this process past it.
         signal.alarm(FINALIZE_S)
-        finalize(link.MPI)
+        link.finish()
         exit_finalized(0)
 
 

@@ -16,6 +16,7 @@ from ..runtime.run import run_command
 from ..errors import SynkError
 from ..runtime.liveness import deadline_check, wait_until
 from .controller import Controller
+from .elastic_env import Elastic
 from .launch import init_mpi, mpi_segments, placement_problem
 from .layout import Layout, LayoutMsg, set_layout
 from .link import Link
@@ -30,11 +31,14 @@ def join(rt, launch, tell_janitor, join_workers, pin):
 
     Args:
         rt: this machine's Runtime, its ranks already forked.
-        launch: this process's ``launch.Launch``.
+        launch: this process's ``launch.Launch``, or ``launch.Elastic`` (cluster/elastic.py).
         tell_janitor: ``tell_janitor(paths)``: files the janitor removes if this process dies.
         join_workers: ends the machine's workers after the last command (node masters).
         pin: pins this process to its core, once MPI has started.
     """
+    if isinstance(launch, Elastic):
+        from . import elastic  # ZeroMQ and torch: only where machines come and go
+        return elastic.join(rt, launch, tell_janitor, join_workers, pin)
     sentinel, sentinel_fd = None, None
     if launch.rank != 0:
         sentinel, sentinel_fd = start_sentinel(close_fds=[rt.processes.janitor.fd])

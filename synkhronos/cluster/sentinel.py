@@ -1,15 +1,13 @@
 """Liveness between machines: each node master's sentinel process, and the heartbeats it sends.
 
-MPI cannot tell that a peer died.  Each node master forks a sentinel before
-MPI starts; it holds a TCP connection to the controller and sends a
-heartbeat every ``BEAT_S`` while its node master runs (not while it is
-stopped).  A thread of the controller reads them (``Heartbeats``): a
-closed connection means the node master died (logged at once, so the
-machine is named even where the launcher then ends the job), silence for
-``SYNK_HEARTBEAT_S`` (default 5 s) that it stopped answering; the
-controller's next check raises either as an error naming the machine.  The sentinel ends its node
-master when the controller's end of the connection closes, so killing the
-controller ends every machine.
+MPI cannot tell that a peer died. Each node master forks a sentinel before MPI starts; it holds a
+TCP connection to the controller and sends a heartbeat every ``BEAT_S`` while its node master runs
+(not while it is stopped). A thread of the controller reads them (``Heartbeats``): a closed
+connection means the node master died (logged at once, so the machine is named even where the
+launcher then ends the job), silence for ``SYNK_HEARTBEAT_S`` (default 5 s) that it stopped
+answering; the controller's next check raises either as an error naming the machine. The sentinel
+ends its node master when the controller's end of the connection closes, so killing the controller
+ends every machine.
 """
 
 import hashlib
@@ -111,9 +109,8 @@ def _mac(secret, nonce, node):
 def prove(sock, node, secret):
     """Sentinel: answer the controller's challenge, proving it belongs to this job.
 
-    The controller sends a fresh nonce; the answer is the machine's number and
-    an HMAC of the nonce under the job's secret (the secret itself never
-    crosses the socket, and a recorded answer fails against the next nonce).
+    The controller sends a fresh nonce; the answer is the machine's number and an HMAC of the
+    nonce under the job's secret (the secret never crosses the socket; a replay fails).
     """
     nonce = _recv_exact(sock, NONCE_BYTES)
     sock.sendall(_ANSWER.pack(node, _mac(secret, nonce, node)))
@@ -196,11 +193,13 @@ class Heartbeats:
     Args:
         layout: the run's ``Layout`` (to name a lost machine).
         secret: the job's secret (``new_secret``), which every sentinel proves it holds.
+        drop_silent: silence is a loss the run survives (``MachineLostError``, elastic.py).
     """
 
-    def __init__(self, layout, secret):
+    def __init__(self, layout, secret, drop_silent=False):
         self.layout = layout
         self.secret = secret
+        self.drop_silent = drop_silent
         self.socks = {}        # machine -> connected socket
         self.last_beat = {}    # machine -> when its sentinel was last heard
         self.closed = {}       # machine -> when its connection closed (the beating thread saw it)
@@ -211,34 +210,38 @@ class Heartbeats:
         self._stop = threading.Event()
         self._beater = None
 
-    def accept(self, listener, n_machines, timeout_s=CONNECT_TIMEOUT_S):
+    def accept(self, listener, n_machines, timeout_s=CONNECT_TIMEOUT_S, expected=None):
         """Take one proven connection per node master from ``listener``.
 
-        Each connection gets a fresh nonce and must answer it (``prove``)
-        within the deadline; a connection that answers wrongly, names a
-        machine already connected, sends too much or closes is dropped with a
-        warning, and the wait goes on: strangers cannot take a sentinel's place
-        or stall the job.  Nothing received is unpickled.
+        Each connection gets a fresh nonce and must answer it (``prove``) within the deadline;
+        a connection that answers wrongly, names a machine already connected, sends too much or
+        closes is dropped with a warning, and the wait goes on: strangers cannot take a
+        sentinel's place or stall the job.  Nothing received is unpickled.
+
+        ``expected``: {number a sentinel proves: its machine} (default: m -> m, 1..n-1).
 
         Raises:
             SynkError: not every node master's sentinel proved itself in time.
         """
+        if expected is None:
+            expected = {m: m for m in range(1, n_machines)}
         deadline = time.monotonic() + timeout_s
+        want = len(self.socks) + len(expected)
         listener.setblocking(False)
         pending = {}  # socket -> (nonce, bytes received so far)
         try:
-            while len(self.socks) < n_machines - 1:
+            while len(self.socks) < want:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise SynkError(
                         f"fork: not every node master's sentinel reached the controller "
-                        f"({len(self.socks)} of {n_machines - 1} within {timeout_s:g} s)")
+                        f"({len(self.socks)} of {want} within {timeout_s:g} s)")
                 ready, _, _ = select.select([listener, *pending], [], [], min(left, 0.5))
                 for sock in ready:
                     if sock is listener:
                         self._challenge(listener, pending)
                     else:
-                        self._answer(sock, pending, n_machines)
+                        self._answer(sock, pending, expected)
         finally:
             for sock in pending:
                 sock.close()
@@ -260,7 +263,7 @@ class Heartbeats:
             return
         pending[sock] = (nonce, b"")
 
-    def _answer(self, sock, pending, n_machines):
+    def _answer(self, sock, pending, expected):
         nonce, got = pending[sock]
         try:
             more = sock.recv(_ANSWER.size - len(got) + 1)
@@ -274,14 +277,16 @@ class Heartbeats:
             return
         del pending[sock]
         node, mac = _ANSWER.unpack(got) if len(got) == _ANSWER.size else (None, None)
-        if node is None or not 0 < node < n_machines or node in self.socks \
+        machine = expected.get(node)
+        if machine is None or machine in self.socks \
                 or not hmac.compare_digest(mac, _mac(self.secret, nonce, node)):
             logger.warning("liveness port: dropped a connection that did not prove it "
                            "belongs to this job")
             sock.close()
             return
-        self.socks[node] = sock
-        self.last_beat[node] = time.monotonic()
+        with self._lock:  # the beating thread may run (a machine joining)
+            self.socks[machine] = sock
+            self.last_beat[machine] = time.monotonic()
 
     def read(self):
         """Raise if a machine died or went silent (what the beating thread saw)."""
@@ -295,12 +300,14 @@ class Heartbeats:
                     f"{self.layout.describe(closed)}: its node master died (the connection to "
                     "its sentinel closed)", self.layout.offsets[closed], [closed])
             for m, beat in self.last_beat.items():
-                if now - beat > self.limit:
-                    self.silent = m
-                    raise WorkerStalledError(
-                        f"{self.layout.describe(m)}: its node master stopped answering (no "
-                        f"heartbeat for {now - beat:.1f} s, SYNK_HEARTBEAT_S={self.limit:g}); "
-                        "the job is ended", self.layout.offsets[m], None)
+                if now - beat <= self.limit:
+                    continue
+                what = (f"{self.layout.describe(m)}: its node master stopped answering (no heartbeat "
+                        f"for {now - beat:.1f} s, SYNK_HEARTBEAT_S={self.limit:g})")
+                if self.drop_silent:  # cut off or stopped: the run goes on without it
+                    raise MachineLostError(what + "; it is dropped", self.layout.offsets[m], [m])
+                self.silent = m
+                raise WorkerStalledError(what + "; the job is ended", self.layout.offsets[m], None)
 
     def start_beating(self):
         """Beat every sentinel each ``BEAT_S`` and read their beats, from a thread.

@@ -4,7 +4,8 @@ Inside a machine the shared-memory backend moves the bytes among that
 machine's ranks; between machines only the leaders (the controller and the
 node masters) talk, through the MPI library's own non-blocking collectives
 on a communicator of the leaders that a failed command replaces
-(mpi_leaders.py).  A reduction is: the machine's contributions to its
+(mpi_leaders.py), or, where machines come and go, through gloo
+(gloo_leaders.py, the same interface).  A reduction is: the machine's contributions to its
 leader, reduced there (a partial and its weight), partials all-reduced among
 leaders (the same bytes on every leader, mpi_reduce.py), the result
 broadcast inside each machine.  Workers never touch MPI: they only take part
@@ -17,7 +18,7 @@ from . import reduce_ops
 from ..errors import SynkError
 from . import parts
 from .base import Backend, as_arrays
-from .mpi_leaders import PACK_BYTES, mpi_reduces
+from .mpi_leaders import PACK_BYTES
 from .mpi_reduce import reduce_across
 from .shm_backend import ShmBackend
 
@@ -128,7 +129,7 @@ class MpiBackend(Backend):
         into = []
         for a, o, k in zip(arrays, ops, keys):
             dtype = reduce_ops.result_dtype(o, a.dtype)
-            if a.nbytes < PACK_BYTES or not mpi_reduces(o, dtype):
+            if a.nbytes < PACK_BYTES or not self._leaders.reduces(o, dtype):
                 into.append(None)
                 continue
             entry = self.kept.get(k)

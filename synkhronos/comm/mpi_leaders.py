@@ -86,6 +86,8 @@ class Leaders:
             raise self.lost(exc) from None
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
 
+    reduces = staticmethod(mpi_reduces)
+
     def renew(self, comm, gen):
         """Abandon the current communicator for a fresh duplicate of ``comm``; every leader at once.
 

@@ -1,4 +1,4 @@
-"""Reductions between machines: each machine's partial, then MPI's all-reduce among the leaders.
+"""Reductions between machines: each machine's partial, then the leaders' all-reduce (MPI or gloo).
 
 A leader's partial is its machine's contributions reduced already (by the
 shared-memory backend, every local rank reducing its part of large arrays),
@@ -16,14 +16,14 @@ import numpy as np
 
 from . import reduce_ops
 from . import parts
-from .mpi_leaders import PACK_BYTES, c_order, mpi_reduces
+from .mpi_leaders import PACK_BYTES, c_order
 
 
 def reduce_across(leaders, partials, ops, mass, out, check, into=None):
     """Reduce this machine's partials with every other machine's; the same result on every leader.
 
     Args:
-        leaders: the ``mpi_leaders.Leaders``.
+        leaders: the leaders' collectives (``mpi_leaders.Leaders`` or ``gloo_leaders.GlooLeaders``).
         partials: per array, this machine's reduction of it (for ``avg``, the
             weighted mean of its contributors).
         ops: one op per array.
@@ -37,7 +37,7 @@ def reduce_across(leaders, partials, ops, mass, out, check, into=None):
     n = len(partials)
     result = [None] * n
     direct = [i for i in range(n)
-              if mpi_reduces(ops[i], reduce_ops.result_dtype(ops[i], partials[i].dtype))]
+              if leaders.reduces(ops[i], reduce_ops.result_dtype(ops[i], partials[i].dtype))]
     if direct:
         _by_mpi(leaders, partials, ops, mass, direct, out, into, result, check)
     rest = [i for i in range(n) if result[i] is None]

@@ -267,6 +267,10 @@ class Data:
         np.copyto(self._data, arr)
         self._mirror(0, self._data.size)
 
+    def replica(self):
+        """(id, segment) of the memory other machines hold a copy of, or None if none yet."""
+        return None if self._seg is None else (self._ID, self._seg)
+
     def _mirror(self, lo, hi):
         """Copy items ``lo:hi`` to the other machines' copies (none on one machine)."""
         peers = self._rt.peers

@@ -43,6 +43,7 @@ class PlacedData(Data):
         self._layout = layout      # the machines it was placed on
         self._parts = None         # machine -> (lo, hi) rows of the whole
         self._whole = None         # the whole's shape
+        self._remake = None        # how to produce it again on other machines (produce())
 
     @property
     def data(self):
@@ -104,12 +105,27 @@ class PlacedData(Data):
         """Whether this Data was placed on the machines of ``layout``."""
         return self._layout is layout
 
+    def replica(self):
+        return None  # no machine holds a copy of another's rows
+
     def check_layout(self, rt, where):
-        """Raise unless the machines this Data was placed on are the run's machines still."""
+        """Make this Data again on the run's machines if they changed since (its ``produce``).
+
+        Machines lost or joined: each machine left produces its rows of the
+        new layout, so every row is there again, the lost machine's included.
+
+        Raises:
+            SynkError: the machines changed and this Data cannot be produced again.
+        """
         layout = rt.peers.layout
-        if layout is not None and layout is not self._layout:
+        if layout is None or layout is self._layout:
+            return
+        if self._remake is None:
             raise SynkError(f"{where}: Data {self._name or self._ID} was placed on machines "
                             "of which one was lost since; make it again")
+        logger.info("data %s: produced again on %d machines (the machines changed)",
+                    self._name or self._ID, layout.n_machines)
+        _make(rt, self, *self._remake, None)
 
     def _own_segment(self, nbytes, headroom=1.0):
         """Make this machine's memory hold ``nbytes`` (``headroom`` times more if made anew).
@@ -145,8 +161,17 @@ def produce(rt, produce, var, dtype, ndim, minibatch, force_cast, name, length):
         own = machine_rows.check_rows(produce(Part(0, layout.n_machines, *mine)), var, dtype, ndim,
                                    force_cast, machine_rows.count(mine), 0)
         dtype, ndim = own.dtype, own.ndim
-    ID = new_id(rt)
-    obj = PlacedData(ID, dtype, ndim, minibatch, name, PLACED_ROWS, layout)
+    obj = PlacedData(new_id(rt), dtype, ndim, minibatch, name, PLACED_ROWS, layout)
+    obj._remake = (fn, produce, force_cast, length)
+    return _make(rt, obj, fn, produce, force_cast, length, own)
+
+
+def _make(rt, obj, fn, produce, force_cast, length, own):
+    """Produce ``obj`` on the run's machines (each its part; ``own``: machine 0's, made already)."""
+    layout = obj._layout = rt.peers.layout
+    parts = None if length is None else machine_rows.machine_rows(length, layout.n_local)
+    mine = (None, None) if parts is None else parts[0]
+    ID, ndim, name = obj._ID, obj._ndim, obj._name
     msg = ProduceMsg(ID, obj._dtype.str, ndim, fn, parts, force_cast)
 
     def local(seq):

@@ -22,6 +22,12 @@ class Peers:
     def forward(self, cmd, data):
         """Send the bytes of command ``cmd``, just posted here, to the other machines."""
 
+    def between(self):
+        """Before a public call: admit machines that asked to join (where machines come and go)."""
+
+    def watch(self, callback):
+        """Call ``callback(event, machine, layout)`` when machines join or are lost (none here)."""
+
     def finish(self, check):
         """After this machine's end barrier: wait for the other machines' share of the command.
 

@@ -171,8 +171,24 @@ def serialized(fn):
         # Before the lock: a child forked while another thread held it would wait forever.
         _require_master_process(fn.__qualname__)
         with _LOCK:
-            return fn(*args, **kwargs)
+            _DEPTH[0] += 1
+            try:
+                if _DEPTH[0] == 1:
+                    _between()
+                return fn(*args, **kwargs)
+            finally:
+                _DEPTH[0] -= 1
     return wrapper
+
+
+_DEPTH = [0]  # public calls under way in the thread that holds _LOCK
+
+
+def _between():
+    """At the start of a public call: the peers' turn between commands (a machine joins)."""
+    rt = _state["runtime"]
+    if rt is not None and not rt.closed and rt.is_master:
+        rt.peers.between()
 
 
 def _require_master_process(what):

@@ -1,0 +1,323 @@
+"""Machines that come and go: the controller's door, a node master's join, and regrouping.
+
+No launcher holds every machine's fate here.  The controller runs with
+``SYNK_LISTEN=[HOST:]PORT``; each node master is started on its own (ssh, a
+scheduler, a container, by hand) with ``SYNK_JOIN=HOST:PORT``, both with the
+job's secret (``SYNK_SECRET`` or ``SYNK_SECRET_FILE``).  A node master knocks
+(HELLO), gets a fresh challenge (NONCE) and answers with an HMAC of it under
+the secret (PROOF), as sentinels do; nothing it sends is unpickled before.
+The controller admits it at a command boundary (the next public call, or
+``fork()`` waiting for ``SYNK_MACHINES``): WELCOME (its machine number, the
+store's and the liveness port's), its sentinel proves itself on the liveness
+port, then it catches up on its own (every function with the shared
+variables' current values, every replicated Data), and only then do all
+machines regroup (MEMBERS, each answers ACK): a new gloo group, the ranks
+renumbered.  A lost machine (its sentinel's connection closed, or silent
+for ``SYNK_HEARTBEAT_S``) is dropped the same way, and its routing id is
+banned: if it comes back it is told GONE and ends itself.
+"""
+
+import hmac
+import logging
+import os
+import pickle
+import secrets
+import socket
+import struct
+import time
+from datetime import timedelta
+from typing import NamedTuple
+
+import zmq
+
+from ..comm.gloo_leaders import GROUP_TIMEOUT_S, GlooLeaders, import_torch
+from ..errors import MachineLostError, SynkError
+from ..functions.distribute import DistributeMsg
+from ..inputs.mappings import DataAllocMsg, DataSyncMsg
+from ..runtime.commands import Command, encode
+from ..runtime.liveness import deadline_check, no_check
+from ..runtime.run import run_command
+from .controller import Controller
+from .layout import Layout, LayoutMsg, set_layout
+from .link import CMD, CMD_HEAD, DATA, DONE, REPORT
+from .recovery import relayout
+from .sentinel import CONNECT_TIMEOUT_S, Heartbeats, heartbeat_limit_s
+from .elastic_node import PROOF_MSG, Welcome, join_as_node, proof_mac, survives_loss, zmq_socket
+from .zlink import ACK, GONE, HELLO, MEMBERS, NONCE, PROOF, TAG, WELCOME, ZmqLink
+
+
+logger = logging.getLogger(__name__)
+
+MAX_KNOCKING = 64                   # challenges outstanding at once (strangers cannot pile up)
+
+
+class Joiner(NamedTuple):
+    ident: bytes
+    n_local: int
+    pid: int
+    host: str
+
+
+
+# -- the controller ---------------------------------------------------------------------------
+
+def join(rt, launch, tell_janitor, join_workers, pin):
+    """``fork()`` of an elastic cluster: the controller returns the run's size; a node master serves."""
+    if launch.rank != 0:
+        join_as_node(rt, launch, join_workers, pin)  # never returns
+    try:
+        controller = _start_controller(rt, launch)
+        pin()
+        controller.door.wait_for(launch.size)
+    except BaseException:
+        rt.abandon(rt, "the cluster could not be set up")
+        raise
+    lay = controller.layout
+    logger.info("elastic cluster of %d machines, %d ranks (%s per machine), listening on %s:%d",
+                lay.n_machines, lay.n_parallel, ", ".join(map(str, lay.n_local)),
+                launch.host or "*", launch.port)
+    return lay.n_parallel
+
+
+def _own_address(host):
+    if host and host not in ("0.0.0.0", "*"):
+        return socket.gethostbyname(host)
+    return socket.gethostbyname(socket.gethostname())
+
+
+def _start_controller(rt, launch):
+    _, dist = import_torch()
+    bind = "0.0.0.0" if launch.host in ("", "*") else launch.host
+    me = _own_address(launch.host)
+    sock = zmq_socket(zmq.Context.instance(), zmq.ROUTER)
+    sock.bind(f"tcp://{bind}:{launch.port}")
+    store = dist.TCPStore(me, 0, None, True, timeout=timedelta(seconds=GROUP_TIMEOUT_S),
+                          wait_for_workers=False)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((bind, 0))
+    listener.listen(16)
+    layout = Layout([rt.place.n_local], [socket.gethostname()])
+    heartbeats = Heartbeats(layout, launch.secret, drop_silent=True)
+    heartbeats.start_beating()
+    leaders = GlooLeaders(store, me, rt.config.spin_s, None)
+    link = ZmqLink(sock, layout, 0, rt.config.spin_s, leaders)
+    leaders.lost = link.lost
+    leaders.regroup(0, 1, 0, 0, no_check)
+    run_command(rt, Command.LAYOUT, LayoutMsg(0, layout.n_parallel),
+                local=lambda seq: set_layout(rt, 0, layout.n_parallel))
+    controller = rt.peers = Controller(rt, link, heartbeats, [os.getpid()])
+    controller.door = link.members = Door(rt, controller, listener, store, launch.secret)
+    rt.backend.attach(link, controller.contributions)
+    return controller
+
+
+class Door:
+    """The controller's side of machines that come and go: admit, catch up, regroup, drop."""
+
+    def __init__(self, rt, controller, listener, store, secret):
+        self.rt = rt
+        self.controller = controller
+        self.link = controller.link
+        self.heartbeats = controller.heartbeats
+        self.listener = listener
+        self.store = store       # kept alive: every leader's gloo groups meet through it
+        self.secret = secret
+        self.knocking = {}       # routing id -> the challenge it was sent
+        self.ready = []          # Joiner: proved, to be admitted at the next boundary
+        self.banned = set()      # routing ids of machines dropped: never admitted again
+        self.next_member = 1
+        self.members = 0         # membership changes so far
+        self.survives = survives_loss()
+        self.watchers = []       # callbacks: watcher(event, description, layout)
+
+    # -- knocks on the door (from ZmqLink.drain, for routing ids it does not know) ---------
+    def stranger(self, ident, frames):
+        if ident in self.banned:
+            self.link.send_to(ident, GONE, b"")
+            return
+        if len(frames) != 2 or len(frames[0]) != TAG.size:
+            return
+        tag = TAG.unpack(frames[0].bytes)[0]
+        if tag == HELLO:
+            if len(self.knocking) >= MAX_KNOCKING:
+                self.knocking.pop(next(iter(self.knocking)))
+            nonce = self.knocking[ident] = secrets.token_bytes(32)
+            self.link.send_to(ident, NONCE, nonce)
+        elif tag == PROOF and ident in self.knocking:
+            nonce = self.knocking.pop(ident)
+            body = frames[1].bytes
+            if len(body) == PROOF_MSG.size:
+                mac, n_local, pid, host = PROOF_MSG.unpack(body)
+                if hmac.compare_digest(mac, proof_mac(self.secret, nonce, ident)) and n_local >= 1:
+                    self.ready.append(Joiner(ident, n_local, pid,
+                                             host.rstrip(b"\0").decode(errors="replace")))
+                    return
+            logger.warning("elastic door: refused a machine that did not prove it belongs to "
+                           "this job (a wrong secret?)")
+            self.banned.add(ident)
+            self.link.send_to(ident, GONE, b"")
+
+    def wait_for(self, n_machines, timeout_s=None):
+        """Admit machines until the run has ``n_machines`` (``fork()`` with ``SYNK_MACHINES``)."""
+        timeout_s = timeout_s or float(os.environ.get("SYNK_JOIN_TIMEOUT_S", "600"))
+        check = deadline_check(timeout_s, f"fork: {n_machines} machines were expected "
+                               f"(SYNK_MACHINES) and not all joined within {timeout_s:g} s")
+        while self.controller.layout.n_machines < n_machines:
+            self.admit()
+            check()
+            self.heartbeats.read()
+            time.sleep(0.005)
+
+    def admit(self):
+        """Admit every machine that proved itself since the last boundary."""
+        self.link.drain()
+        while self.ready:
+            self._take(self.ready.pop(0))
+
+    def _take(self, joiner):
+        ctl, link, hb = self.controller, self.link, self.heartbeats
+        old = ctl.layout
+        k = old.n_machines
+        member, self.next_member = self.next_member, self.next_member + 1
+        full = Layout(old.n_local + [joiner.n_local], old.hosts + [joiner.host])
+        link.idents.append(joiner.ident)
+        link.index[joiner.ident] = k
+        t0 = time.monotonic()
+        link.send_bytes(k, WELCOME, pickle.dumps(Welcome(
+            member, k, full.n_local, full.hosts, self.store.port, self.listener.getsockname()[1],
+            ctl.gen, self.members)))
+        try:
+            hb.layout = full
+            hb.accept(self.listener, 0, CONNECT_TIMEOUT_S, expected={member: k})
+            self._catch_up(k)
+        except (SynkError, MachineLostError) as exc:
+            logger.warning("%s did not join: %s", full.describe(k), exc)
+            link.idents.pop()
+            link.index.pop(joiner.ident, None)
+            self.banned.add(joiner.ident)
+            link.send_to(joiner.ident, GONE, b"")
+            hb.keep(list(range(k)), old)
+            return
+        self.regroup(list(range(k + 1)), full, here=True)
+        ctl.pids.append(joiner.pid)
+        logger.info("%s joined in %.2f s", ctl.layout.describe(k), time.monotonic() - t0)
+        self.tell("joined", ctl.layout.describe(k))
+
+    def _catch_up(self, k):
+        """Machine ``k`` gets what the others hold: functions and shared values, replicated Data."""
+        rt = self.rt
+        if rt.registry.distributed:
+            # Pickled now: the shared variables travel with the controller's current values.
+            blob = pickle.dumps((rt.registry.functions, rt.registry.shareds),
+                                protocol=pickle.HIGHEST_PROTOCOL)
+            self._private(k, Command.DISTRIBUTE, DistributeMsg(blob))
+        for data in list(rt.registry.datas.values()):
+            replica = data.replica()
+            if replica is None:
+                continue  # produced where it is used: made again on the new layout when used
+            data_id, seg = replica
+            self._private(k, Command.DATA_ALLOC, DataAllocMsg(data_id, seg.name, seg.nbytes))
+            self._private(k, Command.DATA_SYNC, DataSyncMsg(data_id, 0, seg.nbytes),
+                          memoryview(seg.buffer)[:seg.nbytes])
+
+    def _private(self, k, cmd, payload, attachment=None):
+        """Run ``cmd`` on machine ``k`` alone (it is not in the run yet); raise if it failed."""
+        ctl, link = self.controller, self.link
+        ctl.seq += 1
+        link.begin(ctl.seq)
+        link.send_bytes(k, CMD, CMD_HEAD.pack(ctl.seq, ctl.gen) + encode(cmd, payload))
+        if attachment is not None:
+            link.send_bytes(k, DATA, attachment)
+        late = deadline_check(CONNECT_TIMEOUT_S, f"machine {k} did not catch up on "
+                              f"{cmd.name.lower()} within {CONNECT_TIMEOUT_S:g} s")
+
+        def check():
+            late()
+            self.heartbeats.read()
+        box = []
+        link.wait(lambda: bool(box) or _report(link, k, box), check)
+        rep = box[0]
+        if rep is not None and (rep.failures or rep.died):
+            raise SynkError(f"{cmd.name.lower()} failed there: "
+                            f"{rep.died or rep.failures[0][1]}")
+        link.complete_sends(check)
+
+    # -- membership changes ----------------------------------------------------------------
+    def regroup(self, keep, full, here):
+        """Go on with machines ``keep`` of layout ``full`` (old numbers, this one first).
+
+        Every machine kept is told its new number and answers with the last
+        command it finished; then all build a new gloo group.  ``here``:
+        renumber this machine's ranks too (a loss: ``Controller.go_on`` does).
+        Returns each kept machine's last finished command.
+        """
+        ctl, link = self.controller, self.link
+        self.members += 1
+        new = Layout([full.n_local[m] for m in keep], [full.hosts[m] for m in keep],
+                     generation=self.members)
+        for i, m in enumerate(keep[1:], 1):
+            link.send_bytes(m, MEMBERS, pickle.dumps((self.members, ctl.gen, i, new.n_local,
+                                                      new.hosts)))
+        done = {0: ctl.local_done}
+        late = deadline_check(GROUP_TIMEOUT_S, f"the {len(keep)} machines left did not answer "
+                              f"within {GROUP_TIMEOUT_S:g} s (another was lost meanwhile?)")
+
+        def answered():
+            for m in keep[1:]:
+                got = None if m in done else link.take(m, ACK)
+                if got is not None:
+                    done[m] = struct.unpack("q", got)[0]
+            return len(done) == len(keep)
+        link.wait(answered, late)
+        link.rebind(new, 0, [link.idents[m] for m in keep])
+        link.forget()  # what an aborted command left queued
+        ctl.layout = new
+        link.leaders.regroup(0, new.n_machines, self.members, ctl.gen, late)
+        if here:
+            self.heartbeats.keep(keep, new)
+            relayout(self.rt, new, 0)
+        return [done[m] for m in keep]
+
+    def regroup_after_loss(self, done_seq, lost):
+        """``Controller.go_on``'s shrink: drop ``lost`` (or whom the heartbeats name); regroup."""
+        if not lost:
+            lost = self._named_loss()
+        for m in lost:
+            self.banned.add(self.link.idents[m])
+            self.link.send_bytes(m, GONE, b"")
+        before = self.link.layout
+        keep = [m for m in range(before.n_machines) if m not in lost]
+        return keep, self.regroup(keep, before, here=False)
+
+    def _named_loss(self):
+        """A collective failed before a heartbeat told which machine went: wait for one to."""
+        deadline = time.monotonic() + heartbeat_limit_s() + 1.0
+        while time.monotonic() < deadline:
+            try:
+                self.heartbeats.read()
+            except MachineLostError as exc:
+                return exc.machines
+            time.sleep(0.01)
+        raise SynkError("a collective between machines failed, and no machine is lost")
+
+    def tell(self, event, what):
+        """Call the program's ``synk.on_machines`` callbacks (after the change is made)."""
+        for watcher in list(self.watchers):
+            try:
+                watcher(event, what, self.controller.layout)
+            except Exception:  # noqa: BLE001 - a user's callback must not break the run
+                logger.exception("a synk.on_machines callback raised")
+
+
+def _report(link, k, box):
+    """Take machine ``k``'s report of a private command, if in (None for plain success)."""
+    if link.take(k, DONE) is not None:
+        box.append(None)
+        return True
+    got = link.probe(k, REPORT)
+    if got is None:
+        return False
+    head = bytearray(got[1])
+    link.receive(got[0], head, k)
+    box.append(link.rest(k, REPORT, head, no_check, pooled=False))
+    return True

@@ -1,0 +1,136 @@
+"""Machines that come and go (SYNK_LISTEN / SYNK_JOIN): no launcher, gloo between machines.
+
+Each node master is started on its own on a simulated machine (helpers/machines.py)
+and joins the controller with the job's secret from a file (helpers/elastic_jobs.py).
+The contract script of the MPI clusters (helpers/cluster_checks.py) passes unchanged;
+a training run (helpers/cluster_elastic.py) loses a whole machine (every process on it
+killed), or has its link cut, or gains a machine and then loses another, and finishes
+with the losses of its serial twin, a produced Data made again where rows were lost;
+a lost controller's machine ends every other machine.  No MPI is involved, so these
+run once (the main environment), not under each MPI.
+"""
+
+import os
+import re
+import time
+
+import pytest
+
+from helpers.cluster_jobs import NO_MACHINES, TESTS, assert_nothing_left, machines
+from helpers.elastic_jobs import Job, run_training, serial_losses, losses, why_no_elastic
+
+WHY = why_no_elastic()
+pytestmark = [pytest.mark.skipif(WHY is not None, reason=WHY or ""), pytest.mark.timeout(300)]
+on_machines = pytest.mark.skipif(NO_MACHINES is not None, reason=NO_MACHINES or "")
+CHECKS = os.path.join(TESTS, "helpers", "cluster_checks.py")
+STEPS = 8
+
+
+def test_contract_on_machines_that_joined():
+    """Every call option, collective and Data mirror of the MPI contract, unchanged."""
+    with machines(2) as m:
+        job = Job(m, ["1"], 2, script=CHECKS)
+        job.join(1)
+        rc = job.wait(200)
+        out = job.out
+        assert rc == 0 and "ALL OK" in out and "AFTER CLOSE OK" in out, out + job.node_output()
+        assert out.count("OK all_reduce and reduce") == 5, out
+        assert_nothing_left(m, out, "cluster_checks.py")
+
+
+def _compare(out, want):
+    got = losses(out)
+    compared = 0
+    for k, (loss, total) in got.items():
+        if loss == "lost":
+            continue
+        assert float(loss) == pytest.approx(float(want[k][0]), rel=1e-5), (k, out)
+        # The produced Data covers every row on whichever machines are left.
+        assert float(total) == float(want[k][1]), (k, out)
+        compared += 1
+    assert compared >= STEPS - 1, out
+
+
+def _check_run(plan, n_start, lost, heartbeat_s=3.0):
+    rc, out, events, m = run_training(n_start, STEPS, plan, heartbeat_s)
+    try:
+        print("\n".join(f"{e.what}: error/admitted after {e.t_error}, first step after "
+                        f"{e.t_first}" for e in events))
+        assert rc == 0 and "CLOSED" in out, out
+        # Nothing a lost machine left behind (gloo's threads waiting on it) holds the exit.
+        assert events[-1].what == "exit after close" and events[-1].t_error < 10.0, events
+        _compare(out, serial_losses(STEPS))
+        assert_nothing_left(m, out, "cluster_elastic.py", lost=lost)
+    finally:
+        m.__exit__(None, None, None)
+    return out, events, m.names
+
+
+@on_machines
+def test_whole_machine_lost_mid_training_matches_the_serial_twin():
+    out, events, names = _check_run({3: ("crash", 2)}, 3, lost=(2,))
+    # Machines are numbered in the order they joined: the lost one is named by its host.
+    assert re.search(rf"CAUGHT MachineLostError at step 4 completed (True|False) .*machine (\d) "
+                     rf"\({names[2]}, ranks \2\.\.\2\)", out), out
+    assert re.search(rf"EVENT lost machine \d \({names[2]},", out), out
+    assert re.search(r"step 7 \S+ sum \S+ on 2 machines 2 ranks", out), out
+    assert events[0].t_error < 5.0, events
+
+
+@on_machines
+def test_join_mid_training_then_another_machine_lost():
+    out, events, names = _check_run({2: ("join", 2), 4: ("crash", 1)}, 2, lost=(1,))
+    assert re.search(rf"EVENT joined machine 2 \({names[2]}, ranks 2\.\.2\) -> 3 machines",
+                     out), out
+    assert re.search(r"^step 3 \S+ sum \S+ on 3 machines 3 ranks", out, re.M), out
+    assert re.search(rf"CAUGHT MachineLostError at step 5 .*machine 1 \({names[1]},", out), out
+    assert re.search(r"step 7 \S+ sum \S+ on 2 machines 2 ranks", out), out
+
+
+@on_machines
+def test_cut_machine_is_dropped_and_ends_itself():
+    heartbeat_s = 3.0
+    out, events, names = _check_run({2: ("cut", 1)}, 2, lost=(), heartbeat_s=heartbeat_s)
+    assert re.search(r"CAUGHT MachineLostError at step 3 .*machine 1 \(\S+, ranks 1\.\.1\): "
+                     r"its node master stopped answering", out), out
+    assert events[0].t_error < 2 * heartbeat_s, events
+    assert re.search(r"step 7 \S+ sum \S+ on 1 machines 1 ranks", out), out
+
+
+@on_machines
+def test_lost_controller_machine_ends_every_machine():
+    heartbeat_s = 3.0
+    with machines(3) as m:
+        job = Job(m, ["train", "200", ""], 3, SYNK_HEARTBEAT_S=str(heartbeat_s))
+        try:
+            job.join(1)
+            job.join(2)
+            job.until(r"^step 2 ")
+            m.crash(0)
+            deadline = 2 * heartbeat_s
+            t0 = time.monotonic()
+            while any(m.processes(i) for i in (1, 2)) and time.monotonic() - t0 < deadline:
+                time.sleep(0.05)
+            took = time.monotonic() - t0
+            assert not any(m.processes(i) for i in (1, 2)), (took, m.leftovers())
+        finally:
+            job.close()
+        assert_nothing_left(m, job.out, "cluster_elastic.py", lost=(0,))
+
+
+@on_machines
+def test_wrong_secret_is_refused_and_the_job_goes_on():
+    """A machine without the job's secret is told so and ends; the right one is let in after."""
+    with machines(2) as m:
+        job = Job(m, ["train", "2", ""], 2)
+        try:
+            intruder = job._start(1, SYNK_JOIN=job.address, SYNK_SECRET="not-the-job-secret-42")
+            out, _ = intruder.communicate(timeout=60)
+            assert intruder.returncode != 0 and "refused this machine" in out, out
+            assert not m.processes(1), m.leftovers()
+            job.join(1)
+            rc = job.wait(120)
+        finally:
+            job.close()
+        assert rc == 0 and "CLOSED" in job.out and "on 2 machines 2 ranks" in job.out, job.out
+        assert_nothing_left(m, job.out, "cluster_elastic.py")
