@@ -26,7 +26,7 @@ import numpy as np
 
 from ..errors import BackendUnavailableError, SynkError
 from ..runtime.liveness import spin_until, wait_until
-from .mpi_leaders import HEAD, POOL_MAX, _nbytes, c_order, dump, load
+from .mpi_leaders import HEAD, c_order, dump, load, nbytes_of, pooled
 
 GLOO_TIMEOUT_S = 60.0   # frees gloo's threads from a collective whose peer went silent
 GROUP_TIMEOUT_S = 60.0  # every member builds the new group within this
@@ -142,13 +142,7 @@ class GlooLeaders:
     # -- waiting --------------------------------------------------------------------------
     def buffer(self, slot, nbytes):
         """A kept byte buffer for ``slot``: reused while no collective was abandoned."""
-        key = (slot, nbytes)
-        buf = self.pool.get(key)
-        if buf is None:
-            if len(self.pool) >= POOL_MAX:
-                self.pool = {}
-            buf = self.pool[key] = np.empty(nbytes, np.uint8)
-        return buf
+        return pooled(self.pool, slot, nbytes)
 
     def _run(self, check, start):
         """Start the work ``start(pg)`` returns as (works, buffers); wait for every one."""
@@ -247,7 +241,7 @@ class GlooLeaders:
             meta = bytes(buf)
         out = []
         for i, (d, s) in enumerate(pickle.loads(meta)):
-            b = self.buffer(("b", i), _nbytes(d, s))
+            b = self.buffer(("b", i), nbytes_of(d, s))
             if b.nbytes:
                 self._bcast(b, root, check)
             out.append(b.view(np.dtype(d)).reshape(s))

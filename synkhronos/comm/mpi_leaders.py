@@ -50,6 +50,21 @@ def mpi_reduces(op, dtype):
             and dtype.itemsize in ((4, 8) if dtype.kind == "f" else (1, 2, 4, 8)))
 
 
+
+def pooled(pool, slot, nbytes):
+    """The byte buffer kept in ``pool`` (a dict) for ``(slot, nbytes)``; made if missing.
+
+    A leaders' carrier keeps its buffers across collectives; at ``POOL_MAX``
+    the pool starts afresh (buffers of pending collectives are held by them).
+    """
+    key = (slot, nbytes)
+    buf = pool.get(key)
+    if buf is None:
+        if len(pool) >= POOL_MAX:
+            pool.clear()
+        buf = pool[key] = np.empty(nbytes, np.uint8)
+    return buf
+
 class Leaders:
     """This leader's collectives with the other machines' leaders.
 
@@ -141,13 +156,7 @@ class Leaders:
 
     def buffer(self, slot, nbytes):
         """A kept byte buffer for ``slot``: reused while no collective was abandoned."""
-        key = (slot, nbytes)
-        buf = self.pool.get(key)
-        if buf is None:
-            if len(self.pool) >= POOL_MAX:
-                self.pool = {}
-            buf = self.pool[key] = np.empty(nbytes, np.uint8)
-        return buf
+        return pooled(self.pool, slot, nbytes)
 
     def _run(self, check, start):
         """Start the requests ``start(comm)`` returns as (requests, buffers); wait for them."""
@@ -232,7 +241,7 @@ class Leaders:
         layout = pickle.loads(meta)
         if inline:
             return _unpack(head, 16 + n_meta, layout)
-        bufs = [self.buffer(("b", i), _nbytes(d, s)) for i, (d, s) in enumerate(layout)]
+        bufs = [self.buffer(("b", i), nbytes_of(d, s)) for i, (d, s) in enumerate(layout)]
         self._run(check, lambda comm: (
             [comm.Ibcast(b, root) for b in bufs if b.nbytes], bufs))
         return [b.view(np.dtype(d)).reshape(s) for b, (d, s) in zip(bufs, layout)]
@@ -298,7 +307,7 @@ def _owned(a, buf):
                              and a.nbytes == buf.nbytes)
 
 
-def _nbytes(dtype, shape):
+def nbytes_of(dtype, shape):
     return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
@@ -311,7 +320,7 @@ def _pack_into(buf, at, arrays):
 def _unpack(buf, at, layout):
     out = []
     for d, s in layout:
-        n = _nbytes(d, s)
+        n = nbytes_of(d, s)
         out.append(buf[at:at + n].view(np.dtype(d)).reshape(s))
         at += n
     return out
