@@ -16,7 +16,7 @@ from .functions import distribute, overlap, rank_call  # noqa: F401
 from .variables import checkpoint, collectives, rank_values, reductions  # noqa: F401
 from .inputs import mappings  # noqa: F401
 from .runtime import profiling  # noqa: F401
-from .runtime import devices, process_setup, shmem, worker
+from .runtime import devices, process_setup, shmem, trace, worker
 from .cluster import launch as mpi_launch
 from .cluster.rendezvous import join as join_cluster
 from .runtime.commands import Command, handler
@@ -141,6 +141,8 @@ def start(p):
         os.close(lock_fd)
         raise
     set_runtime(rt)
+    if trace.ON:
+        trace.set_rank(place.local_index)
 
     if gpu_mode:
         # The environment is inherited; each worker narrows it to its own GPU.
@@ -221,6 +223,8 @@ def _worker_main(rt, rank, tie):
         os._exit(1)
     rt.place.local_index = rank
     rt.place.rank = rt.place.rank_offset + rank
+    if trace.ON:
+        trace.set_rank(rank)
     rt.processes = Processes()
     rt.registry.datas = {}  # this rank's mappings, by Data id
     if rt.config.device == "gpu":

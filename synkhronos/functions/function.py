@@ -17,6 +17,7 @@ from ..inputs import conditioning, rank_rows
 from ..inputs.create import data as new_data
 from ..inputs.data_object import Data
 from ..inputs.produced import place_call_inputs
+from ..runtime import trace
 from ..runtime.commands import Command
 from ..runtime.run import run_command
 from ..runtime.state import serialized
@@ -337,6 +338,8 @@ class Function:
                 if last is not None and msg.sel is None and msg.sel_s is None and last[0] == msg:
                     wire = last[1]
             spec = self.spec
+            if trace.ON:
+                trace.stamp(trace.CHECKED)
             result = run_command(rt, Command.CALL, msg,
                                  lambda seq: execute(spec, rt, msg, arrays),
                                  lambda mine: collect(spec, rt, mine, msg.subset,

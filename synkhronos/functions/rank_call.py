@@ -15,7 +15,7 @@ import pytensor.tensor as pt
 from ..comm import reduce_ops
 from ..compat import call_subset
 from ..inputs import machine_rows, mappings, rank_rows
-from ..runtime import devices
+from ..runtime import devices, trace
 from ..runtime.commands import Command, handler
 from ..variables import access
 from ..variables.reductions import AllReduceMsg, all_reduce_local
@@ -156,8 +156,12 @@ def run_share(spec, rt, msg, arrays=None):
         rt.in_call = True
         try:
             if shared_sel is None and (num_slices == 1 or not msg.n_scattered):
+                if trace.ON:
+                    trace.stamp(trace.SHARE_START)
                 results = spec.fn(*arrays) if subset is None else \
                     call_subset(spec.fn, arrays, subset)
+                if trace.ON:
+                    trace.stamp(trace.SHARE_DONE)
             else:
                 out_idx = list(range(len(spec.outputs))) if subset is None else subset
                 # More slices than rows would only add empty calls: cost stays that of

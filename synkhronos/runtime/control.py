@@ -18,6 +18,7 @@ from .commands import Command, decode, encode, handler
 from .liveness import spin_until, wait_until
 from .run import run_command
 from .shmem import SharedArray
+from . import trace
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,8 @@ class Control:
         self.seq += 1
         self.current = self.seq
         mv[SEQ] = self.seq
+        if trace.ON:
+            trace.stamp(trace.POSTED)
         for r in self.workers:
             if mv[RANK_BASE + RANK_STRIDE * r + SLEEPING]:
                 self.sems[r].release()

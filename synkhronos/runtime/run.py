@@ -10,6 +10,7 @@ lost a machine), else the run is abandoned (``Runtime.abandon``).
 import logging
 import time
 
+from . import trace
 from ..errors import CommAborted, WorkerDiedError, describe_error, rank_header, worker_error_type
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None, wire=None):
             control.abort(seq)
         control.wait_done(rt, seq, rt.check)
         remote = peers.finish(rt.check)
+        if trace.ON:
+            trace.stamp(trace.WAITED)
         if prof is not None:
             prof.lap("wait")
     except WorkerDiedError as exc:
@@ -79,6 +82,8 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None, wire=None):
         raise _worker_error(rt, cmd, local_exc, remote)
     if after is not None:
         result = after(result)
+    if trace.ON:
+        trace.stamp(trace.COMBINED)
     if prof is not None:
         prof.end("reduce")
     return result

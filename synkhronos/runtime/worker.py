@@ -4,6 +4,7 @@ import logging
 import os
 import time
 
+from . import trace
 from .commands import COMMANDS, label
 from .control import ABORTED, FAILED, OK
 from ..errors import rank_header
@@ -30,6 +31,8 @@ def loop(rt):
     last = 0
     while True:
         seq = control.wait_command(me, last, check)
+        if trace.ON:
+            trace.stamp(trace.WOKE)
         last = seq
         prof = rt.profiler
         if prof is not None:
@@ -64,4 +67,6 @@ def loop(rt):
                 profiler.dump_stats(f"synk_worker_{rt.place.rank}.prof")
             control.finish(me, seq, status)
             os._exit(0)
+        if trace.ON:
+            trace.stamp(trace.FINISHED)
         control.finish(me, seq, status)

@@ -14,6 +14,7 @@ from ..inputs import conditioning
 from ..comm import reduce_ops
 from . import access
 from ..comm import compressed
+from ..runtime import trace
 from ..runtime.commands import Command, handler
 from ..runtime.run import run_command
 from ..errors import SynkStateError
@@ -157,6 +158,8 @@ def all_reduce(shared_vars, op="avg", nccl=True, dtype=None):
         hit = rt.registry.wire.get(key)
         if hit is not None:
             msg = hit[0]
+            if trace.ON:
+                trace.stamp(trace.CHECKED)
             run_command(rt, Command.ALL_REDUCE, msg, lambda seq: all_reduce_local(rt, msg),
                         wire=hit[1])
             return
@@ -186,6 +189,8 @@ def all_reduce_local(rt, msg):
     Also the second part of a fused training step (``Function`` calls with
     ``then``), inside the CALL command.
     """
+    if trace.ON:
+        trace.stamp(trace.SHARE_START)
     shareds = [rt.registry.shareds[i] for i in msg.idx]
     small = rt.backend.small_all_reduce
     if small is not None and msg.dtype is None:
@@ -195,6 +200,8 @@ def all_reduce_local(rt, msg):
         if (all(type(a) is np.ndarray for a in arrays)
                 and not (device and any(id(v) in device for v in shareds))
                 and small(msg.idx, arrays, msg.op)):
+            if trace.ON:
+                trace.stamp(trace.SHARE_DONE)
             return
     if msg.dtype is not None:
         host = rt.backend.host
