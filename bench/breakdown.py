@@ -84,8 +84,6 @@ def untraced(ranks, calls, rounds):
 
 
 def traced(ranks, calls):
-    import numpy as np
-
     from synkhronos.runtime import trace
 
     synk, bare, trusted, f, s, a, d = _setup(ranks)
@@ -126,8 +124,6 @@ INTERVALS = (
 
 
 def _intervals(rows, ranks):
-    import numpy as np
-
     from synkhronos.runtime.trace import PHASES
 
     col = {p: i for i, p in enumerate(PHASES)}

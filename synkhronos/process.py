@@ -131,7 +131,7 @@ def start(p):
         logger.warning("JAX already ran in this process before fork(); workers cannot run "
                        "JAX-mode functions (call fork() before any JAX computation)")
     try:
-        rt.control = Control(rt, ctx, p.spin_s)
+        rt.control = Control(rt, p.spin_s)
         rt.backend = get_backend(choose_backend(p.device, p.n_parallel, p.n_gpus,
                                                 p.launch is not None))(_wiring(rt))
     except BaseException:

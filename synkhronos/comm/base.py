@@ -76,7 +76,18 @@ class Backend(ABC):
 
     device_arrays = False
     small_all_reduce = None  # a backend with a latency path for small all_reduce sets a method
-    scalar_parts = None      # and one that passes float scalars outside its buffers (contribute)
+
+    def small_plan(self, keys, op, arrays):
+        """The latency path's plan of a small all-reduce (with ``small_all_reduce``), or None."""
+        return None
+
+    def scalar_result(self, op, value, weight):
+        """Root, after a command: every rank's float scalar ``value`` combined by ``op``, or None.
+
+        A backend that passes float scalars outside its buffers combines them
+        here; None (always, here) sends the caller to ``collect``.
+        """
+        return None
 
     def __init__(self, wiring):
         self.wiring = wiring

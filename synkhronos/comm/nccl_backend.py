@@ -164,6 +164,9 @@ class NcclBackend(Backend):
     def collect(self):
         return self._host.collect()
 
+    def scalar_result(self, op, value, weight):
+        return self._host.scalar_result(op, value, weight)
+
     def _agree(self, values):
         """Exchange headers through the host backend; return every rank's (parsed) header.
 

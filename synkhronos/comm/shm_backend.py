@@ -17,15 +17,16 @@ import logging
 
 import numpy as np
 
-from ..errors import CommAborted
-from ..runtime.liveness import wait_until
+from ..runtime._block import GE, Block
+from ..runtime.liveness import wait_slots
 from ..runtime.shmem import SharedArray
 from . import parts
 from .base import SPLIT_BYTES, Backend
 from .homes import Homes
+from .reduce_ops import OP_CODES
 from .shm_reduce import ShmReduce
-from .slabs import (EPOCH, MADV_POPULATE_WRITE, SCALAR_CODE, SCALAR_SEQ, SCALAR_VALUE, SCALAR_WEIGHT,
-                    STRIDE, Slabs, _dtype, populate)
+from .slabs import (EPOCH, EPOCH_WAITERS, MADV_POPULATE_WRITE, SCALAR_CODE, SCALAR_SEQ, SCALAR_VALUE,
+                    SCALAR_WEIGHT, STRIDE, Slabs, _dtype, populate)
 
 # A contribution of one float scalar (a loss) travels in the control block.
 SCALAR_CHARS = "efd"
@@ -42,54 +43,51 @@ class ShmBackend(ShmReduce, Backend):
         self.block = SharedArray(wiring.new_name("comm"), 8 * STRIDE * n)
         self.mv = memoryview(self.block.buffer).cast("q")
         self.fv = memoryview(self.block.buffer).cast("d")  # the same slots, as float64
+        self.fast = Block(self.block.buffer)  # its waits, wake-ups and scalar slots, in C
         homes = Homes(wiring.prefix, lambda seg: populate(seg, MADV_POPULATE_WRITE))
         self.slabs = Slabs(self.ranks, self.mv, wiring.prefix + "slab", self.max_dim, homes)
         self.homes = homes
         self.k = 0
         self.fence = False
         self.small_plans = {}  # (variables, op) -> plan of ShmReduce.small_all_reduce
+        self.spin_ns = int(self.spin_s * 1e9)
+        self._me = None        # (rank, its epoch slot, its waiters slot, the others' epoch slots)
 
     def begin(self, seq):
         self.seq = seq
         self.k = 0
         self.fence = False
 
+    def _slots(self):
+        """This rank's slots: (rank, epoch, its waiters, the others' epochs, its scalar seq).
+
+        Looked up again only when its rank changes (after fork).
+        """
+        rank = self.rank
+        me = self._me
+        if me is None or me[0] != rank:
+            me = self._me = (rank, rank * STRIDE + EPOCH, rank * STRIDE + EPOCH_WAITERS,
+                             tuple(q * STRIDE + EPOCH for q in range(self.n_parallel) if q != rank),
+                             rank * STRIDE + SCALAR_SEQ)
+        return me
+
     def is_kept(self, key, array):
         return self.homes.holds(key, array)
 
     def barrier(self):
+        """Every rank of this machine meets here (epochs: the command's seq, a counter).
+
+        A rank publishes its epoch before it can fail on what it read, so if it
+        aborted after arriving, the others go on and meet the same error
+        themselves (``wait_slots`` lets an abort pass once the slots arrived).
+        """
         self.k += 1
         self.fence = False
         target = (self.seq << 20) | self.k
-        mv = self.mv
-        rank = self.rank
-        mv[rank * STRIDE + EPOCH] = target
-        for q in range(self.n_parallel):
-            if q != rank:
-                slot = q * STRIDE + EPOCH
-                if mv[slot] < target:
-                    wait_until(lambda: mv[slot] >= target, self._arrival_check(slot, target),
-                               self.spin_s)
-
-    def _arrival_check(self, slot, target):
-        """The abort check of a barrier wait, which an arrived rank overrides.
-
-        A rank posts its epoch before it can fail on what it read, so if it
-        aborted after arriving, this rank goes on and meets the same error
-        itself (the abort flag is read first, then the epoch: stores are not
-        reordered on x86, nor loads with loads).
-        """
-        check = self.check
-        mv = self.mv
-
-        def arrival_check():
-            try:
-                check()
-            except CommAborted:
-                if mv[slot] >= target:
-                    return
-                raise
-        return arrival_check
+        _, mine, waiters, others, _ = self._slots()
+        fast = self.fast
+        fast.publish(mine, target, waiters)
+        wait_slots(fast, others, GE, target, EPOCH_WAITERS - EPOCH, self.check, self.spin_ns)
 
     def _start(self):
         """Open a collective: wait until nobody still reads this command's slabs."""
@@ -110,11 +108,9 @@ class ShmBackend(ShmReduce, Backend):
         if arrays is not None and len(arrays) == 1:
             a = arrays[0]
             if type(a) is np.ndarray and a.ndim == 0 and a.dtype.char in SCALAR_CHARS:
-                base = self.rank * STRIDE
-                self.fv[base + SCALAR_VALUE] = float(a)
-                self.fv[base + SCALAR_WEIGHT] = weight
-                self.mv[base + SCALAR_CODE] = ord(a.dtype.char)
-                self.mv[base + SCALAR_SEQ] = self.seq  # last: the root checks it first
+                # The seq last: the root checks it first.
+                self.fast.put_scalar(self._slots()[4], self.seq, float(a), float(weight),
+                                     ord(a.dtype.char))
                 return
         self.slabs.pack(arrays, weight)
 
@@ -122,23 +118,19 @@ class ShmBackend(ShmReduce, Backend):
         if self.fence:
             self.barrier()  # nobody may still read the slabs the last collective used
 
-    def scalar_parts(self, dtype):
-        """Root, after the end barrier: ``[(value, weight)]`` over the ranks (None for this one)
-        if every other rank contributed one float scalar of ``dtype``, else None."""
+    def scalar_result(self, op, value, weight):
+        """Root, after the end barrier: every rank's float scalar combined by ``op``, or None.
+
+        ``value`` (a 0-d array) and ``weight`` are the root's own; None unless
+        every other rank contributed one float scalar of its dtype.  Combined
+        in rank order as ``reduce_ops.combine_floats`` does.
+        """
+        dtype = value.dtype
         if dtype.char not in SCALAR_CHARS:
             return None
-        code = ord(dtype.char)
-        mv, fv, seq, me = self.mv, self.fv, self.seq, self.rank
-        out = []
-        for q in range(self.n_parallel):
-            if q == me:
-                out.append(None)
-                continue
-            base = q * STRIDE
-            if mv[base + SCALAR_SEQ] != seq or mv[base + SCALAR_CODE] != code:
-                return None
-            out.append((fv[base + SCALAR_VALUE], fv[base + SCALAR_WEIGHT]))
-        return out
+        got = self.fast.combine_scalars(SCALAR_SEQ, STRIDE, self.n_parallel, self.rank, self.seq,
+                                        ord(dtype.char), OP_CODES[op], float(value), float(weight))
+        return None if got is None else np.array(got, dtype)
 
     def _contribution(self, q):
         base = q * STRIDE
@@ -234,5 +226,6 @@ class ShmBackend(ShmReduce, Backend):
 
     def close(self):
         self.slabs.close()
+        self.fast.release()
         self.mv.release()
         self.block.close()

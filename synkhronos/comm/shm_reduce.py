@@ -12,10 +12,13 @@ barriers (``barrier``, ``_start``, ``_done``).
 
 import numpy as np
 
+from ..errors import CommAborted
+from ..runtime._block import SMALL_CODES, SmallReduce
+from ..runtime.liveness import CHECK_NS
 from . import reduce_ops
 from . import parts
 from .base import SPLIT_BYTES, as_arrays
-from .slabs import _HEAD, HOMES
+from .slabs import _HEAD, EPOCH, EPOCH_WAITERS, GEN, HOMES, STRIDE
 
 
 class ShmReduce:
@@ -118,6 +121,14 @@ class ShmReduce:
         Declines for arrays that are not plain writeable host arrays, results
         of another dtype, or sizes worth splitting.
         """
+        return self.small_plan(keys, op, arrays).run(arrays)
+
+    def small_plan(self, keys, op, arrays):
+        """The cached plan of ``small_all_reduce`` for ``keys`` and ``op`` (made for ``arrays``).
+
+        A caller that reduces the same variables again and again keeps it and
+        calls its ``run(arrays)``.
+        """
         key = (tuple(keys), op)
         plan = self.small_plans.get(key)
         if plan is None:
@@ -125,47 +136,15 @@ class ShmReduce:
             if len(self.small_plans) > 64:
                 self.small_plans.clear()
             self.small_plans[key] = plan
-        checked = plan.checked
-        for a, b in zip(arrays, checked):
-            if a is not b:
-                # Not the arrays the plan was checked on (an update replaced them).
-                if not plan.takes(arrays):
-                    return False
-                checked[:] = arrays  # held, so their ids stay theirs
-                break
-        lay = plan.lay
-        if lay is None:
-            return False
-        self._start()
+        return plan
+
+    def _differ(self):
+        """Raise the ValueError of ranks whose small all-reduce headers differ."""
         slabs = self.slabs
-        buf = slabs.own(lay.total).buffer
-        header = plan.header
-        hlen = len(header)
-        buf[:hlen] = header
-        for a, (lo, hi) in zip(arrays, plan.spans):
-            buf[lo:hi] = a.tobytes()
-        self.barrier()
-        self._done()
-        for q in plan.others:
-            if slabs.slab(q).buffer[:hlen] != header:
-                n = self.n_parallel
-                got = [slabs.unpack(r) for r in range(n)]
-                parts.check_alike(got, range(n), [slabs.flag(r) for r in range(n)])
-                raise ValueError("all_reduce: the ranks' values differ in shape or dtype")
-        gens = [entry[0] for entry in slabs.slabs.values()]
-        if gens != plan.gens:
-            # A slab grew since: views of the new ones, per array over the ranks.
-            by_rank = [slabs.views_of(q, lay) for q in range(self.n_parallel)]
-            plan.per_array = [[v[i] for v in by_rank] for i in range(len(arrays))]
-            plan.gens = gens
-        ufunc, scale = plan.ufunc, plan.scale
-        for a, views in zip(arrays, plan.per_array):
-            ufunc(views[0], views[1], out=a)
-            for v in views[2:]:
-                ufunc(a, v, out=a)
-            if scale is not None:
-                a *= scale
-        return True
+        n = self.n_parallel
+        got = [slabs.unpack(r) for r in range(n)]
+        parts.check_alike(got, range(n), [slabs.flag(r) for r in range(n)])
+        raise ValueError("all_reduce: the ranks' values differ in shape or dtype")
 
     def _all_reduce_homes(self, arrays, ops, keys, plan):
         """Split all_reduce whose results land in (and stay in) every rank's homes.
@@ -217,18 +196,28 @@ class _SmallPlan:
     ``SPLIT_BYTES``, or arrays it does not take).
     """
 
-    __slots__ = ("checked", "sig", "op", "lay", "header", "spans", "others",
-                 "ufunc", "scale", "gens", "per_array")
+    __slots__ = ("be", "checked", "sig", "op", "lay", "header", "spans", "others",
+                 "ufunc", "scale", "gens", "per_array", "codes", "offsets", "opcode", "me",
+                 "compiled", "mapped")
 
     def __init__(self, be, arrays, op):
+        self.be = be
         self.checked = list(arrays)
         self.sig = [(a.shape, a.dtype) if type(a) is np.ndarray else (None, None) for a in arrays]
         self.op = op
-        self.lay = self.header = self.spans = None
+        self.lay = self.header = self.spans = self.codes = self.offsets = None
         if be.n_parallel > 1 and self.takes(arrays):
             self.lay = be.slabs.layout(arrays)
             self.header = _HEAD.pack(len(arrays), 1.0, 0) + self.lay.ints
             self.spans = [(off, off + a.nbytes) for a, (_, off, _) in zip(arrays, self.lay.entries)]
+            self.offsets = tuple(off for _, off, _ in self.lay.entries)
+            chars = "".join(a.dtype.char for a in arrays)
+            if all(c in SMALL_CODES for c in chars):
+                self.codes = chars.encode()  # compiled (runtime/_block.c); float16, bool: NumPy
+        self.opcode = reduce_ops.OP_CODES[op]
+        self.me = be.rank  # fixed: a plan is made in the process that uses it, after fork
+        self.compiled = None  # the SmallReduce, made at the first run
+        self.mapped = None    # (this rank's slab, every rank's slab buffer, their generations)
         self.others = [q for q in range(be.n_parallel) if q != be.rank]
         self.ufunc = reduce_ops.UFUNCS[op]
         self.scale = 1.0 / be.n_parallel if op == "avg" else None
@@ -245,3 +234,93 @@ class _SmallPlan:
                 return False
             total += a.nbytes
         return total < SPLIT_BYTES
+
+    def run(self, arrays):
+        """All-reduce ``arrays`` in place (see ``ShmReduce.small_all_reduce``); False if it cannot."""
+        checked = self.checked
+        for a, b in zip(arrays, checked):
+            if a is not b:
+                # Not the arrays the plan was checked on (an update replaced them).
+                if not self.takes(arrays):
+                    return False
+                checked[:] = arrays  # held, so their ids stay theirs
+                break
+        lay = self.lay
+        if lay is None:
+            return False
+        be = self.be
+        if be.fence:
+            be.barrier()  # nobody may still read the slabs this command's last collective used
+        if self.codes is not None:
+            return self._run_compiled(be, tuple(arrays))
+        slabs = be.slabs
+        buf = slabs.own(lay.total).buffer
+        header = self.header
+        hlen = len(header)
+        buf[:hlen] = header
+        for a, (lo, hi) in zip(arrays, self.spans):
+            buf[lo:hi] = a.tobytes()
+        be.barrier()
+        be.fence = True
+        for q in self.others:
+            if slabs.slab(q).buffer[:hlen] != header:
+                be._differ()
+        gens = [entry[0] for entry in slabs.slabs.values()]
+        if gens != self.gens:
+            # A slab grew since: views of the new ones, per array over the ranks.
+            by_rank = [slabs.views_of(q, lay) for q in range(be.n_parallel)]
+            self.per_array = [[v[i] for v in by_rank] for i in range(len(arrays))]
+            self.gens = gens
+        ufunc, scale = self.ufunc, self.scale
+        for a, views in zip(arrays, self.per_array):
+            ufunc(views[0], views[1], out=a)
+            for v in views[2:]:
+                ufunc(a, v, out=a)
+            if scale is not None:
+                a *= scale
+        return True
+
+    def _run_compiled(self, be, arrays):
+        """``run`` in compiled code (runtime/_block.c): pack, meet, reduce in rank order."""
+        c = self.compiled
+        if c is None:
+            c = self.compiled = SmallReduce(be.fast, self.me, be.n_parallel, STRIDE, EPOCH,
+                                            EPOCH_WAITERS, GEN, self.header, self.offsets,
+                                            self.codes, self.opcode, self.scale)
+        own = be.slabs.own(self.lay.total)
+        mapped = self.mapped
+        if mapped is None or mapped[0] is not own:
+            mapped = self._map(be, own)
+        be.k += 1
+        target = (be.seq << 20) | be.k
+        spin = be.spin_ns if be.spin_ns < CHECK_NS else CHECK_NS
+        status = c.run(target, arrays, mapped[1], mapped[2], spin, CHECK_NS, 0)
+        while status <= 0:
+            if status == 0:
+                try:
+                    be.check()
+                except CommAborted:
+                    # An abort after every rank arrived does not count (see barrier()).
+                    status = c.run(target, arrays, mapped[1], mapped[2], 0, 0, 1)
+                    if status == 0:
+                        raise
+                    continue
+                status = c.run(target, arrays, mapped[1], mapped[2], 0, CHECK_NS, 1)
+            elif status == -2:
+                # Another rank's slab grew: map its new generation, then read it.
+                mapped = self._map(be, own)
+                status = c.run(target, arrays, mapped[1], mapped[2], 0, 0, 2)
+            else:
+                be.fence = True
+                be._differ()
+        be.fence = True
+        return True
+
+    def _map(self, be, own):
+        """This rank's slab, every rank's slab buffer and generation, as mapped now."""
+        slabs = be.slabs
+        me = self.me
+        bufs = tuple([own.buffer if q == me else slabs.slab(q).buffer for q in range(be.n_parallel)])
+        gens = tuple([slabs.slabs[q][0] for q in range(be.n_parallel)])
+        self.mapped = (own, bufs, gens)
+        return self.mapped

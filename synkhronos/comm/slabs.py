@@ -19,8 +19,10 @@ PAGE_ALIGN_BYTES = 1 << 20  # arrays this big start on a page
 INITIAL_SLAB = 1 << 20
 SMALL_COPY = 4096  # below this, bytes() copies beat making a NumPy view
 EPOCH, GEN, SIZE = 0, 1, 2  # per-rank slots in the control block
-# A scalar contribution (ShmBackend.contribute): its command, value, weight, dtype code.
+# A scalar contribution (ShmBackend.contribute): its command, value, weight, dtype code
+# (in this order: runtime/_block.c's put_scalar and combine_scalars read them so).
 SCALAR_SEQ, SCALAR_VALUE, SCALAR_WEIGHT, SCALAR_CODE = 3, 4, 5, 6
+EPOCH_WAITERS = 7  # ranks asleep until this rank's epoch moves (runtime/_block.c)
 STRIDE = 8
 HEAD = 32  # count, weight, flag (SPLIT or HOMES), spare
 SPLIT, HOMES = 1, 2  # header flags: own part not packed; arrays live in homes

@@ -48,6 +48,7 @@ def _collect_shareds(functions):
 
 
 def _install(rt, functions, shareds):
+    rt.registry.epoch += 1  # what was prepared for kept messages names functions
     rt.registry.functions = list(functions)
     rt.registry.shareds = list(shareds)
     rt.registry.shared_ids = {id(s): i for i, s in enumerate(shareds)}

@@ -24,7 +24,10 @@ from ..runtime.state import serialized
 from ..variables.access import resolve
 from . import call_inputs
 from .outputs import collect
-from .rank_call import CallMsg, ThenMsg, execute
+from .kept import KeptCall, own_share
+from .rank_call import CallMsg, Share, ThenMsg
+
+_trace = trace.ON
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +44,7 @@ class Function:
         self.spec = spec   # what every rank runs: the compiled PyTensor function and its parts
         self._rt = None
         self._scratch = {}  # per input: the Data a NumPy value is copied into
-        self._last = None   # the last call without options: (message, its bytes)
+        self._kept = None   # the last call with Data only and no options (KeptCall)
         self._all_inputs = spec.inputs + spec.bcast_inputs
         self._what = f"call of {spec.fn.name or 'function'}"  # in profiles and stall errors
         self._dtypes = [np.dtype(v.dtype) for v in self._all_inputs]
@@ -57,12 +60,12 @@ class Function:
     def forget_run(self):
         """Drop what this Function keeps of its run (its messages and input copies); close() calls it."""
         self._scratch = {}
-        self._last = None
+        self._kept = None
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_scratch"] = {}
-        state["_last"] = None
+        state["_kept"] = None
         state["_rt"] = None
         return state
 
@@ -214,6 +217,15 @@ class Function:
                 beyond the master's sliceable shareds (nothing runs).
             WorkerError: a rank raised; the runtime stays usable.
         """
+        kept = self._kept
+        if (kept is not None and output_subset is None and batch is None and batch_s is None
+                and type(num_slices) is int and num_slices == 1 and not kwargs
+                and kept.matches(args)):
+            rt = kept.rt
+            # What runtime() checks that can change once a call was kept (a call
+            # inside a call, close(), a profile) sends the call the long way.
+            if rt is self._rt and not rt.closed and not rt.in_call and rt.profiler is None:
+                return kept.run()
         return self._run(args, kwargs, output_subset, batch, batch_s, num_slices, None)
 
     def then_all_reduce(self, shared_vars, op, then, dtype=None):
@@ -311,7 +323,9 @@ class Function:
     def _run(self, args, kwargs, output_subset, batch, batch_s, num_slices, then):
         """Run this function on every rank as one CALL command; return its reduced outputs.
 
-        ``then``, if given, builds the ``ThenMsg`` of a fused step.
+        ``then``, if given, builds the ``ThenMsg`` of a fused step.  A call
+        with Data only and no options is kept (``KeptCall``): its repeats with
+        the same Data skip the checks, the pickling and the preparation.
         """
         rt = self.runtime()
         prof = rt.profiler
@@ -319,54 +333,30 @@ class Function:
             # Checking the arguments is the master's control overhead too.
             prof.begin(self._what)
         try:
-            # A loop calling with the same Data sends the same message: it is
-            # checked and pickled once.  Index arrays do not compare as a
-            # whole, so calls with ``batch`` lists are not kept.
-            last = self._last
-            wire = None
-            if (last is not None and then is None and not kwargs and batch is None
-                    and batch_s is None and output_subset is None
-                    and type(num_slices) is int and num_slices == 1
-                    and _same_data(args, last[0].descs)):
-                msg, wire = last
-                arrays = [a.memory() for a in args]
-            else:
-                msg, arrays = self.plan_call(args, kwargs, output_subset, batch, batch_s,
-                                             num_slices)
-                if then is not None:
-                    msg = msg._replace(then=then(rt))
-                if last is not None and msg.sel is None and msg.sel_s is None and last[0] == msg:
-                    wire = last[1]
+            msg, arrays = self.plan_call(args, kwargs, output_subset, batch, batch_s, num_slices)
+            if then is not None:
+                msg = msg._replace(then=then(rt))
             spec = self.spec
-            if trace.ON:
+            kept = None
+            if (then is None and msg.sel is None and msg.sel_s is None and msg.subset is None
+                    and msg.num_slices == 1 and not kwargs and len(args) == len(self._all_inputs)
+                    and all(type(a) is Data for a in args) and Share.reusable_for(spec, msg)):
+                old = self._kept
+                kept = KeptCall(self, rt, msg, arrays,
+                                old.kept if old is not None and old.msg == msg
+                                else rt.control.keep(Command.CALL, msg))
+                result = kept.run()
+                self._kept = kept
+                return result
+            if _trace:
                 trace.stamp(trace.CHECKED)
-            result = run_command(rt, Command.CALL, msg,
-                                 lambda seq: execute(spec, rt, msg, arrays),
-                                 lambda mine: collect(spec, rt, mine, msg.subset,
-                                                      self._what[len("call of "):]),
-                                 what=self._what, wire=wire)
-            if (wire is None and msg.sel is None and msg.sel_s is None and msg.then is None
-                    and msg.subset is None and msg.num_slices == 1 and not kwargs
-                    and len(args) == len(self._all_inputs)
-                    and all(type(a) is Data for a in args)
-                    and rt.control.last_plain is not None):
-                # Kept only for the call the fast check above stands for: no options.
-                self._last = (msg, rt.control.last_plain)
-            return result
+            share = Share(spec, rt, msg, arrays)
+            return run_command(rt, Command.CALL, msg, lambda seq: own_share(share.run()),
+                               lambda mine: collect(spec, rt, mine, msg.subset, self.name or "function"),
+                               what=self._what)
         finally:
             if prof is not None:
                 prof.end("control")
-
-
-def _same_data(args, descs):
-    """Whether ``args`` are the very Data of the call that sent ``descs``, unchanged in shape."""
-    if len(args) != len(descs):
-        return False
-    for a, desc in zip(args, descs):
-        # describe() gives the same object while the Data's shape stays (None without memory).
-        if type(a) is not Data or a.describe() is not desc:
-            return False
-    return True
 
 
 class FusedCall:

@@ -15,16 +15,12 @@ def collect(spec, rt, mine, subset, name):
     """In the master, after the end barrier: combine every rank's results by op."""
     if not spec.outputs:
         return []
-    scalar_parts = rt.backend.scalar_parts
-    if scalar_parts is not None and spec.simple and subset is None and mine is not None:
+    if spec.simple and subset is None and mine is not None:
         # One float scalar from every rank (a loss): straight from the control slots.
         a = mine[0][0]
         if a.ndim == 0:
-            got = scalar_parts(a.dtype)
-            if got is not None:
-                got[rt.place.rank] = (float(a), mine[1])
-                out = reduce_ops.combine_floats(spec.output_ops[0], [g[0] for g in got],
-                                              [g[1] for g in got], a.dtype)
+            out = rt.backend.scalar_result(spec.output_ops[0], a, mine[1])
+            if out is not None:
                 return [out] if spec.return_list else out
     parts = rt.backend.collect()
     parts[rt.place.rank] = mine

@@ -21,6 +21,8 @@ from ..variables import access
 from ..variables.reductions import AllReduceMsg, all_reduce_local
 from .outputs import fold, machine_part, unfold
 
+_trace = trace.ON
+
 
 class CallMsg(NamedTuple):
     """CALL: run function ``function_id`` on every rank's share of the inputs.
@@ -78,7 +80,22 @@ def _combine(rt, msg, entries):
                         place.rank_offset, place.n_local)
 
 
-@handler(Command.CALL, CallMsg, collected=True, combine=_combine, label=_label)
+def _call_prepare(rt, msg):
+    """What a worker runs for a kept CALL message: its share, prepared once (or None)."""
+    spec = rt.registry.functions[msg.function_id].spec
+    if not Share.reusable_for(spec, msg):
+        return None
+    share = Share(spec, rt, msg)
+    contribute = rt.backend.contribute
+
+    def runner():
+        results, weight = share.run()
+        contribute(results, weight)
+    return runner
+
+
+@handler(Command.CALL, CallMsg, collected=True, combine=_combine, label=_label,
+         prepare=_call_prepare)
 def _call_worker(rt, msg):
     execute(rt.registry.functions[msg.function_id].spec, rt, msg)
 
@@ -89,7 +106,7 @@ def execute(spec, rt, msg, arrays=None):
     ``arrays``: the master's own arrays of the inputs (workers map them from
     the message).  Returns, in the master, ``(results, weight)`` or None.
     """
-    results, weight = run_share(spec, rt, msg, arrays)
+    results, weight = Share(spec, rt, msg, arrays).run()
     if rt.is_master:
         return None if results is None else (results, weight)
     rt.backend.contribute(results, weight)
@@ -101,90 +118,155 @@ def run_share(spec, rt, msg, arrays=None):
     ``arrays``: the inputs' arrays in this process, or None to map them from
     the message's descriptors (a worker's way).
     """
-    rank = rt.place.rank
-    prof = rt.profiler
-    descs = msg.descs
-    if arrays is None:
-        arrays = [mappings.view(rt, d) for d in descs]
-    else:
-        arrays = list(arrays)
-    rows = None
-    sel = msg.sel
-    if msg.plan is not None and msg.n_scattered:
-        # Cluster: this machine's rows, some held here only (machine_rows.py).
-        rows = machine_rows.take_share(rt, arrays, descs, msg.n_scattered, sel,
-                                    msg.plan[rt.place.rank_offset])
-    elif msg.n_scattered:
-        lo, hi = rank_rows.rank_range(msg.n_rows, rt.place.n_parallel, rank)
-        for i in range(msg.n_scattered):
-            arrays[i] = rank_rows.take(arrays[i], sel, lo, hi, descs[i].minibatch and sel is not None)
-        rows = hi - lo
-    if prof is not None:
-        prof.lap("gather")
-    num_slices = msg.num_slices
-    sliceable = spec.sliceable
-    shared_sel = None
-    if sliceable and (msg.sel_s is not None or num_slices > 1):
-        shared_sel = []
-        for s in sliceable:
-            value = s.get_value(borrow=True)
-            my = None if msg.sel_s is None else msg.sel_s[rank]
-            my = rank_rows.resolve(my, len(value))
-            length = rank_rows.selection_length(my, len(value))
-            if my is not None and rank_rows.rows_needed(my, len(value)) > len(value):
-                raise IndexError(f"batch_s selects row {rank_rows.rows_needed(my, len(value)) - 1}"
-                                 f" but shared variable {s} has {len(value)} rows in rank {rank}")
-            shared_sel.append((value, my, length))
-        if rows is None:
-            rows = shared_sel[0][2]
-    elif sliceable and rows is None:
-        # Weigh "avg" by the shared rows used, as with batch_s.
-        rows = len(sliceable[0].get_value(borrow=True))
-    subset = msg.subset
-    whole_empty = msg.n_scattered and msg.n_rows == 0 and rt.is_master
-    if spec.collective:
-        # Every rank reaches the graph's collectives, a rank with no rows too
-        # (its results still count for nothing).
-        results = _run_collective(spec, rt, arrays, msg, shared_sel, subset)
-        if rows == 0:
-            results = None
-    elif rows == 0 and not whole_empty:
-        results = None
-    else:
-        # A graph without in-graph collectives has none to combine; the flag
-        # makes a collective or call from inside one of its Ops raise at once.
+    return Share(spec, rt, msg, arrays).run()
+
+
+class Share:
+    """One rank's share of a call (a ``CallMsg``): its rows of every input, and how to run them.
+
+    Made from the message (the rows, this rank's views of them); ``run()``
+    runs the function on them.  A worker keeps one for a kept message and
+    runs it again at each repeat (``reusable_for``); the master keeps one
+    beside its kept message.
+
+    Args:
+        spec: the function's ``FunctionSpec``.
+        rt: the run.
+        msg: the ``CallMsg``.
+        arrays: the inputs' arrays in this process, or None to map them from
+            the message's descriptors (a worker's way).
+    """
+
+    __slots__ = ("spec", "rt", "msg", "arrays", "rows", "plain", "runs", "weight",
+                 "wait_updates")
+
+    def __init__(self, spec, rt, msg, arrays=None):
+        descs = msg.descs
+        arrays = [mappings.view(rt, d) for d in descs] if arrays is None else list(arrays)
+        rows = None
+        sel = msg.sel
+        if msg.plan is not None and msg.n_scattered:
+            # Cluster: this machine's rows, some held here only (machine_rows.py).
+            rows = machine_rows.take_share(rt, arrays, descs, msg.n_scattered, sel,
+                                           msg.plan[rt.place.rank_offset])
+        elif msg.n_scattered:
+            lo, hi = rank_rows.rank_range(msg.n_rows, rt.place.n_parallel, rt.place.rank)
+            for i in range(msg.n_scattered):
+                arrays[i] = rank_rows.take(arrays[i], sel, lo, hi,
+                                           descs[i].minibatch and sel is not None)
+            rows = hi - lo
+        self.spec, self.rt, self.msg, self.arrays, self.rows = spec, rt, msg, arrays, rows
+        whole_empty = msg.n_scattered and msg.n_rows == 0 and rt.is_master
+        # The common call: the whole function once on this rank's rows, nothing else.
+        self.plain = (not spec.sliceable and not spec.collective and msg.then is None
+                      and msg.subset is None and (msg.num_slices == 1 or not msg.n_scattered))
+        # A rank with no rows does not run (unless no rank has any: the master's
+        # result on the empty input stands for the whole, as PyTensor's would).
+        self.runs = rows != 0 or whole_empty
+        self.weight = 1.0 if rows is None or whole_empty else float(rows)
+        self.wait_updates = spec.jax and bool(spec.updates)
+
+    @staticmethod
+    def reusable_for(spec, msg):
+        """Whether a Share of ``msg`` may run again for a repeat of it.
+
+        Not where its rows depend on values that change between calls: a
+        cluster's per-call parts, or sliceable shared variables' lengths.
+        """
+        return msg.plan is None and not spec.sliceable
+
+    def run(self):
+        """Run this share; return ``(results or None, weight)``."""
+        if not self.plain or self.rt.profiler is not None:
+            return self._run_general()
+        if not self.runs:
+            return None, self.weight
+        rt = self.rt
+        # The flag makes a collective or call from inside one of the graph's Ops
+        # raise at once.
         rt.in_call = True
         try:
-            if shared_sel is None and (num_slices == 1 or not msg.n_scattered):
-                if trace.ON:
-                    trace.stamp(trace.SHARE_START)
-                results = spec.fn(*arrays) if subset is None else \
-                    call_subset(spec.fn, arrays, subset)
-                if trace.ON:
-                    trace.stamp(trace.SHARE_DONE)
-            else:
-                out_idx = list(range(len(spec.outputs))) if subset is None else subset
-                # More slices than rows would only add empty calls: cost stays that of
-                # the unsliced call.
-                num_slices = max(1, min(num_slices, rows))
-                results = run_slices(spec, rt, arrays, msg.n_scattered, shared_sel, num_slices,
-                                     out_idx)
+            if _trace:
+                trace.stamp(trace.SHARE_START)
+            results = self.spec.fn(*self.arrays)
+            if _trace:
+                trace.stamp(trace.SHARE_DONE)
         finally:
             rt.in_call = False
-    if (rows != 0 or spec.collective) and spec.updates:
-        _wait_device(spec)
-    if prof is not None:
-        prof.lap("compute")
-    if msg.then is not None:
-        # Every rank joins, with rows or without: the others wait in the all-reduce.
-        run_then(rt, msg.then)
-    # No rows anywhere: the master's result on the empty input stands for the
-    # whole, as PyTensor's on an empty array (0 for sum; max raises there too).
-    weight = 1.0 if rows is None or whole_empty else float(rows)
-    if results is not None:
+        if self.wait_updates:
+            _wait_device(self.spec)
         # Backends other than NumPy's (JAX) return their own array types.
-        results = [r if type(r) is np.ndarray else np.asarray(r) for r in results]
-    return results, weight
+        return [r if type(r) is np.ndarray else np.asarray(r) for r in results], self.weight
+
+    def _run_general(self):
+        """``run`` for slices, ``batch_s``, output subsets, fused steps and in-graph collectives."""
+        spec, rt, msg, arrays, rows = self.spec, self.rt, self.msg, self.arrays, self.rows
+        rank = rt.place.rank
+        prof = rt.profiler
+        if prof is not None:
+            prof.lap("gather")
+        num_slices = msg.num_slices
+        sliceable = spec.sliceable
+        shared_sel = None
+        if sliceable and (msg.sel_s is not None or num_slices > 1):
+            shared_sel = []
+            for s in sliceable:
+                value = s.get_value(borrow=True)
+                my = None if msg.sel_s is None else msg.sel_s[rank]
+                my = rank_rows.resolve(my, len(value))
+                length = rank_rows.selection_length(my, len(value))
+                if my is not None and rank_rows.rows_needed(my, len(value)) > len(value):
+                    raise IndexError(f"batch_s selects row {rank_rows.rows_needed(my, len(value)) - 1}"
+                                     f" but shared variable {s} has {len(value)} rows in rank {rank}")
+                shared_sel.append((value, my, length))
+            if rows is None:
+                rows = shared_sel[0][2]
+        elif sliceable and rows is None:
+            # Weigh "avg" by the shared rows used, as with batch_s.
+            rows = len(sliceable[0].get_value(borrow=True))
+        subset = msg.subset
+        whole_empty = msg.n_scattered and msg.n_rows == 0 and rt.is_master
+        if spec.collective:
+            # Every rank reaches the graph's collectives, a rank with no rows too
+            # (its results still count for nothing).
+            results = _run_collective(spec, rt, arrays, msg, shared_sel, subset)
+            if rows == 0:
+                results = None
+        elif rows == 0 and not whole_empty:
+            results = None
+        else:
+            rt.in_call = True
+            try:
+                if shared_sel is None and (num_slices == 1 or not msg.n_scattered):
+                    if _trace:
+                        trace.stamp(trace.SHARE_START)
+                    results = spec.fn(*arrays) if subset is None else \
+                        call_subset(spec.fn, arrays, subset)
+                    if _trace:
+                        trace.stamp(trace.SHARE_DONE)
+                else:
+                    out_idx = list(range(len(spec.outputs))) if subset is None else subset
+                    # More slices than rows would only add empty calls: cost stays that of
+                    # the unsliced call.
+                    num_slices = max(1, min(num_slices, rows))
+                    results = run_slices(spec, rt, arrays, msg.n_scattered, shared_sel,
+                                         num_slices, out_idx)
+            finally:
+                rt.in_call = False
+        if (rows != 0 or spec.collective) and spec.updates:
+            _wait_device(spec)
+        if prof is not None:
+            prof.lap("compute")
+        if msg.then is not None:
+            # Every rank joins, with rows or without: the others wait in the all-reduce.
+            run_then(rt, msg.then)
+        # No rows anywhere: the master's result on the empty input stands for the
+        # whole, as PyTensor's on an empty array (0 for sum; max raises there too).
+        weight = 1.0 if rows is None or whole_empty else float(rows)
+        if results is not None:
+            # Backends other than NumPy's (JAX) return their own array types.
+            results = [r if type(r) is np.ndarray else np.asarray(r) for r in results]
+        return results, weight
 
 
 def _run_collective(spec, rt, arrays, msg, shared_sel, subset):

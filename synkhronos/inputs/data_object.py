@@ -1,4 +1,8 @@
-"""Data (synk.data): NumPy arrays in POSIX shared memory, seen by every rank."""
+"""Data (synk.data): NumPy arrays in POSIX shared memory, seen by every rank.
+
+Over 400 lines: one class, ``Data``, whose public surface (the original API's
+set_value, set_length, set_shape, condition_data, free_memory, ...) is its job.
+"""
 
 import logging
 import math
@@ -216,6 +220,13 @@ class Data:
         """
         return (self._rt is rt and self._data is not None and self._dtype == dtype
                 and self._ndim == ndim)
+
+    def unchanged(self, desc, array):
+        """Whether this Data still has the descriptor and array (``memory()``) it had.
+
+        A kept call's check that its prepared views still show this Data.
+        """
+        return self._data is array and self._desc is desc
 
     def memory(self):
         """This process's array of this Data (a view of its shared memory), or None.

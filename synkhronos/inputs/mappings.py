@@ -83,6 +83,7 @@ def _alloc_worker(rt, msg):
 
 @handler(Command.DATA_FREE, DataFreeMsg, node=_free_on_machine)
 def _free_worker(rt, msg):
+    rt.registry.epoch += 1
     old = rt.registry.datas.pop(msg.data_id, None)
     if old is not None:
         old.close()
@@ -155,6 +156,7 @@ def _map(rt, msg):
     """Map segment ``msg.name`` as Data ``msg.data_id``'s memory here (None: keep the mapping)."""
     if msg.name is None:
         return
+    rt.registry.epoch += 1
     old = rt.registry.datas.pop(msg.data_id, None)
     if old is not None:
         old.close()

@@ -62,6 +62,11 @@ class CommandSpec(NamedTuple):
             to post nothing (``machine`` is the node master, see cluster/node.py).
         final: the last command: a rank exits once it has run it.
         label: ``label(rt, payload)``, the name a profile gives one run of it.
+        prepare: ``prepare(rt, payload)`` returns a runner (no arguments) that does
+            what ``run(rt, payload)`` does, prepared once for a message the leader
+            posts again and again (``Control.keep``), or None where it cannot be
+            prepared; a worker runs the runner while its Data mappings stay
+            (``Registry.epoch``).
     """
 
     run: Optional[Callable]
@@ -74,13 +79,14 @@ class CommandSpec(NamedTuple):
     node: Optional[Callable] = None
     final: bool = False
     label: Optional[Callable] = None
+    prepare: Optional[Callable] = None
 
 
 COMMANDS = {}
 
 
 def register(cmd, run, message=None, *, collected=False, combine=None, local=False, node=None,
-             final=False, label=None):
+             final=False, label=None, prepare=None):
     """Register ``run(rt, payload)`` as the handler of ``cmd``; see ``CommandSpec``.
 
     ``message``, the command's NamedTuple, travels as a plain tuple (pickling
@@ -89,7 +95,7 @@ def register(cmd, run, message=None, *, collected=False, combine=None, local=Fal
     """
     COMMANDS[cmd] = CommandSpec(
         run, message, getattr(message, "to_wire", None), getattr(message, "from_wire", None),
-        collected, combine, local, node, final, label)
+        collected, combine, local, node, final, label, prepare)
 
 
 def handler(cmd, message=None, **travel):

@@ -1,103 +1,139 @@
-"""The control channel: the control block in shared memory, barriers, status slots, run_command.
+"""The control channel: the control block in shared memory, barriers, status slots.
 
-The master announces a command by writing a pickled message into a shared
-segment and bumping a sequence number (the start barrier: no worker moves
-before it sees the new number); every worker posts that number in its own
-slot when done (the end barrier).  Waiting spins on shared memory first,
-because blocking primitives wake the other core slowly (~100 us), then falls
-back to sleeping so idle workers cost no CPU.  Every wait is bounded: it keeps
-checking that the other side is alive and that no rank aborted.
+The leader announces a command by writing a pickled message into a shared
+segment and publishing a new sequence number (the start barrier: no worker
+moves before it sees the new number); every worker publishes that number in
+its own slot when done (the end barrier).  The waits and wake-ups run in
+compiled code (``_block.Block``): they spin a bounded time without the GIL,
+because blocking primitives wake the other core slowly, then sleep on a futex
+so idle workers cost no CPU.  Every wait is bounded: between two waits it
+checks that the other side is alive and that no rank aborted.
+
+A message the leader sends again and again (a loop's call, its all-reduce)
+is ``keep``-ed: pickled once, given an id that travels with it, so each
+worker decodes it once and may keep what it prepared for it (``prepared``),
+ready to run the next time the same id comes.
 """
 
+import functools
+import itertools
 import logging
 import pickle
 from typing import NamedTuple
 
 from ..errors import error_record, unpickle_exception
+from . import trace
+from ._block import EQ, NE, Block
 from .commands import Command, decode, encode, handler
-from .liveness import spin_until, wait_until
+from .liveness import CHECK_NS, wait_slots
 from .run import run_command
 from .shmem import SharedArray
-from . import trace
 
 logger = logging.getLogger(__name__)
 
 
 OK, FAILED, ABORTED = 0, 1, 2
 
-# Control block layout (int64 slots).
-SEQ, MSG_LEN, ABORT = 0, 1, 2
+# Control block layout (int64 slots): a header line, then one line per local rank,
+# which only that rank writes (but for the waiters count of a slot someone sleeps on).
+SEQ, MSG_LEN, ABORT, SEQ_WAITERS, MSG_ID = 0, 1, 2, 3, 4
 RANK_BASE, RANK_STRIDE = 8, 8
-DONE, STATUS, SLEEPING, ERR_LEN = 0, 1, 2, 3
+DONE, STATUS, DONE_WAITERS, ERR_LEN = 0, 1, 2, 3
 
 ERR_BYTES = 256 * 1024
 MSG_BYTES = 1 << 20
-IDLE_TIMEOUT_S = 0.05
+IDLE_TIMEOUT_NS = 50_000_000  # an idle worker looks at its master this often
 DECODE_CACHE_BYTES = 1024  # messages this short are kept decoded (keyed by their bytes)
 DECODE_CACHE_SIZE = 256
+KEPT_SIZE = 256  # decoded kept messages (and what was prepared for them) per worker
+
+_trace = trace.ON
+
+
+class Kept(NamedTuple):
+    """A message the leader posts repeatedly: pickled once, named by ``id`` (> 0)."""
+
+    id: int
+    data: bytes
 
 
 class Control:
-    """The control block, message area, error slots and wake-up semaphores.
+    """The control block, message area and error slots of one machine's ranks.
 
-    Created in the master before the workers fork, so every process inherits
-    the mappings.  ``sems`` are multiprocessing semaphores (inherited by fork,
-    nothing to unlink).
+    Created in the leader before the workers fork, so every process inherits
+    the mappings.
     """
 
-    def __init__(self, rt, ctx, spin_s):
+    def __init__(self, rt, spin_s):
         # Slots are indexed by local index: the ranks of this machine.
         self.rt = rt
         self.spin_s = spin_s
+        self.spin_ns = int(spin_s * 1e9)
         n_local = rt.place.n_local
         n_slots = RANK_BASE + RANK_STRIDE * n_local
         self.block = SharedArray(rt.segment_name("ctrl"), 8 * n_slots)
         self.mv = memoryview(self.block.buffer).cast("q")
+        self.fast = Block(self.block.buffer)
         self.errors = SharedArray(rt.segment_name("err"), ERR_BYTES * n_local)
         self.msg = SharedArray(rt.segment_name("msg"), MSG_BYTES)
-        self.sems = [ctx.Semaphore(0) for _ in range(n_local)]
         self.seq = 0
         self.current = 0  # the command this process runs (master: the last posted)
         self.decoded = {}  # message bytes -> decoded message (read_message)
+        self.kept = {}     # kept message id -> [decoded message, prepared runner or None]
+        self.epoch = 0     # the Registry.epoch the prepared runners were made in
+        self.msg_id = 0    # the kept message the area holds (leader), or 0
+        self.ids = itertools.count(1)
         self.workers = rt.worker_ranks
-        self.status_slots = [self.slot(r, STATUS) for r in self.workers]
+        self.status_slots = tuple(self.slot(r, STATUS) for r in self.workers)
+        self.done_slots = tuple(self.slot(r, DONE) for r in self.workers)
 
     def slot(self, rank, field):
         return RANK_BASE + RANK_STRIDE * rank + field
 
-    def post(self, rt, cmd, payload, wire=None):
+    def keep(self, cmd, payload):
+        """Pickle ``cmd`` with ``payload`` once, for posting many times (``post(kept=)``)."""
+        return Kept(next(self.ids), encode(cmd, payload))
+
+    def post(self, rt, cmd, payload, wire=None, kept=None):
         """Announce ``cmd`` to every worker; return its sequence number.
 
         Data objects the master dropped since the last command travel along,
-        so the workers unmap them first.  ``wire``, if given, is this very
-        message as an earlier post pickled it (``last_plain``: a loop that
-        repeats a collective skips the pickling), or as the controller sent
-        it (a node master posts those bytes as they came).
+        so the workers unmap them first (the message then goes fresh, not as
+        ``kept``).  ``wire``, if given, is this very message as the
+        controller sent it (a node master posts those bytes as they came);
+        ``kept`` (``keep``) is a message posted before under its id.
         """
         freed = rt.registry.freed
-        if wire is not None and not freed:
-            data = wire
-        else:
-            frees = [freed.popleft() for _ in range(len(freed))] if freed else None
-            data = encode(cmd, payload, frees)
-            wire = None if frees else data
-        if len(data) > self.msg.nbytes:
-            # (bytes another machine sent, too: each machine grows its own area)
-            self._grow_message(rt, len(data))
-        self.last = data  # what a cluster's controller forwards to the other machines
-        self.last_plain = wire  # the message without frees, which can be posted again
-        self.msg.buffer[: len(data)] = data
         mv = self.mv
-        mv[MSG_LEN] = len(data)
+        if kept is not None and not freed:
+            data = kept.data
+            if self.msg_id != kept.id:
+                self._write(rt, data)
+                mv[MSG_ID] = self.msg_id = kept.id
+        else:
+            if wire is not None and not freed:
+                data = wire
+            else:
+                frees = [freed.popleft() for _ in range(len(freed))] if freed else None
+                data = encode(cmd, payload, frees)
+            self._write(rt, data)
+            mv[MSG_ID] = self.msg_id = 0
+        self.last = data  # what a cluster's controller forwards to the other machines
         self.seq += 1
         self.current = self.seq
-        mv[SEQ] = self.seq
-        if trace.ON:
+        # After the message: a worker that sees the number reads the whole message.
+        self.fast.publish(SEQ, self.seq, SEQ_WAITERS)
+        if _trace:
             trace.stamp(trace.POSTED)
-        for r in self.workers:
-            if mv[RANK_BASE + RANK_STRIDE * r + SLEEPING]:
-                self.sems[r].release()
         return self.seq
+
+    def _write(self, rt, data):
+        n = len(data)
+        if n > self.msg.nbytes:
+            # (bytes another machine sent, too: each machine grows its own area)
+            self._grow_message(rt, n)
+        self.msg.buffer[:n] = data
+        self.mv[MSG_LEN] = n
 
     def _grow_message(self, rt, n):
         size = max(n + n // 2, 2 * self.msg.nbytes)
@@ -118,24 +154,19 @@ class Control:
         return self.mv[ABORT] == self.current
 
     def wait_done(self, rt, seq, check):
-        """End barrier: wait until every worker has posted ``seq``."""
-        mv = self.mv
-        for r in self.workers:
-            slot = RANK_BASE + RANK_STRIDE * r + DONE
-            if mv[slot] != seq:
-                wait_until(lambda: mv[slot] == seq, check, self.spin_s)
+        """End barrier: wait until every worker has published ``seq``."""
+        wait_slots(self.fast, self.done_slots, EQ, seq, DONE_WAITERS - DONE, check, self.spin_ns)
 
     def all_ok(self):
         """Whether every worker finished its last command without failing or aborting."""
-        mv = self.mv
-        return all(mv[slot] == OK for slot in self.status_slots)
+        return not self.fast.count_ne(self.status_slots, OK)
 
     def any_failed(self):
+        status_slots = self.status_slots
+        if not self.fast.count_ne(status_slots, OK):
+            return False
         mv = self.mv
-        for slot in self.status_slots:
-            if mv[slot] == FAILED:
-                return True
-        return False
+        return any(mv[slot] == FAILED for slot in status_slots)
 
     def failures(self):
         """Return {global rank: (text, exception or None)} for the workers that failed."""
@@ -153,32 +184,65 @@ class Control:
 
     def wait_command(self, rank, last_seq, check):
         """Block until the master posts a command after ``last_seq``; return its seq."""
-        mv = self.mv
-        if spin_until(lambda: mv[SEQ] != last_seq, check, self.spin_s):
-            self.current = mv[SEQ]
-            return self.current
-        sleeping = self.slot(rank, SLEEPING)
-        while True:
-            mv[sleeping] = 1
-            if mv[SEQ] != last_seq:
-                break
-            self.sems[rank].acquire(timeout=IDLE_TIMEOUT_S)
-            if mv[SEQ] != last_seq:
-                break
-            check()
-        mv[sleeping] = 0
-        self.current = mv[SEQ]
+        if not self.fast.wait(SEQ, NE, last_seq, SEQ_WAITERS - SEQ, min(self.spin_ns, CHECK_NS),
+                              IDLE_TIMEOUT_NS):
+            wait_slots(self.fast, SEQ, NE, last_seq, SEQ_WAITERS - SEQ, check,
+                       max(self.spin_ns - CHECK_NS, 0), IDLE_TIMEOUT_NS)
+        self.current = self.mv[SEQ]
         return self.current
+
+    def posted_kept(self):
+        """The id of the kept message just posted, or 0 (a message posted once)."""
+        return self.mv[MSG_ID]
+
+    def prepared(self, epoch):
+        """The runner prepared for the kept message just posted, if still valid for ``epoch``."""
+        if epoch != self.epoch:
+            self.forget_prepared(epoch)
+            return None
+        msg_id = self.mv[MSG_ID]
+        if msg_id:
+            entry = self.kept.get(msg_id)
+            if entry is not None:
+                return entry[1]
+        return None
+
+    def forget_prepared(self, epoch):
+        """Drop every prepared runner (they hold views of Data unmapped since); now ``epoch``."""
+        for entry in self.kept.values():
+            entry[1] = None
+        self.epoch = epoch
+
+    def prepare(self, runner, epoch):
+        """Keep ``runner`` for the kept message just posted (read by ``read_message``)."""
+        if epoch != self.epoch:
+            self.forget_prepared(epoch)
+        entry = self.kept.get(self.mv[MSG_ID])
+        if entry is not None:
+            entry[1] = runner
 
     def read_message(self):
         """Return (command, payload, ids of dropped Data objects or None).
 
         A loop sends the same few messages again and again; unpickling one
-        costs microseconds, a dict look-up of its bytes a tenth of that.
-        Handlers never change a payload, so a decoded one can be reused.
+        costs microseconds, a dict look-up a tenth of that.  Handlers never
+        change a payload, so a decoded one can be reused: kept messages by
+        their id, other short ones by their bytes.
         """
-        n = self.mv[MSG_LEN]
+        mv = self.mv
+        msg_id = mv[MSG_ID]
+        if msg_id:
+            entry = self.kept.get(msg_id)
+            if entry is not None:
+                return entry[0]
+        n = mv[MSG_LEN]
         data = self.msg.buffer[:n]
+        if msg_id:
+            out = decode(data)
+            if len(self.kept) >= KEPT_SIZE:
+                self.kept.clear()
+            self.kept[msg_id] = [out, None]
+            return out
         cache = self.decoded
         hit = cache.get(data)
         if hit is not None:
@@ -196,9 +260,12 @@ class Control:
         return [r for r in self.workers if mv[self.slot(r, DONE)] != self.current]
 
     def finish(self, rank, seq, status):
-        mv = self.mv
-        mv[self.slot(rank, STATUS)] = status
-        mv[self.slot(rank, DONE)] = seq
+        self.finisher(rank)(status, seq)
+
+    def finisher(self, rank):
+        """``finish`` of local rank ``rank`` as ``f(status, seq)``: its slots bound once."""
+        base = RANK_BASE + RANK_STRIDE * rank
+        return functools.partial(self.fast.finish, base + STATUS, base + DONE, base + DONE_WAITERS)
 
     def write_error(self, rank, header, exc):
         """Store the traceback text and, if it pickles, the exception itself (both cut to fit)."""
@@ -207,6 +274,7 @@ class Control:
         self.mv[self.slot(rank, ERR_LEN)] = len(raw)
 
     def close(self):
+        self.fast.release()
         self.mv.release()
         for seg in (self.block, self.errors, self.msg):
             seg.close()

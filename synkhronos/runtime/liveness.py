@@ -214,6 +214,41 @@ def _check(pred, check):
             raise
 
 
+CHECK_NS = int(CHECK_EVERY_S * 1e9)
+
+
+def wait_slots(block, slots, mode, target, waiters, check, spin_ns, block_ns=CHECK_NS):
+    """Return once the slots of ``block`` (a ``_block.Block``) hold what ``mode`` asks of ``target``.
+
+    ``slots`` is one slot index or a tuple of them (all must hold); ``mode``
+    ``_block.EQ``, ``NE`` or ``GE``; ``waiters`` the offset of each slot's
+    waiters count (the writer wakes sleepers only if it is set).  Spins for
+    up to ``spin_ns`` nanoseconds without the GIL, then sleeps on the slot's
+    futex; ``check()`` (which may raise) runs every ``CHECK_EVERY_S`` of
+    spinning and every ``block_ns`` of sleeping.  A ``CommAborted`` raised by
+    the check after the slots came true does not count.
+    """
+    wait = block.wait_all if type(slots) is tuple else block.wait
+    if spin_ns <= CHECK_NS:
+        if wait(slots, mode, target, waiters, spin_ns, block_ns):
+            return
+        spin_ns = 0
+    while True:
+        if spin_ns > 0:
+            spin = spin_ns if spin_ns < CHECK_NS else CHECK_NS
+            spin_ns -= spin
+            if wait(slots, mode, target, waiters, spin, block_ns if spin_ns <= 0 else 0):
+                return
+        try:
+            check()
+        except CommAborted:
+            if not wait(slots, mode, target, waiters, 0, 0):
+                raise
+            return
+        if spin_ns <= 0 and wait(slots, mode, target, waiters, 0, block_ns):
+            return
+
+
 def wait_until(pred, check, spin_s, poll_max_s=1e-3):
     """Return once ``pred()`` is true; call ``check()`` (which may raise) every 10 ms."""
     if spin_until(pred, check, spin_s):

@@ -12,11 +12,13 @@ import time
 
 from . import trace
 from ..errors import CommAborted, WorkerDiedError, describe_error, rank_header, worker_error_type
+from .peers import ALONE
 
 logger = logging.getLogger(__name__)
+_trace = trace.ON
 
 
-def run_command(rt, cmd, payload, local=None, after=None, what=None, wire=None):
+def run_command(rt, cmd, payload, local=None, after=None, what=None, wire=None, kept=None):
     """Run ``cmd`` on every rank and ``local(seq)`` here; return its result.  Leader only.
 
     ``after(result)``, if given, runs once every rank has finished without
@@ -24,20 +26,24 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None, wire=None):
     included, raises ``WorkerError`` after every rank has finished (end
     barrier), carrying every failing rank's traceback.  ``what`` describes
     the command in profiles and in errors about ranks that stall (default:
-    its name).  ``wire`` is the message pickled by an earlier post
-    (``Control.post``).
+    its name).  ``wire`` is the message as another machine sent it, ``kept``
+    the message as ``Control.keep`` pickled it (``Control.post``).
     """
     control = rt.control
     peers = rt.peers
-    t0 = time.perf_counter()
+    alone = peers is ALONE  # one machine: no peers to forward to or wait for
+    debug = logger.isEnabledFor(logging.DEBUG)
+    if debug:
+        t0 = time.perf_counter()
     prof = rt.profiler
     if prof is not None:
         prof.begin(what or cmd.name.lower())
-    seq = control.post(rt, cmd, payload, wire)
+    seq = control.post(rt, cmd, payload, wire, kept)
     result = local_exc = remote = None
     local_ok = False  # this process's own share finished (a lost machine asks)
     try:
-        peers.forward(cmd, control.last)
+        if not alone:
+            peers.forward(cmd, control.last)
         rt.processes.monitor.begin(what or cmd)  # a Command is named only if a rank stalls
         if prof is not None:
             prof.lap("control")
@@ -58,8 +64,9 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None, wire=None):
             local_exc = exc
             control.abort(seq)
         control.wait_done(rt, seq, rt.check)
-        remote = peers.finish(rt.check)
-        if trace.ON:
+        if not alone:
+            remote = peers.finish(rt.check)
+        if _trace:
             trace.stamp(trace.WAITED)
         if prof is not None:
             prof.lap("wait")
@@ -74,7 +81,7 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None, wire=None):
     except KeyboardInterrupt:
         rt.abandon(rt, f"interrupted while running {cmd.name}")
         raise
-    if logger.isEnabledFor(logging.DEBUG):
+    if debug:
         logger.debug("rank %d ran %s in %.6f s", rt.place.rank, cmd.name, time.perf_counter() - t0)
     if local_exc is not None or remote or control.any_failed():
         if prof is not None:
@@ -82,7 +89,7 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None, wire=None):
         raise _worker_error(rt, cmd, local_exc, remote)
     if after is not None:
         result = after(result)
-    if trace.ON:
+    if _trace:
         trace.stamp(trace.COMBINED)
     if prof is not None:
         prof.end("reduce")

@@ -73,10 +73,14 @@ class Registry:
     device_shareds: set = field(default_factory=set)     # ids of shared vars whose values live on a device
     distributed: bool = False
     freed: collections.deque = field(default_factory=collections.deque)  # dropped Data ids, for the ranks
-    wire: dict = field(default_factory=dict)             # master: repeated calls' messages, pickled
+    wire: dict = field(default_factory=dict)             # master: repeated commands' kept messages
+    # Bumped whenever this process's Data memory or functions change: what was prepared
+    # for a kept message (views of Data, a function) is valid for one epoch only.
+    epoch: int = 0
 
     def unmap(self, ids):
         """Close this process's mappings of Data objects the master dropped."""
+        self.epoch += 1
         for data_id in ids:
             seg = self.datas.pop(data_id, None)
             if seg is not None:
@@ -169,12 +173,17 @@ def serialized(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         # Before the lock: a child forked while another thread held it would wait forever.
-        _require_master_process(fn.__qualname__)
+        rt = _state["runtime"]
+        if rt is not None and _PID[0] != rt.config.master_pid:
+            _require_master_process(fn.__qualname__)
         with _LOCK:
-            _DEPTH[0] += 1
+            depth = _DEPTH[0] = _DEPTH[0] + 1
             try:
-                if _DEPTH[0] == 1:
-                    _between()
+                if depth == 1:
+                    # The peers' turn between commands (a machine joins).
+                    rt = _state["runtime"]
+                    if rt is not None and rt.peers is not ALONE and not rt.closed and rt.is_master:
+                        rt.peers.between()
                 return fn(*args, **kwargs)
             finally:
                 _DEPTH[0] -= 1
@@ -182,13 +191,9 @@ def serialized(fn):
 
 
 _DEPTH = [0]  # public calls under way in the thread that holds _LOCK
-
-
-def _between():
-    """At the start of a public call: the peers' turn between commands (a machine joins)."""
-    rt = _state["runtime"]
-    if rt is not None and not rt.closed and rt.is_master:
-        rt.peers.between()
+# This process's pid: os.getpid() is a system call, and every public call asks.
+_PID = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 
 
 def _require_master_process(what):
@@ -199,7 +204,7 @@ def _require_master_process(what):
     amid the master's.
     """
     rt = _state["runtime"]
-    if rt is None or rt.closed or os.getpid() == rt.config.master_pid:
+    if rt is None or rt.closed or _PID[0] == rt.config.master_pid:
         return
     if not rt.is_master:
         raise SynkStateError(

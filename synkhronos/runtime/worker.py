@@ -1,4 +1,4 @@
-"""The worker loop: wait for a command, run its handler, post a status."""
+"""The worker loop: wait for a command, run its handler (or what it prepared), post a status."""
 
 import logging
 import os
@@ -17,9 +17,13 @@ def loop(rt):
     """Serve commands until the final one; never returns to the caller's code.
 
     The handlers are whatever modules registered them (runtime/commands.py) before the
-    fork that started this worker.
+    fork that started this worker.  A kept message (``Control.keep``) whose command
+    can ``prepare`` runs, from its second time on, the runner prepared for it: no
+    decoding, no look-ups, nothing re-derived from the message.
     """
     control = rt.control
+    registry = rt.registry
+    backend = rt.backend
     me = rt.place.local_index  # in a cluster, the global rank is known only after LAYOUT
     check = rt.check
     profiler = None
@@ -28,13 +32,33 @@ def loop(rt):
         profiler = cProfile.Profile()
         profiler.enable()
     debug = logger.isEnabledFor(logging.DEBUG)
+    traced = trace.ON
+    finish = control.finisher(me)
     last = 0
     while True:
         seq = control.wait_command(me, last, check)
-        if trace.ON:
+        if traced:
             trace.stamp(trace.WOKE)
         last = seq
         prof = rt.profiler
+        runner = None
+        if prof is None and not debug:
+            runner = control.prepared(registry.epoch)
+        if runner is not None:
+            backend.begin(seq)
+            status = OK
+            try:
+                runner()
+            except CommAborted:
+                status = ABORTED
+            except BaseException as exc:  # noqa: BLE001 - everything goes back to the master
+                control.write_error(me, rank_header(rt.place.rank, rt.place.n_parallel), exc)
+                control.abort(seq)
+                status = FAILED
+            if traced:
+                trace.stamp(trace.FINISHED)
+            finish(status, seq)
+            continue
         if prof is not None:
             t_seen = time.perf_counter_ns()
         cmd, payload, frees = control.read_message()
@@ -42,14 +66,23 @@ def loop(rt):
             prof.begin(label(cmd, rt, payload), t_seen)
             prof.lap("control")
         if frees:
-            rt.registry.unmap(frees)
-        rt.backend.begin(seq)
+            registry.unmap(frees)
+            control.forget_prepared(registry.epoch)  # their views would keep the memory mapped
+        backend.begin(seq)
         if debug:
             t0 = time.perf_counter()
         spec = COMMANDS[cmd]
         status = OK
         try:
-            spec.run(rt, payload)
+            if spec.prepare is not None and control.posted_kept():
+                runner = spec.prepare(rt, payload)
+                if runner is None:
+                    spec.run(rt, payload)
+                else:
+                    control.prepare(runner, registry.epoch)
+                    runner()
+            else:
+                spec.run(rt, payload)
         except CommAborted:
             status = ABORTED
         except BaseException as exc:  # noqa: BLE001 - everything goes back to the master
@@ -67,6 +100,6 @@ def loop(rt):
                 profiler.dump_stats(f"synk_worker_{rt.place.rank}.prof")
             control.finish(me, seq, status)
             os._exit(0)
-        if trace.ON:
+        if traced:
             trace.stamp(trace.FINISHED)
         control.finish(me, seq, status)

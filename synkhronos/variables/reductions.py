@@ -18,8 +18,10 @@ from ..runtime import trace
 from ..runtime.commands import Command, handler
 from ..runtime.run import run_command
 from ..errors import SynkStateError
-from ..runtime.state import require_distributed, serialized
+from ..runtime.state import get_runtime, require_distributed, serialized
 from .access import backend_values, transport
+
+_trace = trace.ON
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,10 @@ def require_collective(what):
     Raises:
         SynkStateError: before distribute(), inside a call, or in a worker.
     """
+    rt = get_runtime()
+    if (rt is not None and not rt.closed and rt.registry.distributed and not rt.in_call
+            and rt.is_master):
+        return rt  # the common case, checked at every call
     rt = require_distributed(what)
     if rt.in_call or not rt.is_master:
         raise SynkStateError(
@@ -157,11 +163,9 @@ def all_reduce(shared_vars, op="avg", nccl=True, dtype=None):
         key = (Command.ALL_REDUCE, shared_vars, op, nccl, dtype)
         hit = rt.registry.wire.get(key)
         if hit is not None:
-            msg = hit[0]
-            if trace.ON:
+            if _trace:
                 trace.stamp(trace.CHECKED)
-            run_command(rt, Command.ALL_REDUCE, msg, lambda seq: all_reduce_local(rt, msg),
-                        wire=hit[1])
+            run_command(rt, Command.ALL_REDUCE, hit[0], hit[1], kept=hit[2])
             return
     check_flags("all_reduce", nccl=nccl)
     idx, _ = _check_reduce(rt, shared_vars, op, True, "all_reduce")
@@ -169,9 +173,14 @@ def all_reduce(shared_vars, op="avg", nccl=True, dtype=None):
         compressed.check(dtype, op, [(rt.registry.shareds[i], rt.registry.shareds[i].dtype) for i in idx],
                          "all_reduce")
     msg = AllReduceMsg(idx, op, bool(nccl), dtype)
-    run_command(rt, Command.ALL_REDUCE, msg, lambda seq: all_reduce_local(rt, msg))
-    if key is not None and rt.control.last_plain is not None:
-        rt.registry.wire[key] = (msg, rt.control.last_plain)
+    if key is None:
+        run_command(rt, Command.ALL_REDUCE, msg, lambda seq: all_reduce_local(rt, msg))
+        return
+    # Kept: the message pickled once, its repeats prepared here and in every worker.
+    kept = rt.control.keep(Command.ALL_REDUCE, msg)
+    local = KeptAllReduce(rt, msg)
+    run_command(rt, Command.ALL_REDUCE, msg, local, kept=kept)
+    rt.registry.wire[key] = (msg, local, kept)
 
 
 class AllReduceMsg(NamedTuple):
@@ -219,6 +228,46 @@ def all_reduce_local(rt, msg):
         access.adopt(rt, var, value)
 
 
-@handler(Command.ALL_REDUCE, AllReduceMsg)
+class KeptAllReduce:
+    """``all_reduce_local`` of one ``AllReduceMsg`` sent again and again, prepared once.
+
+    What every rank runs for a kept ALL_REDUCE (the master, and each worker
+    from ``_all_reduce_prepare``): the variables' containers and the
+    backend's small plan are looked up once; each run reads the variables'
+    current arrays, so an update that replaced them is followed.
+    """
+
+    __slots__ = ("rt", "msg", "containers", "plan")
+
+    def __init__(self, rt, msg):
+        self.rt = rt
+        self.msg = msg
+        shareds = [rt.registry.shareds[i] for i in msg.idx]
+        self.containers = [v.container for v in shareds]
+        device = rt.registry.device_shareds
+        self.plan = None
+        if (msg.dtype is None and rt.backend.small_all_reduce is not None
+                and not (device and any(id(v) in device for v in shareds))):
+            self.plan = rt.backend.small_plan(msg.idx, msg.op,
+                                              [c.storage[0] for c in self.containers])
+
+    def __call__(self, seq=None):
+        plan = self.plan
+        if plan is not None:
+            if _trace:
+                trace.stamp(trace.SHARE_START)
+            if plan.run([c.storage[0] for c in self.containers]):
+                if _trace:
+                    trace.stamp(trace.SHARE_DONE)
+                return
+        all_reduce_local(self.rt, self.msg)
+
+
+def _all_reduce_prepare(rt, msg):
+    """What a worker runs for a kept ALL_REDUCE message."""
+    return KeptAllReduce(rt, msg)
+
+
+@handler(Command.ALL_REDUCE, AllReduceMsg, prepare=_all_reduce_prepare)
 def _all_reduce_worker(rt, msg):
     all_reduce_local(rt, msg)

@@ -95,7 +95,13 @@ def test_the_loops_that_serve_commands_name_none(module):
     assert _names_a_command(PACKAGE / module) == []
 
 
-def test_no_library_module_is_over_400_lines():
-    sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines())
-             for p in PACKAGE.rglob("*.py")}
-    assert {name: n for name, n in sizes.items() if n > 400} == {}
+def test_a_module_over_400_lines_says_why():
+    """Modules split by job, not by length; one job that needs more says so (STYLE.md)."""
+    long = {}
+    for p in PACKAGE.rglob("*.py"):
+        text = p.read_text()
+        n = len(text.splitlines())
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if n > 400 and "over 400 lines" not in doc.lower():
+            long[str(p.relative_to(PACKAGE))] = n
+    assert long == {}

@@ -1,0 +1,63 @@
+"""KeptCall: a call repeated with the very same Data and no options, prepared once (master side).
+
+The worker side is ``rank_call``'s ``_call_prepare``: each worker keeps its
+share of a kept message ready, as the master keeps its own here.
+"""
+
+from ..inputs.data_object import Data
+from ..runtime import trace
+from ..runtime.commands import Command
+from ..runtime.run import run_command
+from .outputs import collect
+from .rank_call import Share
+
+_trace = trace.ON
+
+
+def own_share(share_result):
+    """The master's share as ``collect`` takes it: ``(results, weight)``, or None without results."""
+    results, weight = share_result
+    return None if results is None else (results, weight)
+
+
+class KeptCall:
+    """A call repeated with the very same Data and no options, prepared once.  Master only.
+
+    Its message is pickled once and posted under an id (``Control.keep``), so
+    each worker keeps its share prepared too; the master's share (its rows'
+    views) is kept here.  Valid while every Data still has the memory and
+    shape it had (``matches``).
+    """
+
+    __slots__ = ("rt", "msg", "kept", "descs", "arrays", "local", "after", "what")
+
+    def __init__(self, function, rt, msg, arrays, kept):
+        self.rt = rt
+        self.msg = msg
+        self.kept = kept
+        # Not the Data themselves, whose finalizers free their memory: their descriptors,
+        # which no other Data has (describe() makes one per Data).
+        self.descs = tuple(msg.descs)
+        self.arrays = tuple(arrays)
+        spec = function.spec
+        share = Share(spec, rt, msg, arrays)
+        self.local = lambda seq: own_share(share.run())
+        name = function.name or "function"
+        self.after = lambda mine: collect(spec, rt, mine, None, name)
+        self.what = function._what
+
+    def matches(self, args):
+        """Whether ``args`` are the kept call's Data, unchanged in memory and shape."""
+        if len(args) != len(self.descs):
+            return False
+        for a, desc, arr in zip(args, self.descs, self.arrays):
+            if type(a) is not Data or not a.unchanged(desc, arr):
+                return False
+        return True
+
+    def run(self):
+        """Run the call again on every rank; return its reduced outputs."""
+        if _trace:
+            trace.stamp(trace.CHECKED)
+        return run_command(self.rt, Command.CALL, self.msg, self.local, self.after,
+                           what=self.what, kept=self.kept)
