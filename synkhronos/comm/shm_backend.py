@@ -107,8 +107,10 @@ class ShmBackend(ShmReduce, Backend):
         """
         if arrays is not None and len(arrays) == 1:
             a = arrays[0]
+            # float32 and float64 in C, float16 here; the seq last: the root checks it first.
+            if self.fast.put_scalar_array(self._slots()[4], self.seq, a, weight):
+                return
             if type(a) is np.ndarray and a.ndim == 0 and a.dtype.char in SCALAR_CHARS:
-                # The seq last: the root checks it first.
                 self.fast.put_scalar(self._slots()[4], self.seq, float(a), float(weight),
                                      ord(a.dtype.char))
                 return
@@ -125,6 +127,10 @@ class ShmBackend(ShmReduce, Backend):
         every other rank contributed one float scalar of its dtype.  Combined
         in rank order as ``reduce_ops.combine_floats`` does.
         """
+        got = self.fast.combine_scalar_array(SCALAR_SEQ, STRIDE, self.n_parallel, self._slots()[0],
+                                             self.seq, OP_CODES[op], value, weight)
+        if got is not None:
+            return np.array(got, value.dtype)  # float32 or float64, combined in C
         dtype = value.dtype
         if dtype.char not in SCALAR_CHARS:
             return None

@@ -41,9 +41,13 @@ class KeptCall:
         self.arrays = tuple(arrays)
         spec = function.spec
         share = Share(spec, rt, msg, arrays)
-        self.local = lambda seq: own_share(share.run())
+        run = share.bound()
+        if share.plain and share.runs:
+            self.local = lambda seq: run()  # results, never None
+        else:
+            self.local = lambda seq: own_share(run())
         name = function.name or "function"
-        self.after = lambda mine: collect(spec, rt, mine, None, name)
+        self.after = _combiner(spec, rt, name)
         self.what = function._what
 
     def matches(self, args):
@@ -61,3 +65,22 @@ class KeptCall:
             trace.stamp(trace.CHECKED)
         return run_command(self.rt, Command.CALL, self.msg, self.local, self.after,
                            what=self.what, kept=self.kept)
+
+
+def _combiner(spec, rt, name):
+    """``collect`` for a kept call: one float scalar output (a loss) goes straight to the backend."""
+    if not spec.simple:
+        return lambda mine: collect(spec, rt, mine, None, name)
+    op = spec.output_ops[0]
+    scalar_result = rt.backend.scalar_result
+    listed = spec.return_list
+
+    def after(mine):
+        if mine is not None:
+            a = mine[0][0]
+            if a.ndim == 0:
+                out = scalar_result(op, a, mine[1])
+                if out is not None:
+                    return [out] if listed else out
+        return collect(spec, rt, mine, None, name)
+    return after

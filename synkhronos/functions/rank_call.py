@@ -85,11 +85,11 @@ def _call_prepare(rt, msg):
     spec = rt.registry.functions[msg.function_id].spec
     if not Share.reusable_for(spec, msg):
         return None
-    share = Share(spec, rt, msg)
+    run = Share(spec, rt, msg).bound()
     contribute = rt.backend.contribute
 
     def runner():
-        results, weight = share.run()
+        results, weight = run()
         contribute(results, weight)
     return runner
 
@@ -174,6 +174,37 @@ class Share:
         cluster's per-call parts, or sliceable shared variables' lengths.
         """
         return msg.plan is None and not spec.sliceable
+
+    def bound(self):
+        """``run`` as a callable for a share run again and again (without a profile).
+
+        The common call's steps with every name bound once: a kept call's
+        repeats run nothing else.
+        """
+        if not (self.plain and self.runs):
+            return self.run
+        rt, spec, fn, arrays, weight = self.rt, self.spec, self.spec.fn, self.arrays, self.weight
+        wait_updates = self.wait_updates
+        ndarray = np.ndarray
+
+        def run():
+            rt.in_call = True
+            try:
+                if _trace:
+                    trace.stamp(trace.SHARE_START)
+                results = fn(*arrays)
+                if _trace:
+                    trace.stamp(trace.SHARE_DONE)
+            finally:
+                rt.in_call = False
+            if wait_updates:
+                _wait_device(spec)
+            for r in results:
+                if type(r) is not ndarray:
+                    # Backends other than NumPy's (JAX) return their own array types.
+                    return [np.asarray(r) for r in results], weight
+            return results, weight
+        return run
 
     def run(self):
         """Run this share; return ``(results or None, weight)``."""

@@ -65,16 +65,20 @@ static inline int holds(int64_t v, int mode, int64_t target) {
     }
 }
 
-static void futex_wait(int64_t *p, int64_t seen, long long ns) {
+/* Sleep until the slot changes from ``seen``, a wake-up, a signal or ``ns``; 0 on a signal. */
+static int futex_wait(int64_t *p, int64_t seen, long long ns) {
 #ifdef __linux__
     struct timespec ts = {(time_t)(ns / 1000000000LL), (long)(ns % 1000000000LL)};
     /* The low half of the slot on little-endian machines (the project's targets);
      * any change of a slot we wait on changes its low half within a wait. */
-    syscall(SYS_futex, (uint32_t *)p, FUTEX_WAIT, (uint32_t)seen, &ts, NULL, 0);
+    if (syscall(SYS_futex, (uint32_t *)p, FUTEX_WAIT, (uint32_t)seen, &ts, NULL, 0) < 0 &&
+        errno == EINTR)
+        return 0;
+    return 1;
 #else
     struct timespec ts = {0, 50000};
     (void)p; (void)seen; (void)ns;
-    nanosleep(&ts, NULL);
+    return nanosleep(&ts, NULL) == 0;
 #endif
 }
 
@@ -187,9 +191,10 @@ static int wait_slots(Block *self, Py_ssize_t *idx, int k, int mode, int64_t tar
                 int64_t *w = &s[idx[next] + woff];
                 __atomic_add_fetch(w, 1, __ATOMIC_SEQ_CST);
                 int64_t seen = load(slot);
-                if (!holds(seen, mode, target))
-                    futex_wait(slot, seen, left);
+                int slept = holds(seen, mode, target) || futex_wait(slot, seen, left);
                 __atomic_sub_fetch(w, 1, __ATOMIC_SEQ_CST);
+                if (!slept)
+                    break;  /* a signal (Ctrl-C): back to Python, which handles it */
             } else {
                 struct timespec ts = {0, left < 50000 ? (long)left : 50000};
                 nanosleep(&ts, NULL);
@@ -379,6 +384,88 @@ static double combine_values(int op, const double *v, const double *w, Py_ssize_
 
 #define MAX_SCALARS 4096
 
+/* The value of a 0-d float32 or float64 array (any object exporting a 0-d buffer
+ * of format f or d), and its format's code; 0 if it is not one. */
+static int scalar_of(PyObject *obj, double *value, long long *code) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(obj, &b, PyBUF_FORMAT | PyBUF_ND) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    int ok = 0;
+    const char *f = b.format ? b.format : "B";
+    if (*f == '=' || *f == '<' || *f == '@')
+        f++;
+    if (b.ndim == 0 && f[1] == 0) {
+        if (f[0] == 'd' && b.len == 8) {
+            memcpy(value, b.buf, 8);
+            *code = 'd';
+            ok = 1;
+        } else if (f[0] == 'f' && b.len == 4) {
+            float v;
+            memcpy(&v, b.buf, 4);
+            *value = v;
+            *code = 'f';
+            ok = 1;
+        }
+    }
+    PyBuffer_Release(&b);
+    return ok;
+}
+
+static PyObject *Block_put_scalar_array(Block *self, PyObject *const *args, Py_ssize_t nargs) {
+    /* put_scalar_array(seq_index, seq, array, weight) -> bool: put_scalar of a 0-d float32
+     * or float64 array; False (nothing written) for anything else. */
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "put_scalar_array(seq_index, seq, array, weight)");
+        return NULL;
+    }
+    Py_ssize_t i = PyLong_AsSsize_t(args[0]);
+    long long seq = PyLong_AsLongLong(args[1]);
+    double w = PyFloat_AsDouble(args[3]);
+    if (PyErr_Occurred() || check_index(self, i) < 0 || check_index(self, i + 3) < 0)
+        return NULL;
+    double v;
+    long long code;
+    if (!scalar_of(args[2], &v, &code))
+        Py_RETURN_FALSE;
+    int64_t *s = self->slots;
+    memcpy(&s[i + 1], &v, 8);
+    memcpy(&s[i + 2], &w, 8);
+    s[i + 3] = code;
+    __atomic_store_n(&s[i], (int64_t)seq, __ATOMIC_RELEASE);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *combine(Block *self, Py_ssize_t first, Py_ssize_t stride, Py_ssize_t n,
+                         Py_ssize_t me, long long seq, long long code, int op, double mine,
+                         double my_w);
+
+static PyObject *Block_combine_scalar_array(Block *self, PyObject *const *args, Py_ssize_t nargs) {
+    /* combine_scalar_array(first, stride, n, me, seq, op, array, weight) -> float or None:
+     * combine_scalars with this rank's value and dtype code read from a 0-d float32 or
+     * float64 array (None for anything else). */
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError,
+                        "combine_scalar_array(first, stride, n, me, seq, op, array, weight)");
+        return NULL;
+    }
+    Py_ssize_t first = PyLong_AsSsize_t(args[0]);
+    Py_ssize_t stride = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t n = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t me = PyLong_AsSsize_t(args[3]);
+    long long seq = PyLong_AsLongLong(args[4]);
+    int op = (int)PyLong_AsLong(args[5]);
+    double my_w = PyFloat_AsDouble(args[7]);
+    if (PyErr_Occurred())
+        return NULL;
+    double v;
+    long long code;
+    if (!scalar_of(args[6], &v, &code))
+        Py_RETURN_NONE;
+    return combine(self, first, stride, n, me, seq, code, op, v, my_w);
+}
+
 static PyObject *Block_combine_scalars(Block *self, PyObject *const *args, Py_ssize_t nargs) {
     /* combine_scalars(first, stride, n, me, seq, code, op, value, weight) -> float or None:
      * every other rank's scalar contribution to command seq (slots from first + q * stride),
@@ -400,6 +487,12 @@ static PyObject *Block_combine_scalars(Block *self, PyObject *const *args, Py_ss
     double my_w = PyFloat_AsDouble(args[8]);
     if (PyErr_Occurred())
         return NULL;
+    return combine(self, first, stride, n, me, seq, code, op, mine, my_w);
+}
+
+static PyObject *combine(Block *self, Py_ssize_t first, Py_ssize_t stride, Py_ssize_t n,
+                         Py_ssize_t me, long long seq, long long code, int op, double mine,
+                         double my_w) {
     if (n < 1 || n > MAX_SCALARS || check_index(self, first) < 0 ||
         check_index(self, first + (n - 1) * stride + 3) < 0)
         return NULL;
@@ -434,7 +527,7 @@ static PyObject *Block_release(Block *self, PyObject *unused) {
  * then the data at the offsets the header gives); after a barrier, each rank
  * reduces every rank's copy in rank order into its own arrays, so every rank
  * computes the same bits.  The Python side (comm/shm_reduce.py) lays the slab
- * out exactly as its general path would. */
+ * out exactly as its general path would (SmallReduce below). */
 
 static int get_buffers(PyObject *seq, Py_buffer *views, Py_ssize_t k, int flags) {
     for (Py_ssize_t j = 0; j < k; j++) {
@@ -453,51 +546,6 @@ static void release_buffers(Py_buffer *views, Py_ssize_t k) {
 }
 
 #define MAX_SMALL 64
-
-static PyObject *pack_small(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    /* pack_small(slab, header, arrays, offsets): header at 0, each array's bytes at its offset */
-    if (nargs != 4 || !PyTuple_Check(args[2]) || !PyTuple_Check(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "pack_small(slab, header, arrays: tuple, offsets: tuple)");
-        return NULL;
-    }
-    Py_ssize_t k = PyTuple_GET_SIZE(args[2]);
-    if (k > MAX_SMALL || PyTuple_GET_SIZE(args[3]) != k) {
-        PyErr_SetString(PyExc_ValueError, "pack_small: at most 64 arrays, one offset each");
-        return NULL;
-    }
-    Py_buffer dst, head, src[MAX_SMALL];
-    if (PyObject_GetBuffer(args[0], &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-        return NULL;
-    if (PyObject_GetBuffer(args[1], &head, PyBUF_C_CONTIGUOUS) < 0) {
-        PyBuffer_Release(&dst);
-        return NULL;
-    }
-    if (get_buffers(args[2], src, k, PyBUF_C_CONTIGUOUS) < 0) {
-        PyBuffer_Release(&head);
-        PyBuffer_Release(&dst);
-        return NULL;
-    }
-    int ok = head.len <= dst.len;
-    if (ok)
-        memcpy(dst.buf, head.buf, head.len);
-    for (Py_ssize_t j = 0; ok && j < k; j++) {
-        Py_ssize_t off = PyLong_AsSsize_t(PyTuple_GET_ITEM(args[3], j));
-        if (off < 0 || off + src[j].len > dst.len) {
-            ok = 0;
-            break;
-        }
-        memcpy((char *)dst.buf + off, src[j].buf, src[j].len);
-    }
-    release_buffers(src, k);
-    PyBuffer_Release(&head);
-    PyBuffer_Release(&dst);
-    if (!ok) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "pack_small: arrays do not fit the slab");
-        return NULL;
-    }
-    Py_RETURN_NONE;
-}
 
 /* NumPy's elementwise semantics: integers wrap (computed unsigned), max/min
  * keep a NaN from either side, the first operand when equal. */
@@ -568,71 +616,6 @@ static Py_ssize_t itemsize_of(char code) {
     case 'h': case 'H': return 2;
     default: return 0;
     }
-}
-
-static PyObject *reduce_small(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    /* reduce_small(slabs, me, hlen, arrays, offsets, codes, op, scale) -> bool
-     * slabs: every rank's slab (buffers, rank order); False if a rank's header
-     * (its first hlen bytes) differs from this rank's (nothing is written then). */
-    if (nargs != 8 || !PyTuple_Check(args[0]) || !PyTuple_Check(args[3]) ||
-        !PyTuple_Check(args[4]) || !PyBytes_Check(args[5])) {
-        PyErr_SetString(PyExc_TypeError, "reduce_small(slabs: tuple, me, hlen, arrays: tuple, "
-                                         "offsets: tuple, codes: bytes, op, scale)");
-        return NULL;
-    }
-    Py_ssize_t n = PyTuple_GET_SIZE(args[0]);
-    Py_ssize_t me = PyLong_AsSsize_t(args[1]);
-    Py_ssize_t hlen = PyLong_AsSsize_t(args[2]);
-    Py_ssize_t k = PyTuple_GET_SIZE(args[3]);
-    int op = (int)PyLong_AsLong(args[6]);
-    int scaled = args[7] != Py_None;
-    double scale = scaled ? PyFloat_AsDouble(args[7]) : 1.0;
-    if (PyErr_Occurred())
-        return NULL;
-    if (n < 2 || n > MAX_WAIT || me < 0 || me >= n || k > MAX_SMALL ||
-        PyTuple_GET_SIZE(args[4]) != k || PyBytes_GET_SIZE(args[5]) != k) {
-        PyErr_SetString(PyExc_ValueError, "reduce_small: bad ranks, arrays, offsets or codes");
-        return NULL;
-    }
-    const char *codes = PyBytes_AS_STRING(args[5]);
-    static Py_buffer slabs[MAX_WAIT];
-    Py_buffer outs[MAX_SMALL];
-    if (get_buffers(args[0], slabs, n, PyBUF_C_CONTIGUOUS) < 0)
-        return NULL;
-    if (get_buffers(args[3], outs, k, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
-        release_buffers(slabs, n);
-        return NULL;
-    }
-    int same = 1, bad = 0;
-    for (Py_ssize_t q = 0; q < n; q++) {
-        if (slabs[q].len < hlen) { bad = 1; break; }
-        if (q != me && memcmp(slabs[q].buf, slabs[me].buf, hlen) != 0) { same = 0; break; }
-    }
-    const char *srcs[MAX_WAIT];
-    for (Py_ssize_t j = 0; same && !bad && j < k; j++) {
-        Py_ssize_t off = PyLong_AsSsize_t(PyTuple_GET_ITEM(args[4], j));
-        Py_ssize_t size = itemsize_of(codes[j]);
-        Py_ssize_t len = outs[j].len;
-        if (off < 0 || size == 0 || len % size != 0) { bad = 1; break; }
-        for (Py_ssize_t q = 0; q < n; q++) {
-            if (off + len > slabs[q].len) { bad = 1; break; }
-            srcs[q] = (const char *)slabs[q].buf + off;
-        }
-        if (bad || reduce_typed(codes[j], op, (char *)outs[j].buf, srcs, n, len / size, scaled,
-                                scale) < 0) {
-            bad = 1;
-            break;
-        }
-    }
-    release_buffers(outs, k);
-    release_buffers(slabs, n);
-    if (bad) {
-        PyErr_SetString(PyExc_ValueError, "reduce_small: arrays, dtypes or offsets do not fit");
-        return NULL;
-    }
-    if (same)
-        Py_RETURN_TRUE;
-    Py_RETURN_FALSE;
 }
 
 /* A small all-reduce of fixed arrays, prepared once: pack this rank's arrays into
@@ -855,16 +838,6 @@ static PyTypeObject SmallReduceType = {
     .tp_methods = SmallReduce_methods,
 };
 
-static PyMethodDef module_methods[] = {
-    {"pack_small", (PyCFunction)(void (*)(void))pack_small, METH_FASTCALL,
-     "pack_small(slab, header, arrays, offsets): the header at 0, each array at its offset."},
-    {"reduce_small", (PyCFunction)(void (*)(void))reduce_small, METH_FASTCALL,
-     "reduce_small(slabs, me, hlen, arrays, offsets, codes, op, scale) -> bool\n\n"
-     "Reduce every rank's packed copy (rank order) into ``arrays`` by op (1 sum, 2 prod,\n"
-     "3 max, 4 min; avg is sum with ``scale``, None for none); False, writing nothing,\n"
-     "if a rank's header differs from this rank's.  Dtype codes: f d b B h H i I l L q Q."},
-    {NULL, NULL, 0, NULL}};
-
 static PyMethodDef Block_methods[] = {
     {"wait", (PyCFunction)(void (*)(void))Block_wait, METH_FASTCALL,
      "wait(index, mode, target, waiters_offset, spin_ns, block_ns) -> bool\n\n"
@@ -884,6 +857,12 @@ static PyMethodDef Block_methods[] = {
      "count_ne(indices, value) -> int: how many of the slots hold another value."},
     {"put_scalar", (PyCFunction)(void (*)(void))Block_put_scalar, METH_FASTCALL,
      "put_scalar(seq_index, seq, value, weight, code): a float scalar contribution, seq last."},
+    {"put_scalar_array", (PyCFunction)(void (*)(void))Block_put_scalar_array, METH_FASTCALL,
+     "put_scalar_array(seq_index, seq, array, weight) -> bool: put_scalar of a 0-d float32\n"
+     "or float64 array; False, writing nothing, for anything else."},
+    {"combine_scalar_array", (PyCFunction)(void (*)(void))Block_combine_scalar_array, METH_FASTCALL,
+     "combine_scalar_array(first, stride, n, me, seq, op, array, weight) -> float or None:\n"
+     "combine_scalars with this rank's value and dtype read from a 0-d float32/64 array."},
     {"combine_scalars", (PyCFunction)(void (*)(void))Block_combine_scalars, METH_FASTCALL,
      "combine_scalars(first, stride, n, me, seq, code, op, value, weight) -> float or None\n\n"
      "Every rank's float scalar of command ``seq`` combined by op (0 avg, weighted; 1 sum;\n"
@@ -907,8 +886,7 @@ static PyTypeObject BlockType = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_block",
-    "Bounded waits, wake-ups and small reductions on int64 slots in shared memory.", -1,
-    module_methods};
+    "Bounded waits, wake-ups and small reductions on int64 slots in shared memory.", -1, NULL};
 
 PyMODINIT_FUNC PyInit__block(void) {
     if (PyType_Ready(&BlockType) < 0 || PyType_Ready(&SmallReduceType) < 0)
