@@ -29,13 +29,14 @@ through ``bench/before_after.py``.
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from call_overhead import mpich_4b  # noqa: E402
 
 
 def _rounds(fns, n, rounds):
@@ -152,31 +153,6 @@ def _intervals(rows, ranks):
     return res
 
 
-def mpich_4b(calls, rounds):
-    """MPICH's Allreduce of 4 bytes between 2 processes, in us: (best, median), or None."""
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if not os.path.exists(mpiexec) and not shutil.which("mpiexec"):
-        return None
-    code = (
-        "from mpi4py import MPI\nimport numpy as np, time, statistics, json\n"
-        "c = MPI.COMM_WORLD\na = np.ones(1, 'float32'); b = np.empty_like(a)\n"
-        "for _ in range(1000): c.Allreduce(a, b)\nr = []\n"
-        f"for _ in range({rounds}):\n    c.Barrier(); t0 = time.perf_counter()\n"
-        f"    for _ in range({calls}): c.Allreduce(a, b)\n"
-        f"    r.append((time.perf_counter() - t0) / {calls} * 1e6)\n"
-        "if c.rank == 0: print('JSON', json.dumps([min(r), statistics.median(r)]))\n")
-    try:
-        out = subprocess.run([mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", "2",
-                              sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=300)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    for line in out.stdout.splitlines():
-        if line.startswith("JSON "):
-            return json.loads(line[5:])
-    return None
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=2)
@@ -204,6 +180,8 @@ def main():
 
     plain = child("untraced", False)
     mpi = mpich_4b(args.calls, args.rounds)
+    if mpi is not None:
+        mpi = (min(mpi), statistics.median(mpi))
     parts = child("traced", True)
     import synkhronos
     print(f"# bench/breakdown.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "

@@ -238,13 +238,14 @@ class _SmallPlan:
     def run(self, arrays):
         """All-reduce ``arrays`` in place (see ``ShmReduce.small_all_reduce``); False if it cannot."""
         checked = self.checked
-        for a, b in zip(arrays, checked):
-            if a is not b:
-                # Not the arrays the plan was checked on (an update replaced them).
-                if not self.takes(arrays):
-                    return False
-                checked[:] = arrays  # held, so their ids stay theirs
-                break
+        if len(arrays) != 1 or arrays[0] is not checked[0]:
+            for a, b in zip(arrays, checked):
+                if a is not b:
+                    # Not the arrays the plan was checked on (an update replaced them).
+                    if not self.takes(arrays):
+                        return False
+                    checked[:] = arrays  # held, so their ids stay theirs
+                    break
         lay = self.lay
         if lay is None:
             return False
@@ -287,10 +288,10 @@ class _SmallPlan:
             c = self.compiled = SmallReduce(be.fast, self.me, be.n_parallel, STRIDE, EPOCH,
                                             EPOCH_WAITERS, GEN, self.header, self.offsets,
                                             self.codes, self.opcode, self.scale)
-        own = be.slabs.own(self.lay.total)
         mapped = self.mapped
-        if mapped is None or mapped[0] is not own:
-            mapped = self._map(be, own)
+        # This rank's slab is replaced only when it grows: still the one mapped, it fits.
+        if mapped is None or mapped[0] is not be.slabs.slabs[self.me][1]:
+            mapped = self._map(be, be.slabs.own(self.lay.total))
         be.k += 1
         target = (be.seq << 20) | be.k
         spin = be.spin_ns if be.spin_ns < CHECK_NS else CHECK_NS
@@ -308,7 +309,7 @@ class _SmallPlan:
                 status = c.run(target, arrays, mapped[1], mapped[2], 0, CHECK_NS, 1)
             elif status == -2:
                 # Another rank's slab grew: map its new generation, then read it.
-                mapped = self._map(be, own)
+                mapped = self._map(be, mapped[0])
                 status = c.run(target, arrays, mapped[1], mapped[2], 0, 0, 2)
             else:
                 be.fence = True

@@ -22,6 +22,7 @@ from ..runtime.state import get_runtime, require_distributed, serialized
 from .access import backend_values, transport
 
 _trace = trace.ON
+_ALL_REDUCE = Command.ALL_REDUCE  # a module global is read faster than an enum member
 
 logger = logging.getLogger(__name__)
 
@@ -160,12 +161,12 @@ def all_reduce(shared_vars, op="avg", nccl=True, dtype=None):
     key = None
     if (type(shared_vars) is TensorSharedVariable and type(op) is str and type(nccl) is bool
             and (dtype is None or type(dtype) is str)):
-        key = (Command.ALL_REDUCE, shared_vars, op, nccl, dtype)
+        key = (_ALL_REDUCE, shared_vars, op, nccl, dtype)
         hit = rt.registry.wire.get(key)
         if hit is not None:
             if _trace:
                 trace.stamp(trace.CHECKED)
-            run_command(rt, Command.ALL_REDUCE, hit[0], hit[1], kept=hit[2])
+            run_command(rt, _ALL_REDUCE, hit[0], hit[1], kept=hit[2])
             return
     check_flags("all_reduce", nccl=nccl)
     idx, _ = _check_reduce(rt, shared_vars, op, True, "all_reduce")
@@ -256,7 +257,9 @@ class KeptAllReduce:
         if plan is not None:
             if _trace:
                 trace.stamp(trace.SHARE_START)
-            if plan.run([c.storage[0] for c in self.containers]):
+            containers = self.containers
+            if plan.run((containers[0].storage[0],) if len(containers) == 1
+                        else tuple([c.storage[0] for c in containers])):
                 if _trace:
                     trace.stamp(trace.SHARE_DONE)
                 return
