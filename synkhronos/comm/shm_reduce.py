@@ -289,9 +289,9 @@ class _SmallPlan:
                                             EPOCH_WAITERS, GEN, self.header, self.offsets,
                                             self.codes, self.opcode, self.scale)
         mapped = self.mapped
-        # This rank's slab is replaced only when it grows: still the one mapped, it fits.
-        if mapped is None or mapped[0] is not be.slabs.slabs[self.me][1]:
-            mapped = self._map(be, be.slabs.own(self.lay.total))
+        # Any slab replaced or attached anew since (a collective grew one): map them again.
+        if mapped is None or mapped[3] != be.slabs.remaps:
+            mapped = self._map(be)
         be.k += 1
         target = (be.seq << 20) | be.k
         spin = be.spin_ns if be.spin_ns < CHECK_NS else CHECK_NS
@@ -309,7 +309,7 @@ class _SmallPlan:
                 status = c.run(target, arrays, mapped[1], mapped[2], 0, CHECK_NS, 1)
             elif status == -2:
                 # Another rank's slab grew: map its new generation, then read it.
-                mapped = self._map(be, mapped[0])
+                mapped = self._map(be)
                 status = c.run(target, arrays, mapped[1], mapped[2], 0, 0, 2)
             else:
                 be.fence = True
@@ -317,11 +317,12 @@ class _SmallPlan:
         be.fence = True
         return True
 
-    def _map(self, be, own):
-        """This rank's slab, every rank's slab buffer and generation, as mapped now."""
+    def _map(self, be):
+        """Every rank's slab buffer and generation as mapped now, and the slabs' remap count."""
         slabs = be.slabs
         me = self.me
+        own = slabs.own(self.lay.total)
         bufs = tuple([own.buffer if q == me else slabs.slab(q).buffer for q in range(be.n_parallel)])
         gens = tuple([slabs.slabs[q][0] for q in range(be.n_parallel)])
-        self.mapped = (own, bufs, gens)
+        self.mapped = (own, bufs, gens, slabs.remaps)
         return self.mapped

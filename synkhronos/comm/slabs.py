@@ -95,6 +95,7 @@ class Slabs:
             self.slabs[r] = [0, SharedArray(self._name(r, 0), INITIAL_SLAB)]
             mv[r * STRIDE + SIZE] = INITIAL_SLAB
         self.layouts = {}
+        self.remaps = 0  # slabs replaced or attached anew here (views of old ones are stale)
 
     @property
     def rank(self):
@@ -114,6 +115,7 @@ class Slabs:
             seg.unlink()
             seg.close()
             entry[0], entry[1] = gen, new
+            self.remaps += 1
             self.views[self.rank] = {}
             base = self.rank * STRIDE
             self.mv[base + SIZE] = size
@@ -131,6 +133,7 @@ class Slabs:
             entry[1] = SharedArray.attach(self._name(q, gen), self.mv[q * STRIDE + SIZE])
             populate(entry[1], MADV_POPULATE_READ)
             entry[0] = gen
+            self.remaps += 1
             self.views[q] = {}
         return entry[1]
 

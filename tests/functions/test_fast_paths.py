@@ -148,3 +148,25 @@ def test_scalar_outputs_against_numpy(forked, dtype):
             means = [float(p.mean(dtype=dtype).astype(dtype)) for p in parts]
             want = sum(m * len(p) for m, p in zip(means, parts)) / len(values)
             np.testing.assert_allclose(float(got), want, rtol=1e-6)
+
+
+def test_small_all_reduce_follows_a_slab_that_grew(forked):
+    # A call whose output outgrows the workers' slabs replaces them (a new
+    # generation) but not the master's: a kept all-reduce must map the new ones,
+    # whether the master's old mapping of them closed (round 0) or stays open
+    # under views of it (later rounds, after a gather read them).
+    forked(3)
+    v = pytensor.shared(np.zeros(4, "float32"), name="v")
+    size = pytensor.shared(np.int64(300_000), name="size")
+    big = synk.function([], (pt.ones(size) * pt.sum(v), "sum"))
+    synk.distribute()
+    per = [np.arange(4, dtype="float32") + r for r in range(3)]
+    for round_ in range(3):
+        for r in range(3):
+            synk.set_value(r, [v, size], [per[r] * (round_ + 1), np.int64(300_000 * 2 ** round_)])
+        synk.all_reduce(v, op="sum")
+        want = (np.sum(per, axis=0) * (round_ + 1)).astype("float32")
+        out = big()  # every worker's slab outgrown each round (2.4, 4.8, 9.6 MB)
+        np.testing.assert_allclose(out, np.full(300_000 * 2 ** round_, 3 * want.sum()))
+        synk.all_reduce(v, op="sum")  # right after: the master maps the new slabs
+        np.testing.assert_array_equal(synk.gather(v, nd_up=1), np.stack([want * 3] * 3))
