@@ -345,15 +345,16 @@ class Function:
                 kept = KeptCall(self, rt, msg, arrays,
                                 old.kept if old is not None and old.msg == msg
                                 else rt.control.keep(Command.CALL, msg))
-                result = kept.run()
                 self._kept = kept
-                return result
+                if prof is None:
+                    return kept.run()
+                kept = kept.kept  # posted as kept; run the long way, which books the profile's laps
             if _trace:
                 trace.stamp(trace.CHECKED)
             share = Share(spec, rt, msg, arrays)
             return run_command(rt, Command.CALL, msg, lambda seq: own_share(share.run()),
                                lambda mine: collect(spec, rt, mine, msg.subset, self.name or "function"),
-                               what=self._what)
+                               what=self._what, kept=kept)
         finally:
             if prof is not None:
                 prof.end("control")

@@ -74,7 +74,7 @@ def loop(rt):
         spec = COMMANDS[cmd]
         status = OK
         try:
-            if spec.prepare is not None and control.posted_kept():
+            if spec.prepare is not None and prof is None and control.posted_kept():
                 runner = spec.prepare(rt, payload)
                 if runner is None:
                     spec.run(rt, payload)
