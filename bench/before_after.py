@@ -1,7 +1,8 @@
 """Two versions of synkhronos side by side in one run: call overhead, 4 B all_reduce, MLP step.
 
-For a change that should not move the figures (a refactoring): check out the
-version before it somewhere (``git worktree add /tmp/before <commit>``) and run
+For a change that should not move the figures (a refactoring), or one that should
+move them: check out the version before it somewhere (``git worktree add /tmp/before
+<commit>``; a tree with ``setup.py`` gets its C extension built in place first) and run
 
     python bench/before_after.py --before /tmp/before [--rounds 3] [--cluster 2x1,2x2]
 
@@ -82,6 +83,11 @@ def main():
                     help="layouts on simulated machines, e.g. 2x1,2x2 (machines x ranks each)")
     args = ap.parse_args()
     trees = {"before": os.path.abspath(args.before), "after": AFTER}
+    for tree in trees.values():
+        if os.path.exists(os.path.join(tree, "setup.py")):
+            # A tree with the compiled control path runs from its folder: build it there.
+            subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tree,
+                           check=True, capture_output=True)
     cluster = [v for v in args.cluster.split(",") if v]
     seen = {k: [] for k in trees}
     t0 = time.perf_counter()
