@@ -96,8 +96,16 @@ def make_flat_grad(loss, params, weight=None, name="flat_grad"):
     # psum's gradient sums every rank's upstream gradient, each of which
     # must already carry its rank's weight.
     grads = pytensor.grad(w * loss, params)
-    flat = pt.concatenate([pt.cast(flatten(grads), dtype), pt.shape_padleft(w)])
     grad_shared = pytensor.shared(np.zeros(flat_size(params) + 1, dtype=dtype), name=name)
+    # Each piece written into the vector itself, not concatenated into a new one: an
+    # updated shared variable may be written in place, so the vector keeps its memory
+    # from step to step, which the all-reduce then reads where it is (no copy in).
+    flat, start = grad_shared, 0
+    for g, p in zip(grads, params):
+        n = math.prod(shape_of(p))
+        flat = pt.set_subtensor(flat[start:start + n], pt.cast(pt.flatten(g), dtype))
+        start += n
+    flat = pt.set_subtensor(flat[start], w)
     return grad_shared, [(grad_shared, flat, "sum")]
 
 
