@@ -8,33 +8,16 @@ controller's command ends when its own ranks and every report are in.
 """
 
 import struct
-from typing import NamedTuple, Optional
 
 from ..errors import MachineLostError, SynkError, WorkerDiedError, unpickle_exception
 from ..runtime.commands import COMMANDS, encode
 from ..runtime.peers import Peers
 from .launch import end_launcher_at_exit, end_step_at_exit
-from .link import ABORT, CMD, CMD_HEAD, DATA, DONE, REPORT
+from .link import ABORT, CMD, CMD_HEAD, DATA, DONE, OUTPUTS, REPORT, REPORTS
 from .recovery import relayout, settle_local
+from .reports import DONE_REPORT, unpack_outputs
 
 
-class NodeReport(NamedTuple):
-    """A node master's outcome of one command.
-
-    Attributes:
-        seq: the command's number.
-        failures: ``[(global rank, traceback text, pickled exception or None)]``.
-        contributions: ``[(global rank, arrays, weight)]`` for collected commands.
-        died: why the machine's ranks died, or None.
-    """
-
-    seq: Optional[int]
-    failures: list
-    contributions: list
-    died: Optional[str]
-
-
-DONE_REPORT = NodeReport(None, [], [], None)
 
 
 class Controller(Peers):
@@ -154,22 +137,29 @@ class Controller(Peers):
     def _all_reported(self):
         """Take the reports that have arrived; return whether every machine's is in."""
         link = self.link
+        reports = self.reports
         done = True
         for m in link.others:
-            if m in self.reports:
+            if m in reports:
                 continue
-            got = link.probe(m, DONE)
-            if got is not None:
-                buf = bytearray(8)
-                link.receive(got[0], buf, m)
-                self._check_seq(m, struct.unpack("q", buf)[0])
-                self.reports[m] = DONE_REPORT
-                continue
-            got = link.probe(m, REPORT)
+            got = link.probe_any(m, REPORTS)
             if got is None:
                 done = False
+                continue
+            probed, n, tag = got
+            if tag == DONE:
+                buf = bytearray(8)
+                link.receive(probed, buf, m)
+                self._check_seq(m, struct.unpack("q", buf)[0])
+                reports[m] = DONE_REPORT
+            elif tag == OUTPUTS:
+                buf = bytearray(n)
+                link.receive(probed, buf, m)
+                rep = unpack_outputs(buf)
+                self._check_seq(m, rep.seq)
+                reports[m] = rep
             else:
-                self._take_report(m, *got)
+                self._take_report(m, probed, n)
         return done
 
     def _check_seq(self, m, seq):

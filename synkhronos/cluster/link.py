@@ -26,6 +26,8 @@ from .launch import finalize
 
 # Tags of the messages between the controller and node masters.
 CMD, REPORT, ABORT, DATA, DONE = 1, 2, 3, 4, 5   # DONE: a report of nothing but success
+OUTPUTS = 6  # a report of success with small contributions, packed (cluster/reports.py)
+REPORTS = (DONE, OUTPUTS, REPORT)  # what a node master sends the controller, most frequent first
 CMD_HEAD = struct.Struct("qq")  # a forwarded command opens with (its number, the leaders' generation)
 INBAND_BYTES = 1 << 16   # smaller buffers travel inside the pickle
 POOL_BYTES = 1 << 16     # received buffers this large are reused (Link._buffer)
@@ -51,6 +53,18 @@ class LinkBase:
         self.send_bytes(dest, tag, struct.pack("q", len(bufs)) + head)
         for b in bufs:
             self.send_bytes(dest, tag, b.raw())
+
+    def probe_any(self, src, tags):
+        """Return (message, size in bytes, tag) of the first message from ``src`` with one of ``tags``.
+
+        None if none has arrived.  ``tags`` must name every tag ``src`` may send
+        this process (a carrier may match any message from it).
+        """
+        for tag in tags:
+            got = self.probe(src, tag)
+            if got is not None:
+                return got[0], got[1], tag
+        return None
 
     def _wait_probe(self, src, tag, check):
         box = []
@@ -145,6 +159,7 @@ class Link(LinkBase):
         self.pool = {}         # reused receive buffers
         self.graveyard = []    # (communicator, sends) given up after a machine was lost
         self.leaders = Leaders(mpi, comm, spin_s, self.lost)
+        self.status = mpi.Status()  # reused by probes: a message's size and tag
 
     def begin(self, seq):
         """Start command ``seq`` (its reports carry the number)."""
@@ -223,12 +238,32 @@ class Link(LinkBase):
 
     def probe(self, src, tag):
         """Return (message, size in bytes) if one from ``src`` with ``tag`` has arrived, else None."""
-        st = self.MPI.Status()
+        st = self.status
         try:
             m = self.comm.Improbe(src, tag, st)
         except self.MPI.Exception as exc:
             raise self.lost(exc, src) from None
         return None if m is None else (m, st.Get_count(self.MPI.BYTE))
+
+    def probe_any(self, src, tags):
+        """Return (message, size in bytes, tag) of the next message from ``src``, else None.
+
+        One probe for any tag (the controller waits for one of three reports
+        from each machine, and each probe is a pass of MPI's progress engine);
+        a message with a tag outside ``tags`` breaks the protocol.
+        """
+        st = self.status
+        try:
+            m = self.comm.Improbe(src, self.MPI.ANY_TAG, st)
+        except self.MPI.Exception as exc:
+            raise self.lost(exc, src) from None
+        if m is None:
+            return None
+        tag = st.Get_tag()
+        if tag not in tags:
+            raise SynkError(f"{self.layout.describe(src)} sent a message with tag {tag} where "
+                            f"one of {tags} was expected")
+        return m, st.Get_count(self.MPI.BYTE), tag
 
     def receive(self, message, buf, src):
         """Receive a probed ``message`` from machine ``src`` into ``buf``."""
