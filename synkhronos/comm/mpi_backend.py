@@ -20,7 +20,10 @@ from . import parts
 from .base import Backend, as_arrays
 from .mpi_leaders import PACK_BYTES
 from .mpi_reduce import reduce_across
+from .mpi_small import SmallPlan
 from .shm_backend import ShmBackend
+
+SMALL_PLANS_MAX = 64
 
 
 class MpiBackend(Backend):
@@ -34,6 +37,7 @@ class MpiBackend(Backend):
         self.remote = None   # the controller's: the other machines' contributions to a call
         self.mine = None     # a node master's own contribution to a call's outputs
         self.kept = {}       # key -> (leaders' epoch, two buffers MPI reduces into in turn)
+        self.small_plans = {}  # (keys, op) -> mpi_small.SmallPlan
 
     @property
     def is_leader(self):
@@ -116,6 +120,29 @@ class MpiBackend(Backend):
         result = self._reduce(arrays, op, weight, out, into)
         # Every leader holds the same bytes (mpi_reduce.py), which its local ranks now read.
         return self._from_leader(result, out=out, keys=keys)
+
+    def small_all_reduce(self, keys, arrays, op):
+        """All-reduce small host arrays in place on a kept plan (mpi_small.py); False if it cannot.
+
+        The latency path of ``all_reduce`` for the values of shared variables,
+        in a leader whose machine has no other rank (every rank calls it with
+        the same ``keys``, which name the arrays, and ``op``).  Declines before
+        any message, and then the general path makes the same MPI calls.
+        """
+        if self._multi:
+            return False
+        leaders = self._leaders
+        key = (tuple(keys), op)
+        plan = self.small_plans.get(key)
+        if plan is None or not plan.fits(leaders, arrays):
+            plan = SmallPlan(leaders, arrays, op)
+            if len(self.small_plans) >= SMALL_PLANS_MAX:
+                self.small_plans.clear()
+            self.small_plans[key] = plan
+        if not plan.ok:
+            return False
+        plan.run(leaders, self.check)
+        return True
 
     def _into(self, arrays, ops, keys):
         """Per large array, the kept buffer (of two per key) MPI reduces into: not the input.

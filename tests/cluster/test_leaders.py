@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from synkhronos.comm import reduce_ops as reducers
-from synkhronos.comm import mpi_leaders, mpi_reduce
+from synkhronos.comm import mpi_leaders, mpi_reduce, mpi_small
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "leaders_reset_job.py")
@@ -116,6 +116,95 @@ def test_messages_round_trip():
     for a, b in zip([obj[0][0], obj[0][1], obj[2][0], obj[3][0]],
                     [got[0][0], got[0][1], got[2][0], got[3][0]]):
         assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+
+
+class TwinLeaders:
+    """``Leaders`` of two machines holding the same partials: each reduction is ``op(x, x)``.
+
+    Records what each collective sends (dtype, elements, op), so the small
+    all-reduce's plan can be held against ``reduce_across``.
+    """
+
+    size = 2
+    epoch = 0
+    reduces = staticmethod(mpi_leaders.mpi_reduces)
+    buffer = mpi_leaders.Leaders.buffer
+
+    def __init__(self):
+        self.pool = {}
+        self.calls = []
+
+    @staticmethod
+    def _twice(buf, op):
+        reducers.UFUNCS[op](buf, buf, out=buf)
+
+    def all_reduce(self, sends, check):
+        out = []
+        for i, (a, op, into) in enumerate(sends):
+            buf = into.reshape(-1) if into is not None else self.buffer(("r", i), a.nbytes)
+            if not mpi_leaders._owned(a, buf):
+                buf.view(a.dtype)[:] = a.reshape(-1)
+            self.calls.append((a.dtype.str, a.size, op))
+            self._twice(buf.view(a.dtype), op)
+            out.append(buf)
+        return out
+
+    def all_reduce_kept(self, sends, check):
+        for buf, op in sends:
+            self.calls.append((buf.dtype.str, buf.size, op))
+            self._twice(buf, op)
+
+
+SMALL_CASES = [
+    ("avg", [np.float32, np.float32]), ("sum", [np.float64, np.int32, np.float64]),
+    ("prod", [np.float32]), ("max", [np.int64, np.int8]), ("min", [np.int16]),
+    ("avg", [np.float64]),
+]
+
+
+@pytest.mark.parametrize("op,dtypes", SMALL_CASES)
+def test_small_all_reduce_makes_the_general_paths_calls_and_bytes(op, dtypes):
+    rng = np.random.default_rng(1)
+    shapes = [(), (3,), (2, 5), (0,), (7,)]
+    arrays = [np.asarray(rng.normal(size=shapes[i % len(shapes)]) * 10).astype(d)
+              for i, d in enumerate(dtypes)]
+    general, small = TwinLeaders(), TwinLeaders()
+    expected = mpi_reduce.reduce_across(general, [a.copy() for a in arrays], [op] * len(arrays),
+                                        1.0, None, lambda: None)
+    mine = [a.copy() for a in arrays]
+    plan = mpi_small.SmallPlan(small, mine, op)
+    assert plan.ok and plan.fits(small, mine)
+    plan.run(small, lambda: None)
+    assert small.calls == general.calls
+    for got, exp in zip(mine, expected):
+        assert got.dtype == exp.dtype and got.shape == exp.shape
+        assert got.tobytes() == np.ascontiguousarray(exp).tobytes()
+    # Run again on new values in the same arrays: the plan copies them in each time.
+    for a in mine:
+        a[...] = 1
+    plan.run(small, lambda: None)
+    assert all(np.all(a == (1 if op in ("avg", "max", "min", "prod") else 2)) for a in mine)
+
+
+@pytest.mark.parametrize("why,arrays,op", [
+    ("float max: MPI's NaN differs", [np.ones(2, np.float32)], "max"),
+    ("int avg gives float64", [np.ones(2, np.int32)], "avg"),
+    ("not contiguous", [np.ones((4, 4), np.float32)[:, 1]], "sum"),
+    ("large: its own message", [np.ones(mpi_leaders.PACK_BYTES // 4, np.float32)], "sum"),
+    ("float16", [np.ones(2, np.float16)], "sum"),
+])
+def test_small_all_reduce_declines_what_the_general_path_does_differently(why, arrays, op):
+    assert not mpi_small.SmallPlan(TwinLeaders(), arrays, op).ok, why
+
+
+def test_small_plan_is_dropped_when_the_arrays_or_the_communicator_change():
+    leaders = TwinLeaders()
+    a = np.ones(3, np.float32)
+    plan = mpi_small.SmallPlan(leaders, [a], "sum")
+    assert plan.fits(leaders, [a])
+    assert not plan.fits(leaders, [a.copy()])  # set_value gave the variable a new array
+    leaders.epoch += 1  # an aborted command renewed the leaders' communicator
+    assert not plan.fits(leaders, [a])
 
 
 def _no_mpi():
