@@ -51,6 +51,7 @@ class Controller(Peers):
         # that aborted, sent with the next command so every leader renews it there.
         self.gen = 0
         self.node_only = False  # the current command runs on the node masters only
+        self.collected = False  # the current command's ranks leave results (reports carry them)
 
     def between(self):
         """Before a public call: admit the machines that asked to join (cluster/elastic.py)."""
@@ -68,6 +69,7 @@ class Controller(Peers):
             return
         link = self.link
         self.seq += 1
+        self.collected = COMMANDS[cmd].collected
         link.begin(self.seq)
         # Node masters stop their sentinels on the final command: a closed connection then means no failure.
         self.heartbeats.quitting = COMMANDS[cmd].final
@@ -85,6 +87,13 @@ class Controller(Peers):
         if not self.pending:
             return None
         self.local_done = self.seq  # a machine lost now finds this one's share made
+        if self.rt.backend.reports_implied() and not self.collected:
+            # Every machine's share ended with the collective that just completed, whose
+            # ballot said so (comm/mpi_small.py): their success is implied, no report comes.
+            self.pending = False
+            self.reports = dict.fromkeys(self.link.others, DONE_REPORT)
+            self.link.retire_sends()
+            return {}
         return self.wait_reports(check)
 
     def mirror(self, cmd, payload, attachment):

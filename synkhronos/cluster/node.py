@@ -246,7 +246,11 @@ def _serve_one(rt, node, alone, going_on):
                                          going_on)
     node.done_seq = link.seq
     link.retire_sends()  # an aborted collective's sends nobody will receive
-    node.report(failures, contributions, died)
+    implied = rt.backend.reports_implied()
+    if failures or died is not None or spec.collected or not implied:
+        # (Where a ballot passed, this machine's share ended with the collective that
+        # completed on every machine: the controller takes that as this report.)
+        node.report(failures, contributions, died)
     # After a death the machine is torn down; the sentinel still ends this
     # process if the controller goes.
     link.complete_sends(rt.check if died is None else no_check)

@@ -20,7 +20,7 @@ from . import parts
 from .base import Backend, as_arrays
 from .mpi_leaders import PACK_BYTES
 from .mpi_reduce import reduce_across
-from .mpi_small import SmallPlan
+from .mpi_small import Ballot, SmallPlan, eligible
 from .shm_backend import ShmBackend
 
 SMALL_PLANS_MAX = 64
@@ -38,6 +38,8 @@ class MpiBackend(Backend):
         self.mine = None     # a node master's own contribution to a call's outputs
         self.kept = {}       # key -> (leaders' epoch, two buffers MPI reduces into in turn)
         self.small_plans = {}  # (keys, op) -> mpi_small.SmallPlan
+        self.implied = False   # the current command ended in a small all-reduce whose ballot passed
+        self.voting = (None, 0)  # (layout, its machines if each has one rank, else 0)
 
     @property
     def is_leader(self):
@@ -66,6 +68,29 @@ class MpiBackend(Backend):
         self.seq = seq
         self.local.begin(seq)
         self.mine = None
+        self.implied = False
+
+    def reports_implied(self):
+        """Whether the command ending now ended with a small all-reduce whose ballot passed.
+
+        Then every leader's share of it ended with that collective
+        (mpi_small.py): node masters send no report of success, and the
+        controller waits for none.  Asked once per command, by the leader
+        about to report or wait for reports: the answer is cleared, so a
+        command that runs nothing here (a node step that was all of it)
+        never inherits the last one's.
+        """
+        implied, self.implied = self.implied, False
+        return implied
+
+    def _voters(self):
+        """The machines, if every one has a single rank (small all-reduces carry a ballot), else 0."""
+        layout = self.link.layout
+        seen, voters = self.voting
+        if seen is not layout:
+            voters = layout.n_machines if all(n == 1 for n in layout.n_local) else 0
+            self.voting = (layout, voters)
+        return voters
 
     def is_kept(self, key, array):
         entry = self.kept.get(key)
@@ -100,6 +125,7 @@ class MpiBackend(Backend):
 
     # -- collectives ------------------------------------------------------------------
     def barrier(self):
+        self.implied = False
         self.local.barrier()
         if self.is_leader:
             self._leaders.barrier(self.check)
@@ -132,16 +158,19 @@ class MpiBackend(Backend):
         if self._multi:
             return False
         leaders = self._leaders
+        voters = self._voters()
         key = (tuple(keys), op)
         plan = self.small_plans.get(key)
-        if plan is None or not plan.fits(leaders, arrays):
-            plan = SmallPlan(leaders, arrays, op)
+        if plan is None or not plan.fits(leaders, arrays, voters):
+            plan = SmallPlan(leaders, arrays, op, voters)
             if len(self.small_plans) >= SMALL_PLANS_MAX:
                 self.small_plans.clear()
             self.small_plans[key] = plan
         if not plan.ok:
             return False
-        plan.run(leaders, self.check)
+        self.implied = False
+        if plan.run(leaders, self.check):
+            self.implied = True
         return True
 
     def _into(self, arrays, ops, keys):
@@ -173,6 +202,7 @@ class MpiBackend(Backend):
         memory (each reducing its part of large arrays), then the leaders
         combine their machines' partials.
         """
+        self.implied = False
         arrays = as_arrays(arrays)
         if self._multi:
             partials, mass = self.local.reduce_with_mass(arrays, op, self.machine.master_rank,
@@ -188,10 +218,16 @@ class MpiBackend(Backend):
             raise SynkError(f"reduce across machines: no rank of "
                             f"{self.link.layout.describe(self.link.node)} gave arrays; every "
                             "machine must contribute")
+        ballot = None
+        voters = self._voters()
+        if voters and eligible(self._leaders, partials, op):
+            # The small path's message on another machine carries a ballot: so does this one.
+            ballot = Ballot(op, voters, yes=False)
         return reduce_across(self._leaders, partials, parts.op_list(op, len(partials)), mass,
-                             out, self.check, into)
+                             out, self.check, into, ballot)
 
     def broadcast(self, arrays, root, out=None, keys=None):
+        self.implied = False
         machine, offset = self.machine, self.rank_offset
         here = offset <= root < offset + machine.n_parallel
         root_local = root - offset
@@ -216,6 +252,7 @@ class MpiBackend(Backend):
         return self._from_leader(arrays, out=out, keys=keys)
 
     def gather(self, arrays, root, keys=None):
+        self.implied = False
         got = self._to_leader(None if arrays is None else as_arrays(arrays))
         if self.is_leader:
             every = self._leaders.gather(got, self.link.layout.machine_of(root), self.check)
@@ -226,6 +263,7 @@ class MpiBackend(Backend):
         return None
 
     def all_gather(self, arrays):
+        self.implied = False
         got = self._to_leader(None if arrays is None else as_arrays(arrays))
         if self.is_leader:
             every = [e for machine in self._leaders.all_gather(got, self.check) for e in machine]
@@ -248,6 +286,7 @@ class MpiBackend(Backend):
         return out
 
     def scatter(self, per_rank, root):
+        self.implied = False
         me = self.rank
         if me == root:
             self._check_scatter(per_rank)

@@ -162,20 +162,26 @@ SMALL_CASES = [
 ]
 
 
+@pytest.mark.parametrize("voters", [0, 2])
 @pytest.mark.parametrize("op,dtypes", SMALL_CASES)
-def test_small_all_reduce_makes_the_general_paths_calls_and_bytes(op, dtypes):
+def test_small_all_reduce_makes_the_general_paths_calls_and_bytes(op, dtypes, voters):
     rng = np.random.default_rng(1)
     shapes = [(), (3,), (2, 5), (0,), (7,)]
     arrays = [np.asarray(rng.normal(size=shapes[i % len(shapes)]) * 10).astype(d)
               for i, d in enumerate(dtypes)]
     general, small = TwinLeaders(), TwinLeaders()
+    # Where a ballot rides, the general path votes no (its share may go on after the collective).
+    ballot = mpi_small.Ballot(op, voters, yes=False) if voters else None
+    assert mpi_small.eligible(general, arrays, op)
     expected = mpi_reduce.reduce_across(general, [a.copy() for a in arrays], [op] * len(arrays),
-                                        1.0, None, lambda: None)
+                                        1.0, None, lambda: None, ballot=ballot)
     mine = [a.copy() for a in arrays]
-    plan = mpi_small.SmallPlan(small, mine, op)
-    assert plan.ok and plan.fits(small, mine)
-    plan.run(small, lambda: None)
+    plan = mpi_small.SmallPlan(small, mine, op, voters)
+    assert plan.ok and plan.fits(small, mine, voters)
+    passed = plan.run(small, lambda: None)
     assert small.calls == general.calls
+    # Both twins voted alike: yes on the small path, no on the general one.
+    assert passed == bool(voters) and (ballot is None or not ballot.passed)
     for got, exp in zip(mine, expected):
         assert got.dtype == exp.dtype and got.shape == exp.shape
         assert got.tobytes() == np.ascontiguousarray(exp).tobytes()
@@ -186,25 +192,51 @@ def test_small_all_reduce_makes_the_general_paths_calls_and_bytes(op, dtypes):
     assert all(np.all(a == (1 if op in ("avg", "max", "min", "prod") else 2)) for a in mine)
 
 
+@pytest.mark.parametrize("op", ["avg", "sum", "prod", "max", "min"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int8, np.uint8, np.int64])
+def test_a_ballot_passes_only_when_every_leader_votes_yes(op, dtype):
+    if not mpi_leaders.mpi_reduces(op, dtype) or reducers.result_dtype(op, dtype) != dtype:
+        pytest.skip("no small path for this op and dtype")
+    n = mpi_small.MAX_VOTERS if np.dtype(dtype).itemsize == 1 else 5
+    for yes in ([True] * n, [True] * (n - 1) + [False], [False] * n):
+        ballots = [mpi_small.Ballot(op, n, y) for y in yes]
+        reduced = np.array(ballots[0].vote, dtype)
+        for b in ballots[1:]:
+            reducers.UFUNCS[op](reduced, np.array(b.vote, dtype), out=reduced)
+        ballots[0].count(reduced)
+        assert ballots[0].passed == all(yes), (op, dtype, yes)
+
+
 @pytest.mark.parametrize("why,arrays,op", [
     ("float max: MPI's NaN differs", [np.ones(2, np.float32)], "max"),
     ("int avg gives float64", [np.ones(2, np.int32)], "avg"),
-    ("not contiguous", [np.ones((4, 4), np.float32)[:, 1]], "sum"),
     ("large: its own message", [np.ones(mpi_leaders.PACK_BYTES // 4, np.float32)], "sum"),
     ("float16", [np.ones(2, np.float16)], "sum"),
 ])
 def test_small_all_reduce_declines_what_the_general_path_does_differently(why, arrays, op):
-    assert not mpi_small.SmallPlan(TwinLeaders(), arrays, op).ok, why
+    assert not mpi_small.eligible(TwinLeaders(), arrays, op), why
+    assert not mpi_small.SmallPlan(TwinLeaders(), arrays, op, 2).ok, why
 
 
-def test_small_plan_is_dropped_when_the_arrays_or_the_communicator_change():
+def test_an_array_not_writable_in_place_declines_but_stays_eligible():
+    """Its machine goes the general path, whose message carries the same ballot slot."""
+    a = np.ones((4, 4), np.float32)[:, 1]
+    b = np.ones(3, np.float32)
+    b.flags.writeable = False
+    for arrays in ([a], [b]):
+        assert mpi_small.eligible(TwinLeaders(), arrays, "sum")
+        assert not mpi_small.SmallPlan(TwinLeaders(), arrays, "sum", 2).ok
+
+
+def test_small_plan_is_dropped_when_the_arrays_communicator_or_layout_change():
     leaders = TwinLeaders()
     a = np.ones(3, np.float32)
-    plan = mpi_small.SmallPlan(leaders, [a], "sum")
-    assert plan.fits(leaders, [a])
-    assert not plan.fits(leaders, [a.copy()])  # set_value gave the variable a new array
+    plan = mpi_small.SmallPlan(leaders, [a], "sum", 2)
+    assert plan.fits(leaders, [a], 2)
+    assert not plan.fits(leaders, [a.copy()], 2)  # set_value gave the variable a new array
+    assert not plan.fits(leaders, [a], 3)  # a machine joined
     leaders.epoch += 1  # an aborted command renewed the leaders' communicator
-    assert not plan.fits(leaders, [a])
+    assert not plan.fits(leaders, [a], 2)
 
 
 def _no_mpi():
