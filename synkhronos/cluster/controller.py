@@ -4,7 +4,9 @@ The controller posts a command to its own ranks as on one machine and sends
 the same bytes to every node master (``forward``), which posts it to its
 ranks and runs its own share; every node master then sends one report (its
 ranks' failures, and what they contributed to the call's outputs), and the
-controller's command ends when its own ranks and every report are in.
+controller's command ends when its own ranks and every report are in.  A
+small all_reduce on machines of one rank needs none: the ballot it carries
+(comm/mpi_small.py) says that every machine's share ended with it.
 """
 
 import struct
@@ -16,8 +18,6 @@ from .launch import end_launcher_at_exit, end_step_at_exit
 from .link import ABORT, CMD, CMD_HEAD, DATA, DONE, OUTPUTS, REPORT, REPORTS
 from .recovery import relayout, settle_local
 from .reports import DONE_REPORT, unpack_outputs
-
-
 
 
 class Controller(Peers):

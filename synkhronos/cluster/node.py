@@ -2,7 +2,8 @@
 
 It receives each command's bytes from the controller, runs the command's
 ``node`` step if it declares one (runtime/commands.py), posts it to its ranks and
-runs its own share as a master does, then sends one report.  It holds this
+runs its own share as a master does, then sends one report (none where a
+small all-reduce's ballot made it implied, comm/mpi_small.py).  It holds this
 machine's copy of every Data (the segments its ranks map).
 """
 

@@ -18,6 +18,8 @@ HEAD = struct.Struct("qq")         # the command's number, the entries
 ENTRY = struct.Struct("qdq")       # global rank, weight, arrays
 ARRAY = struct.Struct("8sqq")      # dtype.str, ndim, bytes (each array's data padded to 8)
 PACKED_MAX_BYTES = 1 << 16         # contributions larger than this travel pickled
+_SHAPES = [struct.Struct(f"{n}q") for n in range(33)]  # a shape of each ndim NumPy allows
+_DTYPES = {}                       # dtype.str as packed -> dtype (made once per kind)
 
 
 class NodeReport(NamedTuple):
@@ -62,7 +64,7 @@ def pack_outputs(seq, contributions):
                 return None
             parts.append(ARRAY.pack(code, a.ndim, n))
             if a.ndim:
-                parts.append(struct.pack(f"{a.ndim}q", *a.shape))
+                parts.append(_SHAPES[a.ndim].pack(*a.shape))
             parts.append(a.tobytes())
             if n & 7:
                 parts.append(bytes(8 - (n & 7)))
@@ -81,9 +83,11 @@ def unpack_outputs(buf):
         for _ in range(n_arrays):
             code, ndim, n = ARRAY.unpack_from(buf, at)
             at += ARRAY.size
-            shape = struct.unpack_from(f"{ndim}q", buf, at) if ndim else ()
+            shape = _SHAPES[ndim].unpack_from(buf, at) if ndim else ()
             at += 8 * ndim
-            dtype = np.dtype(code.rstrip(b"\0").decode())
+            dtype = _DTYPES.get(code)
+            if dtype is None:
+                dtype = _DTYPES[code] = np.dtype(code.rstrip(b"\0").decode())
             if n:
                 a = np.frombuffer(buf, dtype, n // dtype.itemsize, at).reshape(shape)
             else:
