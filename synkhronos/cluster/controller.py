@@ -10,11 +10,13 @@ small all_reduce on machines of one rank needs none: the ballot it carries
 """
 
 import struct
+import time
 
 from ..errors import MachineLostError, SynkError, WorkerDiedError, unpickle_exception
 from ..runtime.commands import COMMANDS, encode
 from ..runtime.peers import Peers
 from .launch import end_launcher_at_exit, end_step_at_exit
+from .doorbell import QUIET_S
 from .link import ABORT, CMD, CMD_HEAD, DATA, DONE, OUTPUTS, REPORT, REPORTS
 from .recovery import relayout, settle_local
 from .reports import DONE_REPORT, unpack_outputs
@@ -52,6 +54,7 @@ class Controller(Peers):
         self.gen = 0
         self.node_only = False  # the current command runs on the node masters only
         self.collected = False  # the current command's ranks leave results (reports carry them)
+        self.quiet_since = 0.0  # when the last command's reports were in (perf_counter)
 
     def between(self):
         """Before a public call: admit the machines that asked to join (cluster/elastic.py)."""
@@ -78,6 +81,9 @@ class Controller(Peers):
         if link.leaders.gen != self.gen:
             link.renew(self.gen)
         msg = CMD_HEAD.pack(self.seq, self.gen) + bytes(data)
+        if time.perf_counter() - self.quiet_since > QUIET_S:
+            # The node masters may have stopped spinning: wake them while the message travels.
+            self.heartbeats.ring(link.others)
         for m in link.others:
             link.send_bytes(m, CMD, msg)
         self.pending = True
@@ -93,6 +99,7 @@ class Controller(Peers):
             self.pending = False
             self.reports = dict.fromkeys(self.link.others, DONE_REPORT)
             self.link.retire_sends()
+            self.quiet_since = time.perf_counter()
             return {}
         return self.wait_reports(check)
 
@@ -126,6 +133,7 @@ class Controller(Peers):
             # This machine's share aborted: the others may wait for it inside a collective.
             self._abort_others()
         self.link.wait(self._all_reported, check)
+        self.quiet_since = time.perf_counter()
         self.pending = False
         if self.failed:
             self.gen += 1  # a collective may have been left pending on some leader

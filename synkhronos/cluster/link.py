@@ -17,10 +17,11 @@ waits without a bound.  Messages are pickled with large buffers out of band
 import os
 import pickle
 import struct
+import time
 
 from ..comm.mpi_leaders import Leaders
 from ..errors import MachineLostError, SynkError
-from ..runtime.liveness import spin_until, wait_until
+from ..runtime.liveness import CHECK_EVERY_S, spin_until, wait_until
 from . import recovery
 from .launch import finalize
 
@@ -66,7 +67,7 @@ class LinkBase:
                 return got[0], got[1], tag
         return None
 
-    def _wait_probe(self, src, tag, check):
+    def _wait_probe(self, src, tag, check, doorbell=None):
         box = []
 
         def arrived():
@@ -75,27 +76,50 @@ class LinkBase:
                 return False
             box.append(got)
             return True
-        self.wait(arrived, check)
+        self.wait(arrived, check, doorbell)
         return box[0]
 
-    def wait(self, pred, check):
+    def wait(self, pred, check, doorbell=None):
         """Return once ``pred()`` is true, calling ``check``.
 
         Where cores are shared (``spin_s`` 0) a wait sleeps between polls, and
         each sleep delays the peer's next message by as much: first poll for
-        a while, yielding the core to whoever runs beside this process.
+        a while, yielding the core to whoever runs beside this process.  With
+        a ``doorbell`` (doorbell.Doorbell, a node master between commands), a
+        wait that spun in vain blocks on it instead of sleeping: the
+        controller rings it before the message comes.
         """
+        spin = pred
         if self.spin_s == 0:
-            def yielding():
+            def spin():
                 os.sched_yield()
                 return pred()
-            if spin_until(yielding, check, YIELD_SPIN_S):
+            if spin_until(spin, check, YIELD_SPIN_S):
                 return
-        wait_until(pred, check, self.spin_s)
+        if doorbell is None:
+            wait_until(pred, check, self.spin_s)
+            return
+        if spin_until(pred, check, self.spin_s):
+            return
+        next_check = time.perf_counter() + CHECK_EVERY_S
+        while True:
+            if doorbell.wait(CHECK_EVERY_S):
+                # Rung: the message follows within microseconds.
+                if spin_until(spin, check, YIELD_SPIN_S):
+                    return
+            elif pred():
+                return
+            now = time.perf_counter()
+            if now > next_check:
+                check()
+                next_check = now + CHECK_EVERY_S
 
-    def recv_bytes(self, src, tag, check, slot=None):
-        """Receive one message's bytes (into a kept buffer when ``slot`` is given)."""
-        m, n = self._wait_probe(src, tag, check)
+    def recv_bytes(self, src, tag, check, slot=None, doorbell=None):
+        """Receive one message's bytes (into a kept buffer when ``slot`` is given).
+
+        ``doorbell``: what the wait blocks on once it has spun (``wait``).
+        """
+        m, n = self._wait_probe(src, tag, check, doorbell)
         buf = self._buffer(src, slot, n)
         self.receive(m, buf, src)
         return buf

@@ -44,22 +44,29 @@ class NodeMaster(Peers):
         rt: the Runtime (this process is its machine's leader).
         link: the ``Link`` to the controller and the other node masters.
         sentinel: the pid of this machine's sentinel process.
+        doorbell: what the controller rings, through the sentinel, before a command that
+            follows a pause (``doorbell.Doorbell``), or None.
     """
 
-    def __init__(self, rt, link, sentinel):
+    def __init__(self, rt, link, sentinel, doorbell=None):
         self.rt = rt
         self.link = link
         self.layout = link.layout
         self.node = link.node
         self.sentinel = sentinel
+        self.doorbell = doorbell
         self.segments = {}     # data id -> this machine's copy of that Data
         self.done_seq = 0      # the last command this machine finished
         self.decoded = {}      # a command's bytes -> (command, payload), see ``decode``
 
     # -- messages from and to the controller ------------------------------------------
     def receive_command(self, check):
-        """Wait for the controller's next command; return its bytes."""
-        buf = self.link.recv_bytes(0, CMD, check)
+        """Wait for the controller's next command; return its bytes.
+
+        After spinning a while this blocks on the doorbell, which the
+        controller rings before a command that follows a pause.
+        """
+        buf = self.link.recv_bytes(0, CMD, check, doorbell=self.doorbell)
         seq, gen = CMD_HEAD.unpack_from(buf)
         self.link.begin(seq)
         if gen != self.link.leaders.gen:
