@@ -21,6 +21,7 @@ from .base import Backend, as_arrays
 from .mpi_leaders import PACK_BYTES
 from .mpi_reduce import reduce_across
 from .mpi_small import Ballot, SmallPlan, eligible
+from .mpi_small import voters as ballot_voters
 from .shm_backend import ShmBackend
 
 SMALL_PLANS_MAX = 64
@@ -84,11 +85,11 @@ class MpiBackend(Backend):
         return implied
 
     def _voters(self):
-        """The machines, if every one has a single rank (small all-reduces carry a ballot), else 0."""
+        """The leaders voting in a small all-reduce's ballot (``mpi_small.voters``), or 0."""
         layout = self.link.layout
         seen, voters = self.voting
         if seen is not layout:
-            voters = layout.n_machines if all(n == 1 for n in layout.n_local) else 0
+            voters = ballot_voters(layout.n_local)
             self.voting = (layout, voters)
         return voters
 

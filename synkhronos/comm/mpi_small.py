@@ -60,6 +60,19 @@ class Ballot:
         self.passed = reduced == self.unanimous
 
 
+def voters(n_local):
+    """How many leaders vote in a small all-reduce of a layout with ``n_local`` ranks per machine.
+
+    Every machine must have one rank (a leader with others shares its
+    machine's result after the collective, which can fail), and a vote must
+    count exactly in any dtype; 0: no ballot.
+    """
+    n = len(n_local)
+    if 1 < n <= MAX_VOTERS and all(k == 1 for k in n_local):
+        return n
+    return 0
+
+
 def eligible(leaders, arrays, op):
     """Whether ``arrays`` under ``op`` take this path, judged by what every leader sees alike.
 
@@ -84,7 +97,7 @@ class SmallPlan:
         leaders: the leaders' collectives (``mpi_leaders.Leaders``).
         arrays: the variables' own host arrays (the results are written into them).
         op: the reduce op, one name for every array.
-        voters: the machines when every one has one rank (a ballot rides along), else 0.
+        voters: the machines when a ballot rides along (``voters``), else 0.
     """
 
     __slots__ = ("ok", "checked", "epoch", "voters", "sends", "members", "mass_at", "ballot")
@@ -101,7 +114,7 @@ class SmallPlan:
             a.flags.c_contiguous and a.flags.writeable for a in arrays)
         if not self.ok:
             return
-        if 1 < voters <= MAX_VOTERS:
+        if voters:
             self.ballot = Ballot(op, voters, yes=True)
         groups = {}  # dtype.str -> indices, in order of first appearance (as reduce_across)
         for i, a in enumerate(arrays):

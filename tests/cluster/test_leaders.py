@@ -260,3 +260,12 @@ def test_collectives_are_right_after_aborted_ones():
         assert rc == 0 and "ALL OK" in out, out
         assert out.count("OK after a failure") == 4, out
         assert_nothing_left(m, out, "leaders_reset_job.py")
+
+
+def test_ballots_only_where_every_machine_has_one_rank_and_votes_count_exactly():
+    assert mpi_small.voters([1, 1]) == 2
+    assert mpi_small.voters([1, 1, 1]) == 3
+    assert mpi_small.voters([1]) == 0  # one machine: no report to spare
+    assert mpi_small.voters([1, 2]) == 0
+    assert mpi_small.voters([1] * mpi_small.MAX_VOTERS) == mpi_small.MAX_VOTERS
+    assert mpi_small.voters([1] * (mpi_small.MAX_VOTERS + 1)) == 0
