@@ -16,6 +16,7 @@ from synkhronos.comm import mpi_leaders, mpi_reduce, mpi_small
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "leaders_reset_job.py")
+SMALL_JOB = os.path.join(HERE, "small_reduce_job.py")
 
 
 class OneLeader:
@@ -269,3 +270,17 @@ def test_ballots_only_where_every_machine_has_one_rank_and_votes_count_exactly()
     assert mpi_small.voters([1, 2]) == 0
     assert mpi_small.voters([1] * mpi_small.MAX_VOTERS) == mpi_small.MAX_VOTERS
     assert mpi_small.voters([1] * (mpi_small.MAX_VOTERS + 1)) == 0
+
+
+@pytest.mark.skipif(_no_mpi() is not None, reason=_no_mpi() or "")
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("n_machines", [2, 3])
+def test_small_all_reduces_on_machines_of_one_rank(n_machines):
+    """The latency path and its ballot, beside failures and the general path (small_reduce_job.py)."""
+    from helpers.cluster_jobs import assert_nothing_left, machines, mpirun
+
+    with machines(n_machines) as m:
+        rc, out, _ = mpirun(m, n_machines, [SMALL_JOB])
+        assert rc == 0 and "ALL OK" in out, out
+        assert sum(line.startswith("OK ") for line in out.splitlines()) == 5, out
+        assert_nothing_left(m, out, "small_reduce_job.py")
