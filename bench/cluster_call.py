@@ -1,7 +1,7 @@
 """A call with a large output, a tiny call and a 4-byte all_reduce, on simulated machines.
 
     sudo python bench/cluster_call.py [--machines 2,3] [--local 1,2] [--output-bytes 1048576]
-                                      [--rounds 3]
+                                      [--rounds 3] [--pauses 30]
 
 On simulated machines (tests/helpers/machines.py; needs root), one MPI process
 per machine forks ``--local`` ranks and the controller times, per call:
@@ -10,7 +10,10 @@ per machine forks ``--local`` ranks and the controller times, per call:
   "sum", holds ``--output-bytes`` bytes (float32) on every rank; every rank's
   (or, combined, every machine's) result travels to the controller;
 - ``tiny call``: a call with a 0-d output, the latency of one CALL;
-- ``all_reduce 4 B``: ``synk.all_reduce`` of a one-element float32 variable.
+- ``all_reduce 4 B``: ``synk.all_reduce`` of a one-element float32 variable;
+- ``tiny call after 20 ms``: the tiny call again, each after the program paused
+  20 ms (``--pauses`` calls): what a command costs once the node masters
+  stopped spinning (cluster/doorbell.py).
 
 Printed: the median over ``--rounds`` jobs of each job's median, per layout.
 ``bench/before_after.py --cluster`` runs it with two versions side by side.
@@ -28,10 +31,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
-FIGURES = ("call, output", "tiny call", "all_reduce 4 B")
+FIGURES = ("call, output", "tiny call", "all_reduce 4 B", "tiny call after 20 ms")
+PAUSE_S = 0.02
 
 
-def job(local, output_bytes, reps):
+def job(local, output_bytes, reps, pauses):
     import numpy as np
     import pytensor
     import pytensor.tensor as pt
@@ -60,11 +64,18 @@ def job(local, output_bytes, reps):
             fn()
             times.append(time.perf_counter() - t0)
         out[name] = statistics.median(times)
+    times = []
+    for _ in range(pauses):
+        time.sleep(PAUSE_S)
+        t0 = time.perf_counter()
+        tiny(small)
+        times.append(time.perf_counter() - t0)
+    out["tiny call after 20 ms"] = statistics.median(times)
     synk.close()
     print("JSON " + json.dumps(out), flush=True)
 
 
-def measure(n_machines, local, output_bytes, rounds, reps):
+def measure(n_machines, local, output_bytes, rounds, reps, pauses):
     """{figure: median seconds over the rounds} for one layout."""
     from helpers.cluster_jobs import machines, mpirun
 
@@ -72,7 +83,8 @@ def measure(n_machines, local, output_bytes, rounds, reps):
     with machines(n_machines) as m:
         for _ in range(rounds):
             args = [os.path.abspath(__file__), "--job", "--local", str(local),
-                    "--output-bytes", str(output_bytes), "--reps", str(reps)]
+                    "--output-bytes", str(output_bytes), "--reps", str(reps),
+                    "--pauses", str(pauses)]
             # The version under test: BENCH_TREE (set by before_after.py), else this one.
             tree = os.environ.get("BENCH_TREE") or os.path.dirname(HERE)
             rc, out, _ = mpirun(m, n_machines, args, timeout=900, PYTHONPATH=tree)
@@ -96,10 +108,11 @@ def main():
     ap.add_argument("--output-bytes", type=int, default=1 << 20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--pauses", type=int, default=30, help="tiny calls after a pause, per job")
     ap.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.job:
-        return job(int(args.local), args.output_bytes, args.reps)
+        return job(int(args.local), args.output_bytes, args.reps, args.pauses)
     from helpers.cluster_jobs import FLAVOR, NO_MACHINES
     if NO_MACHINES or not FLAVOR:
         sys.exit(f"bench/cluster_call.py: {NO_MACHINES or 'no mpiexec'}")
@@ -109,7 +122,8 @@ def main():
     print("|---" * (len(FIGURES) + 1) + "|")
     for n_machines in [int(v) for v in args.machines.split(",")]:
         for local in [int(v) for v in args.local.split(",")]:
-            got = measure(n_machines, local, args.output_bytes, args.rounds, args.reps)
+            got = measure(n_machines, local, args.output_bytes, args.rounds, args.reps,
+                          args.pauses)
             print(f"| {n_machines} x {local} | " + " | ".join(_fmt(got[k]) for k in FIGURES)
                   + " |", flush=True)
 

@@ -4,37 +4,22 @@ The controller posts a command to its own ranks as on one machine and sends
 the same bytes to every node master (``forward``), which posts it to its
 ranks and runs its own share; every node master then sends one report (its
 ranks' failures, and what they contributed to the call's outputs), and the
-controller's command ends when its own ranks and every report are in.
+controller's command ends when its own ranks and every report are in.  A
+small all_reduce on machines of one rank needs none: the ballot it carries
+(comm/mpi_small.py) says that every machine's share ended with it.
 """
 
 import struct
-from typing import NamedTuple, Optional
+import time
 
 from ..errors import MachineLostError, SynkError, WorkerDiedError, unpickle_exception
 from ..runtime.commands import COMMANDS, encode
 from ..runtime.peers import Peers
 from .launch import end_launcher_at_exit, end_step_at_exit
-from .link import ABORT, CMD, CMD_HEAD, DATA, DONE, REPORT
+from .doorbell import QUIET_S
+from .link import ABORT, CMD, CMD_HEAD, DATA, DONE, OUTPUTS, REPORT, REPORTS
 from .recovery import relayout, settle_local
-
-
-class NodeReport(NamedTuple):
-    """A node master's outcome of one command.
-
-    Attributes:
-        seq: the command's number.
-        failures: ``[(global rank, traceback text, pickled exception or None)]``.
-        contributions: ``[(global rank, arrays, weight)]`` for collected commands.
-        died: why the machine's ranks died, or None.
-    """
-
-    seq: Optional[int]
-    failures: list
-    contributions: list
-    died: Optional[str]
-
-
-DONE_REPORT = NodeReport(None, [], [], None)
+from .reports import DONE_REPORT, unpack_outputs
 
 
 class Controller(Peers):
@@ -68,6 +53,8 @@ class Controller(Peers):
         # that aborted, sent with the next command so every leader renews it there.
         self.gen = 0
         self.node_only = False  # the current command runs on the node masters only
+        self.collected = False  # the current command's ranks leave results (reports carry them)
+        self.quiet_since = 0.0  # when the last command's reports were in (perf_counter)
 
     def between(self):
         """Before a public call: admit the machines that asked to join (cluster/elastic.py)."""
@@ -85,6 +72,7 @@ class Controller(Peers):
             return
         link = self.link
         self.seq += 1
+        self.collected = COMMANDS[cmd].collected
         link.begin(self.seq)
         # Node masters stop their sentinels on the final command: a closed connection then means no failure.
         self.heartbeats.quitting = COMMANDS[cmd].final
@@ -93,6 +81,9 @@ class Controller(Peers):
         if link.leaders.gen != self.gen:
             link.renew(self.gen)
         msg = CMD_HEAD.pack(self.seq, self.gen) + bytes(data)
+        if time.perf_counter() - self.quiet_since > QUIET_S:
+            # The node masters may have stopped spinning: wake them while the message travels.
+            self.heartbeats.ring(link.others)
         for m in link.others:
             link.send_bytes(m, CMD, msg)
         self.pending = True
@@ -102,6 +93,14 @@ class Controller(Peers):
         if not self.pending:
             return None
         self.local_done = self.seq  # a machine lost now finds this one's share made
+        if self.rt.backend.reports_implied() and not self.collected:
+            # Every machine's share ended with the collective that just completed, whose
+            # ballot said so (comm/mpi_small.py): their success is implied, no report comes.
+            self.pending = False
+            self.reports = dict.fromkeys(self.link.others, DONE_REPORT)
+            self.link.retire_sends()
+            self.quiet_since = time.perf_counter()
+            return {}
         return self.wait_reports(check)
 
     def mirror(self, cmd, payload, attachment):
@@ -134,6 +133,7 @@ class Controller(Peers):
             # This machine's share aborted: the others may wait for it inside a collective.
             self._abort_others()
         self.link.wait(self._all_reported, check)
+        self.quiet_since = time.perf_counter()
         self.pending = False
         if self.failed:
             self.gen += 1  # a collective may have been left pending on some leader
@@ -154,22 +154,29 @@ class Controller(Peers):
     def _all_reported(self):
         """Take the reports that have arrived; return whether every machine's is in."""
         link = self.link
+        reports = self.reports
         done = True
         for m in link.others:
-            if m in self.reports:
+            if m in reports:
                 continue
-            got = link.probe(m, DONE)
-            if got is not None:
-                buf = bytearray(8)
-                link.receive(got[0], buf, m)
-                self._check_seq(m, struct.unpack("q", buf)[0])
-                self.reports[m] = DONE_REPORT
-                continue
-            got = link.probe(m, REPORT)
+            got = link.probe_any(m, REPORTS)
             if got is None:
                 done = False
+                continue
+            probed, n, tag = got
+            if tag == DONE:
+                buf = bytearray(8)
+                link.receive(probed, buf, m)
+                self._check_seq(m, struct.unpack("q", buf)[0])
+                reports[m] = DONE_REPORT
+            elif tag == OUTPUTS:
+                buf = bytearray(n)
+                link.receive(probed, buf, m)
+                rep = unpack_outputs(buf)
+                self._check_seq(m, rep.seq)
+                reports[m] = rep
             else:
-                self._take_report(m, *got)
+                self._take_report(m, probed, n)
         return done
 
     def _check_seq(self, m, seq):

@@ -225,6 +225,7 @@ class Door:
         ctl, link = self.controller, self.link
         ctl.seq += 1
         link.begin(ctl.seq)
+        self.heartbeats.ring([k])  # a joiner between two of these waits on its doorbell
         link.send_bytes(k, CMD, CMD_HEAD.pack(ctl.seq, ctl.gen) + encode(cmd, payload))
         if attachment is not None:
             link.send_bytes(k, DATA, attachment)

@@ -28,6 +28,7 @@ from ..runtime.liveness import deadline_check, no_check
 from ..runtime.run import run_command
 from .layout import Layout, LayoutMsg, set_layout
 from .node import NodeMaster, serve
+from .doorbell import Doorbell
 from .sentinel import CONNECT_TIMEOUT_S, send_address, start_sentinel
 from .zlink import ACK, GONE, HELLO, MEMBERS, NONCE, PROOF, TAG, WELCOME, ZmqLink
 
@@ -127,7 +128,7 @@ def _expect(sock, want, timeout_s, what):
 
 def join_as_node(rt, launch, join_workers, pin):
     """A node master started on its own: knock, prove, catch up, serve until the end."""
-    sentinel, sentinel_fd = start_sentinel(close_fds=[rt.processes.janitor.fd])
+    sentinel, sentinel_fd, bell = start_sentinel(close_fds=[rt.processes.janitor.fd])
     try:
         _, dist = import_torch()
         ident = secrets.token_bytes(16)
@@ -158,7 +159,7 @@ def join_as_node(rt, launch, join_workers, pin):
     offset = layout.offsets[welcome.machine]
     run_command(rt, Command.LAYOUT, LayoutMsg(offset, layout.n_parallel),
                 local=lambda seq: set_layout(rt, offset, layout.n_parallel))
-    node = rt.peers = NodeMaster(rt, link, sentinel)
+    node = rt.peers = NodeMaster(rt, link, sentinel, Doorbell(bell))
     rt.registry.datas = {}  # segments mapped here, as in a worker
     rt.backend.attach(link, None)
     pin()

@@ -17,15 +17,18 @@ waits without a bound.  Messages are pickled with large buffers out of band
 import os
 import pickle
 import struct
+import time
 
 from ..comm.mpi_leaders import Leaders
 from ..errors import MachineLostError, SynkError
-from ..runtime.liveness import spin_until, wait_until
+from ..runtime.liveness import CHECK_EVERY_S, spin_until, wait_until
 from . import recovery
 from .launch import finalize
 
 # Tags of the messages between the controller and node masters.
 CMD, REPORT, ABORT, DATA, DONE = 1, 2, 3, 4, 5   # DONE: a report of nothing but success
+OUTPUTS = 6  # a report of success with small contributions, packed (cluster/reports.py)
+REPORTS = (DONE, OUTPUTS, REPORT)  # what a node master sends the controller, most frequent first
 CMD_HEAD = struct.Struct("qq")  # a forwarded command opens with (its number, the leaders' generation)
 INBAND_BYTES = 1 << 16   # smaller buffers travel inside the pickle
 POOL_BYTES = 1 << 16     # received buffers this large are reused (Link._buffer)
@@ -52,7 +55,19 @@ class LinkBase:
         for b in bufs:
             self.send_bytes(dest, tag, b.raw())
 
-    def _wait_probe(self, src, tag, check):
+    def probe_any(self, src, tags):
+        """Return (message, size in bytes, tag) of the first message from ``src`` with one of ``tags``.
+
+        None if none has arrived.  ``tags`` must name every tag ``src`` may send
+        this process (a carrier may match any message from it).
+        """
+        for tag in tags:
+            got = self.probe(src, tag)
+            if got is not None:
+                return got[0], got[1], tag
+        return None
+
+    def _wait_probe(self, src, tag, check, doorbell=None):
         box = []
 
         def arrived():
@@ -61,27 +76,50 @@ class LinkBase:
                 return False
             box.append(got)
             return True
-        self.wait(arrived, check)
+        self.wait(arrived, check, doorbell)
         return box[0]
 
-    def wait(self, pred, check):
+    def wait(self, pred, check, doorbell=None):
         """Return once ``pred()`` is true, calling ``check``.
 
         Where cores are shared (``spin_s`` 0) a wait sleeps between polls, and
         each sleep delays the peer's next message by as much: first poll for
-        a while, yielding the core to whoever runs beside this process.
+        a while, yielding the core to whoever runs beside this process.  With
+        a ``doorbell`` (doorbell.Doorbell, a node master between commands), a
+        wait that spun in vain blocks on it instead of sleeping: the
+        controller rings it before the message comes.
         """
+        spin = pred
         if self.spin_s == 0:
-            def yielding():
+            def spin():
                 os.sched_yield()
                 return pred()
-            if spin_until(yielding, check, YIELD_SPIN_S):
+            if spin_until(spin, check, YIELD_SPIN_S):
                 return
-        wait_until(pred, check, self.spin_s)
+        if doorbell is None:
+            wait_until(pred, check, self.spin_s)
+            return
+        if spin_until(pred, check, self.spin_s):
+            return
+        next_check = time.perf_counter() + CHECK_EVERY_S
+        while True:
+            if doorbell.wait(CHECK_EVERY_S):
+                # Rung: the message follows within microseconds.
+                if spin_until(spin, check, YIELD_SPIN_S):
+                    return
+            elif pred():
+                return
+            now = time.perf_counter()
+            if now > next_check:
+                check()
+                next_check = now + CHECK_EVERY_S
 
-    def recv_bytes(self, src, tag, check, slot=None):
-        """Receive one message's bytes (into a kept buffer when ``slot`` is given)."""
-        m, n = self._wait_probe(src, tag, check)
+    def recv_bytes(self, src, tag, check, slot=None, doorbell=None):
+        """Receive one message's bytes (into a kept buffer when ``slot`` is given).
+
+        ``doorbell``: what the wait blocks on once it has spun (``wait``).
+        """
+        m, n = self._wait_probe(src, tag, check, doorbell)
         buf = self._buffer(src, slot, n)
         self.receive(m, buf, src)
         return buf
@@ -145,6 +183,7 @@ class Link(LinkBase):
         self.pool = {}         # reused receive buffers
         self.graveyard = []    # (communicator, sends) given up after a machine was lost
         self.leaders = Leaders(mpi, comm, spin_s, self.lost)
+        self.status = mpi.Status()  # reused by probes: a message's size and tag
 
     def begin(self, seq):
         """Start command ``seq`` (its reports carry the number)."""
@@ -223,12 +262,32 @@ class Link(LinkBase):
 
     def probe(self, src, tag):
         """Return (message, size in bytes) if one from ``src`` with ``tag`` has arrived, else None."""
-        st = self.MPI.Status()
+        st = self.status
         try:
             m = self.comm.Improbe(src, tag, st)
         except self.MPI.Exception as exc:
             raise self.lost(exc, src) from None
         return None if m is None else (m, st.Get_count(self.MPI.BYTE))
+
+    def probe_any(self, src, tags):
+        """Return (message, size in bytes, tag) of the next message from ``src``, else None.
+
+        One probe for any tag (the controller waits for one of three reports
+        from each machine, and each probe is a pass of MPI's progress engine);
+        a message with a tag outside ``tags`` breaks the protocol.
+        """
+        st = self.status
+        try:
+            m = self.comm.Improbe(src, self.MPI.ANY_TAG, st)
+        except self.MPI.Exception as exc:
+            raise self.lost(exc, src) from None
+        if m is None:
+            return None
+        tag = st.Get_tag()
+        if tag not in tags:
+            raise SynkError(f"{self.layout.describe(src)} sent a message with tag {tag} where "
+                            f"one of {tags} was expected")
+        return m, st.Get_count(self.MPI.BYTE), tag
 
     def receive(self, message, buf, src):
         """Receive a probed ``message`` from machine ``src`` into ``buf``."""

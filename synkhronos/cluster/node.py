@@ -2,7 +2,8 @@
 
 It receives each command's bytes from the controller, runs the command's
 ``node`` step if it declares one (runtime/commands.py), posts it to its ranks and
-runs its own share as a master does, then sends one report.  It holds this
+runs its own share as a master does, then sends one report (none where a
+small all-reduce's ballot made it implied, comm/mpi_small.py).  It holds this
 machine's copy of every Data (the segments its ranks map).
 """
 
@@ -20,13 +21,15 @@ from ..runtime.liveness import no_check, stop_process
 from ..runtime.shmem import SharedArray
 from ..runtime.peers import Peers
 from . import recovery
-from .controller import NodeReport
 from .launch import exit_finalized
-from .link import ABORT, CMD, CMD_HEAD, DATA, DONE, REPORT
+from .link import ABORT, CMD, CMD_HEAD, DATA, DONE, OUTPUTS, REPORT
+from .reports import NodeReport, pack_outputs
 
 logger = logging.getLogger(__name__)
 
 FINALIZE_S = 10
+DECODE_CACHE_BYTES = 1024  # commands this short are kept decoded (keyed by their bytes)
+DECODE_CACHE_SIZE = 256
 ENDED_FINALIZE_S = 2.0  # after the sentinel ended this machine (its grace is END_GRACE_S, 3 s)
 
 
@@ -41,27 +44,55 @@ class NodeMaster(Peers):
         rt: the Runtime (this process is its machine's leader).
         link: the ``Link`` to the controller and the other node masters.
         sentinel: the pid of this machine's sentinel process.
+        doorbell: what the controller rings, through the sentinel, before a command that
+            follows a pause (``doorbell.Doorbell``), or None.
     """
 
-    def __init__(self, rt, link, sentinel):
+    def __init__(self, rt, link, sentinel, doorbell=None):
         self.rt = rt
         self.link = link
         self.layout = link.layout
         self.node = link.node
         self.sentinel = sentinel
+        self.doorbell = doorbell
         self.segments = {}     # data id -> this machine's copy of that Data
         self.done_seq = 0      # the last command this machine finished
+        self.decoded = {}      # a command's bytes -> (command, payload), see ``decode``
 
     # -- messages from and to the controller ------------------------------------------
     def receive_command(self, check):
-        """Wait for the controller's next command; return its bytes."""
-        buf = self.link.recv_bytes(0, CMD, check)
+        """Wait for the controller's next command; return its bytes.
+
+        After spinning a while this blocks on the doorbell, which the
+        controller rings before a command that follows a pause.
+        """
+        buf = self.link.recv_bytes(0, CMD, check, doorbell=self.doorbell)
         seq, gen = CMD_HEAD.unpack_from(buf)
         self.link.begin(seq)
         if gen != self.link.leaders.gen:
             # A command before aborted: every leader renews the collective communicator here.
             self.link.renew(gen)
         return memoryview(buf)[CMD_HEAD.size:]
+
+    def decode(self, raw):
+        """Return (command, payload, ids of dropped Data or None) of a command's bytes.
+
+        A loop sends the same few commands again and again: a dict look-up of
+        their bytes costs a tenth of unpickling them.  Handlers never change
+        a payload, so a decoded one is reused (as ``Control.read_message`` does).
+        """
+        if len(raw) > DECODE_CACHE_BYTES:
+            return decode(raw)
+        key = bytes(raw)
+        hit = self.decoded.get(key)
+        if hit is not None:
+            return hit
+        out = decode(raw)
+        if out[2] is None:
+            if len(self.decoded) >= DECODE_CACHE_SIZE:
+                self.decoded.clear()
+            self.decoded[key] = out
+        return out
 
     def go_on(self):
         """Go on with the machines left: shrink to them and renumber this machine's ranks."""
@@ -97,9 +128,17 @@ class NodeMaster(Peers):
     def report(self, failures, contributions, died=None):
         """Send the command's outcome to the controller."""
         link = self.link
-        if not failures and not contributions and died is None:
-            link.send_bytes(0, DONE, struct.pack("q", link.seq))  # 8 bytes, nothing to unpickle
-            return
+        if not failures and died is None:
+            if not contributions:
+                link.send_bytes(0, DONE, struct.pack("q", link.seq))  # 8 bytes, nothing to unpickle
+                return
+            try:
+                packed = pack_outputs(link.seq, contributions)
+            except (struct.error, TypeError, ValueError):
+                packed = None  # a weight or shape struct does not take: pickled below
+            if packed is not None:
+                link.send_bytes(0, OUTPUTS, packed)
+                return
         link.send(0, REPORT, NodeReport(link.seq, failures, contributions, died))
 
     # -- this machine's copies of the controller's Data --------------------------------
@@ -202,7 +241,7 @@ def _serve_one(rt, node, alone, going_on):
     # Between commands nothing runs here, so no command timeout applies: only
     # the controller's orders (and the sentinel, for its death) end the wait.
     raw = node.receive_command(node.poll)
-    cmd, payload, frees = decode(raw)
+    cmd, payload, frees = node.decode(raw)
     spec = COMMANDS[cmd]
     if spec.final:
         # A normal end: the sentinel must not take the controller's exit,
@@ -215,7 +254,11 @@ def _serve_one(rt, node, alone, going_on):
                                          going_on)
     node.done_seq = link.seq
     link.retire_sends()  # an aborted collective's sends nobody will receive
-    node.report(failures, contributions, died)
+    implied = rt.backend.reports_implied()
+    if failures or died is not None or spec.collected or not implied:
+        # (Where a ballot passed, this machine's share ended with the collective that
+        # completed on every machine: the controller takes that as this report.)
+        node.report(failures, contributions, died)
     # After a death the machine is torn down; the sentinel still ends this
     # process if the controller goes.
     link.complete_sends(rt.check if died is None else no_check)

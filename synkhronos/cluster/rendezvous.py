@@ -21,6 +21,7 @@ from .launch import init_mpi, mpi_segments, placement_problem
 from .layout import Layout, LayoutMsg, set_layout
 from .link import Link
 from .node import NodeMaster, serve
+from .doorbell import Doorbell
 from .sentinel import CONNECT_TIMEOUT_S, Heartbeats, new_secret, send_address, start_sentinel
 
 logger = logging.getLogger(__name__)
@@ -39,9 +40,9 @@ def join(rt, launch, tell_janitor, join_workers, pin):
     if isinstance(launch, Elastic):
         from . import elastic  # ZeroMQ and torch: only where machines come and go
         return elastic.join(rt, launch, tell_janitor, join_workers, pin)
-    sentinel, sentinel_fd = None, None
+    sentinel, sentinel_fd, bell = None, None, None
     if launch.rank != 0:
-        sentinel, sentinel_fd = start_sentinel(close_fds=[rt.processes.janitor.fd])
+        sentinel, sentinel_fd, bell = start_sentinel(close_fds=[rt.processes.janitor.fd])
     try:
         mpi = init_mpi(launch)
         made = mpi_segments()
@@ -59,7 +60,7 @@ def join(rt, launch, tell_janitor, join_workers, pin):
         rt.peers = Controller(rt, link, heartbeats, pids)
         rt.backend.attach(link, rt.peers.contributions)
     else:
-        node = rt.peers = NodeMaster(rt, link, sentinel)
+        node = rt.peers = NodeMaster(rt, link, sentinel, Doorbell(bell))
         rt.registry.datas = {}  # segments mapped here, as in a worker (Data objects live in the controller)
         rt.backend.attach(link, None)
     pin()

@@ -7,7 +7,8 @@ connection means the node master died (logged at once, so the machine is named e
 launcher then ends the job), silence for ``SYNK_HEARTBEAT_S`` (default 5 s) that it stopped
 answering; the controller's next check raises either as an error naming the machine. The sentinel
 ends its node master when the controller's end of the connection closes, so killing the controller
-ends every machine.
+ends every machine. The same connection rings an idle node master's doorbell (doorbell.py). Both
+ends of this one connection live here, hence past 400 lines.
 """
 
 import hashlib
@@ -25,6 +26,7 @@ import time
 
 from ..errors import MachineLostError, SynkError, WorkerStalledError
 from ..runtime.liveness import proc_start_time, proc_state, stop_process
+from .doorbell import RING, make_pipe, ring
 from .launch import close_launcher_fds, parent_and_name
 
 logger = logging.getLogger(__name__)
@@ -44,13 +46,16 @@ def heartbeat_limit_s():
 
 
 def start_sentinel(close_fds=()):
-    """Fork the node master's sentinel (before MPI starts); return its pid and a pipe to it.
+    """Fork the node master's sentinel (before MPI starts); return its pid and two pipes.
 
-    The node master writes the controller's address into the pipe once it is
-    known (``send_address``).  ``close_fds`` are closed in the sentinel (the
-    janitor's pipe: the janitor must see it close when the node master goes).
+    The node master writes the controller's address into the first pipe once
+    it is known (``send_address``); it reads its doorbell from the second
+    (the sentinel writes there when the controller rings, doorbell.py).
+    ``close_fds`` are closed in the sentinel (the janitor's pipe: the janitor
+    must see it close when the node master goes).
     """
     read_fd, write_fd = os.pipe()
+    bell_r, bell_w = make_pipe()
     parent = os.getpid()
     pid = os.fork()
     if pid == 0:
@@ -59,12 +64,14 @@ def start_sentinel(close_fds=()):
                 os.close(fd)
             close_launcher_fds()
             os.close(write_fd)
+            os.close(bell_r)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-            _sentinel_main(parent, read_fd)
+            _sentinel_main(parent, read_fd, bell_w)
         finally:
             os._exit(0)
     os.close(read_fd)
-    return pid, write_fd
+    os.close(bell_w)
+    return pid, write_fd, bell_r
 
 
 def new_secret():
@@ -116,7 +123,7 @@ def prove(sock, node, secret):
     sock.sendall(_ANSWER.pack(node, _mac(secret, nonce, node)))
 
 
-def _sentinel_main(parent, read_fd):
+def _sentinel_main(parent, read_fd, bell):
     ready, _, _ = select.select([read_fd], [], [], CONNECT_TIMEOUT_S)
     raw = os.read(read_fd, 4096) if ready else b""
     os.close(read_fd)
@@ -159,6 +166,8 @@ def _sentinel_main(parent, read_fd):
                 # first: the node master finalises MPI, so mpiexec ends the job quietly.
                 stop_process(parent, grace_s=END_GRACE_S)
                 return
+            if RING in got:
+                ring(bell)  # a command follows: the node master may be blocked on its doorbell
             heard = time.monotonic()
         elif heard is not None and time.monotonic() - heard > limit:
             # The controller stopped beating (cut off, stopped, or its host is gone
@@ -362,6 +371,17 @@ class Heartbeats:
             quitting = self.quitting
         if not quitting:
             logger.error("%s lost: the connection to its sentinel closed", self.layout.describe(m))
+
+    def ring(self, machines):
+        """Ring the doorbells of ``machines``' node masters (a command follows, doorbell.py)."""
+        socks = self.socks
+        for m in machines:
+            sock = socks.get(m)
+            if sock is not None:
+                try:
+                    sock.send(RING)
+                except OSError:  # full, or closed: the beating thread tells what happened
+                    pass
 
     def keep(self, survivors, layout):
         """Go on with the machines ``survivors`` (old indices, controller first), now ``layout``."""

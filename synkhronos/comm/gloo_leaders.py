@@ -180,6 +180,19 @@ class GlooLeaders:
         one = np.zeros(1, np.uint8)
         self._run(check, lambda pg: ([pg.allreduce([self._t(one)])], [one]))
 
+    def all_reduce_kept(self, sends, check):
+        """Reduce each ``(buffer, op)`` in place across leaders (``Leaders.all_reduce_kept``)."""
+        dist = self.dist
+
+        def start(pg):
+            works = []
+            for buf, op in sends:
+                opts = dist.AllreduceOptions()
+                opts.reduceOp = getattr(dist.ReduceOp, GLOO_OPS[op])
+                works.append(pg.allreduce([self._t(buf)], opts))
+            return works, sends
+        self._run(check, start)
+
     def all_reduce(self, sends, check):
         """Reduce each ``(array, op, into)`` across leaders; per array the buffer holding the result."""
         dist = self.dist

@@ -20,7 +20,11 @@ from . import parts
 from .base import Backend, as_arrays
 from .mpi_leaders import PACK_BYTES
 from .mpi_reduce import reduce_across
+from .mpi_small import Ballot, SmallPlan, eligible
+from .mpi_small import voters as ballot_voters
 from .shm_backend import ShmBackend
+
+SMALL_PLANS_MAX = 64
 
 
 class MpiBackend(Backend):
@@ -34,6 +38,9 @@ class MpiBackend(Backend):
         self.remote = None   # the controller's: the other machines' contributions to a call
         self.mine = None     # a node master's own contribution to a call's outputs
         self.kept = {}       # key -> (leaders' epoch, two buffers MPI reduces into in turn)
+        self.small_plans = {}  # (keys, op) -> mpi_small.SmallPlan
+        self.implied = False   # the current command ended in a small all-reduce whose ballot passed
+        self.voting = (None, 0)  # (layout, its machines if each has one rank, else 0)
 
     @property
     def is_leader(self):
@@ -62,6 +69,29 @@ class MpiBackend(Backend):
         self.seq = seq
         self.local.begin(seq)
         self.mine = None
+        self.implied = False
+
+    def reports_implied(self):
+        """Whether the command ending now ended with a small all-reduce whose ballot passed.
+
+        Then every leader's share of it ended with that collective
+        (mpi_small.py): node masters send no report of success, and the
+        controller waits for none.  Asked once per command, by the leader
+        about to report or wait for reports: the answer is cleared, so a
+        command that runs nothing here (a node step that was all of it)
+        never inherits the last one's.
+        """
+        implied, self.implied = self.implied, False
+        return implied
+
+    def _voters(self):
+        """The leaders voting in a small all-reduce's ballot (``mpi_small.voters``), or 0."""
+        layout = self.link.layout
+        seen, voters = self.voting
+        if seen is not layout:
+            voters = ballot_voters(layout.n_local)
+            self.voting = (layout, voters)
+        return voters
 
     def is_kept(self, key, array):
         entry = self.kept.get(key)
@@ -96,6 +126,7 @@ class MpiBackend(Backend):
 
     # -- collectives ------------------------------------------------------------------
     def barrier(self):
+        self.implied = False
         self.local.barrier()
         if self.is_leader:
             self._leaders.barrier(self.check)
@@ -116,6 +147,32 @@ class MpiBackend(Backend):
         result = self._reduce(arrays, op, weight, out, into)
         # Every leader holds the same bytes (mpi_reduce.py), which its local ranks now read.
         return self._from_leader(result, out=out, keys=keys)
+
+    def small_all_reduce(self, keys, arrays, op):
+        """All-reduce small host arrays in place on a kept plan (mpi_small.py); False if it cannot.
+
+        The latency path of ``all_reduce`` for the values of shared variables,
+        in a leader whose machine has no other rank (every rank calls it with
+        the same ``keys``, which name the arrays, and ``op``).  Declines before
+        any message, and then the general path makes the same MPI calls.
+        """
+        if self._multi:
+            return False
+        leaders = self._leaders
+        voters = self._voters()
+        key = (tuple(keys), op)
+        plan = self.small_plans.get(key)
+        if plan is None or not plan.fits(leaders, arrays, voters):
+            plan = SmallPlan(leaders, arrays, op, voters)
+            if len(self.small_plans) >= SMALL_PLANS_MAX:
+                self.small_plans.clear()
+            self.small_plans[key] = plan
+        if not plan.ok:
+            return False
+        self.implied = False
+        if plan.run(leaders, self.check):
+            self.implied = True
+        return True
 
     def _into(self, arrays, ops, keys):
         """Per large array, the kept buffer (of two per key) MPI reduces into: not the input.
@@ -146,6 +203,7 @@ class MpiBackend(Backend):
         memory (each reducing its part of large arrays), then the leaders
         combine their machines' partials.
         """
+        self.implied = False
         arrays = as_arrays(arrays)
         if self._multi:
             partials, mass = self.local.reduce_with_mass(arrays, op, self.machine.master_rank,
@@ -161,10 +219,16 @@ class MpiBackend(Backend):
             raise SynkError(f"reduce across machines: no rank of "
                             f"{self.link.layout.describe(self.link.node)} gave arrays; every "
                             "machine must contribute")
+        ballot = None
+        voters = self._voters()
+        if voters and eligible(self._leaders, partials, op):
+            # The small path's message on another machine carries a ballot: so does this one.
+            ballot = Ballot(op, voters, yes=False)
         return reduce_across(self._leaders, partials, parts.op_list(op, len(partials)), mass,
-                             out, self.check, into)
+                             out, self.check, into, ballot)
 
     def broadcast(self, arrays, root, out=None, keys=None):
+        self.implied = False
         machine, offset = self.machine, self.rank_offset
         here = offset <= root < offset + machine.n_parallel
         root_local = root - offset
@@ -189,6 +253,7 @@ class MpiBackend(Backend):
         return self._from_leader(arrays, out=out, keys=keys)
 
     def gather(self, arrays, root, keys=None):
+        self.implied = False
         got = self._to_leader(None if arrays is None else as_arrays(arrays))
         if self.is_leader:
             every = self._leaders.gather(got, self.link.layout.machine_of(root), self.check)
@@ -199,6 +264,7 @@ class MpiBackend(Backend):
         return None
 
     def all_gather(self, arrays):
+        self.implied = False
         got = self._to_leader(None if arrays is None else as_arrays(arrays))
         if self.is_leader:
             every = [e for machine in self._leaders.all_gather(got, self.check) for e in machine]
@@ -221,6 +287,7 @@ class MpiBackend(Backend):
         return out
 
     def scatter(self, per_rank, root):
+        self.implied = False
         me = self.rank
         if me == root:
             self._check_scatter(per_rank)

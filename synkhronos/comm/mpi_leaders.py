@@ -199,6 +199,24 @@ class Leaders:
         self._run(check, start)
         return recvs
 
+    def all_reduce_kept(self, sends, check):
+        """Reduce each ``(buffer, op)`` in place across leaders: buffers the caller keeps.
+
+        The latency path's collective (comm/mpi_small.py): the same
+        ``Iallreduce`` calls as ``all_reduce`` makes for packed buffers, without
+        its look-ups.  The caller must not give a buffer again after the
+        communicator was renewed (``epoch``): an abandoned collective may still
+        write it.
+        """
+        MPI = self.MPI
+        comm = self._ready(check)
+        try:
+            reqs = [comm.Iallreduce(MPI.IN_PLACE, buf, getattr(MPI, MPI_OPS[op]))
+                    for buf, op in sends]
+        except MPI.Exception as exc:
+            raise self.lost(exc) from None
+        self.wait(reqs, sends, check)
+
     def all_gather_fixed(self, mine, check):
         """Every leader's ``mine`` (uint8, the same length everywhere), machine-major."""
         got = self.buffer("g", mine.nbytes * self.size)

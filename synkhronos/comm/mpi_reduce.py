@@ -19,7 +19,7 @@ from . import parts
 from .mpi_leaders import PACK_BYTES, c_order
 
 
-def reduce_across(leaders, partials, ops, mass, out, check, into=None):
+def reduce_across(leaders, partials, ops, mass, out, check, into=None, ballot=None):
     """Reduce this machine's partials with every other machine's; the same result on every leader.
 
     Args:
@@ -33,20 +33,22 @@ def reduce_across(leaders, partials, ops, mass, out, check, into=None):
         into: per array, None or a buffer the caller keeps for MPI to write the
             result into (then it is the result: no copy); it must not be given
             again after the leaders' communicator was renewed.
+        ballot: an ``mpi_small.Ballot`` whose vote rides at the end of the first
+            packed message (the arrays are all small and of one op), or None.
     """
     n = len(partials)
     result = [None] * n
     direct = [i for i in range(n)
               if leaders.reduces(ops[i], reduce_ops.result_dtype(ops[i], partials[i].dtype))]
     if direct:
-        _by_mpi(leaders, partials, ops, mass, direct, out, into, result, check)
+        _by_mpi(leaders, partials, ops, mass, direct, out, into, result, check, ballot)
     rest = [i for i in range(n) if result[i] is None]
     if rest:
         _by_exchange(leaders, partials, ops, mass, rest, out, result, check)
     return result
 
 
-def _by_mpi(leaders, partials, ops, mass, idx, out, into, result, check):
+def _by_mpi(leaders, partials, ops, mass, idx, out, into, result, check, ballot=None):
     sent = {}
     groups = {}   # (op, dtype) -> indices of small arrays, packed in one message
     large = []
@@ -65,7 +67,8 @@ def _by_mpi(leaders, partials, ops, mass, idx, out, into, result, check):
     mass_at = None   # where the sum of the masses comes back: (send index, element)
     for j, ((op, dstr), members) in enumerate(groups.items()):
         dtype = np.dtype(dstr)
-        count = sum(sent[i].size for i in members) + (op == "avg")
+        voted = ballot is not None and j == 0
+        count = sum(sent[i].size for i in members) + (op == "avg") + voted
         buf = leaders.buffer(("r", len(sends)), count * dtype.itemsize).view(dtype)
         at = 0
         for i in members:
@@ -78,6 +81,8 @@ def _by_mpi(leaders, partials, ops, mass, idx, out, into, result, check):
             mass_at = (len(sends), at)
         elif op == "avg":
             buf[at] = 0  # the masses travel once
+        if voted:
+            buf[-1] = ballot.vote
         sends.append((buf, op, None))
     for i in large:
         p = sent[i]
@@ -92,6 +97,8 @@ def _by_mpi(leaders, partials, ops, mass, idx, out, into, result, check):
         mass_at = (len(sends), 0)
         sends.append((buf, "sum", None))
     got = leaders.all_reduce(sends, check)
+    if ballot is not None:
+        ballot.count(got[0].view(sends[0][0].dtype)[-1])
     total = None if mass_at is None else \
         float(got[mass_at[0]].view(sends[mass_at[0]][0].dtype)[mass_at[1]])
     for i, s, at in places:
