@@ -144,8 +144,13 @@ def main():
     grads = pytensor.grad(loss, params)
     sizes = [int(np.prod(p.get_value().shape)) for p in params]
     flat = pytensor.shared(np.zeros(sum(sizes), "float32"), name="flat_grad")
-    f_grad = synk.function([x, y], loss,
-                           updates=[(flat, pt.concatenate([g.flatten() for g in grads]))])
+    # Each gradient written into the flat vector in place, as make_flat_grad does: the
+    # vector keeps its memory, which the all-reduce reads where it is.
+    new, start = flat, 0
+    for g, n in zip(grads, sizes):
+        new = pt.set_subtensor(new[start:start + n], g.flatten())
+        start += n
+    f_grad = synk.function([x, y], loss, updates=[(flat, new)])
     upd, offset = [], 0
     for p, n in zip(params, sizes):
         upd.append((p, p - LR * flat[offset:offset + n].reshape(p.shape)))

@@ -81,6 +81,10 @@ class Backend(ABC):
         """The latency path's plan of a small all-reduce (with ``small_all_reduce``), or None."""
         return None
 
+    def scalar_combiner(self, op):
+        """``scalar_result`` for one ``op`` as ``f(value, weight)``, bound once (a kept call's)."""
+        return lambda value, weight: self.scalar_result(op, value, weight)
+
     def scalar_result(self, op, value, weight):
         """Root, after a command: every rank's float scalar ``value`` combined by ``op``, or None.
 

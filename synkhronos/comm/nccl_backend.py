@@ -167,6 +167,9 @@ class NcclBackend(Backend):
     def scalar_result(self, op, value, weight):
         return self._host.scalar_result(op, value, weight)
 
+    def scalar_combiner(self, op):
+        return self._host.scalar_combiner(op)
+
     def _agree(self, values):
         """Exchange headers through the host backend; return every rank's (parsed) header.
 

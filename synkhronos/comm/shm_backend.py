@@ -13,6 +13,7 @@ the next collective of the same command starts with one; the command's own
 end barrier covers the last.
 """
 
+import functools
 import logging
 
 import numpy as np
@@ -58,14 +59,19 @@ class ShmBackend(ShmReduce, Backend):
         self.k = 0
         self.fence = False
 
+    def bind_check(self, check):
+        super().bind_check(check)
+        self._me = None  # called in every process after fork: its rank is known now
+
     def _slots(self):
         """This rank's slots: (rank, epoch, its waiters, the others' epochs, its scalar seq).
 
-        Looked up again only when its rank changes (after fork).
+        Looked up once per process: a rank's index among this backend's ranks is
+        fixed from fork() (``bind_check``) on.
         """
-        rank = self.rank
         me = self._me
-        if me is None or me[0] != rank:
+        if me is None:
+            rank = self.rank
             me = self._me = (rank, rank * STRIDE + EPOCH, rank * STRIDE + EPOCH_WAITERS,
                              tuple(q * STRIDE + EPOCH for q in range(self.n_parallel) if q != rank),
                              rank * STRIDE + SCALAR_SEQ)
@@ -119,6 +125,19 @@ class ShmBackend(ShmReduce, Backend):
     def settle(self):
         if self.fence:
             self.barrier()  # nobody may still read the slabs the last collective used
+
+    def scalar_combiner(self, op):
+        got = functools.partial(self.fast.combine_scalar_array, SCALAR_SEQ, STRIDE,
+                                self.n_parallel)
+        opcode = OP_CODES[op]
+        array = np.array
+
+        def combine(value, weight):
+            out = got(self._slots()[0], self.seq, opcode, value, weight)
+            if out is not None:
+                return array(out, value.dtype)
+            return self.scalar_result(op, value, weight)
+        return combine
 
     def scalar_result(self, op, value, weight):
         """Root, after the end barrier: every rank's float scalar combined by ``op``, or None.

@@ -71,15 +71,14 @@ def _combiner(spec, rt, name):
     """``collect`` for a kept call: one float scalar output (a loss) goes straight to the backend."""
     if not spec.simple:
         return lambda mine: collect(spec, rt, mine, None, name)
-    op = spec.output_ops[0]
-    scalar_result = rt.backend.scalar_result
+    combine = rt.backend.scalar_combiner(spec.output_ops[0])
     listed = spec.return_list
 
     def after(mine):
         if mine is not None:
             a = mine[0][0]
             if a.ndim == 0:
-                out = scalar_result(op, a, mine[1])
+                out = combine(a, mine[1])
                 if out is not None:
                     return [out] if listed else out
         return collect(spec, rt, mine, None, name)
