@@ -8,7 +8,7 @@ launcher then ends the job), silence for ``SYNK_HEARTBEAT_S`` (default 5 s) that
 answering; the controller's next check raises either as an error naming the machine. The sentinel
 ends its node master when the controller's end of the connection closes, so killing the controller
 ends every machine. The same connection rings an idle node master's doorbell (doorbell.py). Both
-ends of this one connection live here, hence past 400 lines.
+ends of this one connection live here, hence over 400 lines.
 """
 
 import hashlib

@@ -8,7 +8,8 @@ that all ranks decide alike, before any rank enters NCCL, whether the call
 can run there.  Shapes that differ between ranks, a dtype or op NCCL lacks,
 weighted averages, scatter and function results take the host path; NCCL
 itself would hang on counts that differ, or crop and pad gathered data
-silently (the original's caveat).
+silently (the original's caveat).  One backend with its host fallbacks, over
+400 lines.
 
 The communicator is created in every rank inside one command: the first
 collective that finds a rank without one has the master rank make a unique
