@@ -15,8 +15,6 @@ short wait after which a batch goes without a caller that stopped asking.
 import threading
 import time
 
-import numpy as np
-
 _RECENT_CALLS = 3
 
 
@@ -28,14 +26,19 @@ class Batcher:
     """Batch concurrent (logp, dlogp) requests into calls of ``evaluate(positions)``.
 
     Args:
-        evaluate: ``evaluate(P)`` for a (k, size) matrix returns ``(logps, grads)``
-            of shapes (k,) and (k, size).
+        evaluate: ``evaluate(positions)`` for a sequence of k position vectors
+            returns ``(logps, grads)`` of shapes (k,) and (k, size), fresh
+            arrays (each chain keeps its row past the next call).
         max_wait_s: in the heuristic mode, how long a batch waits for callers
             seen recently but not yet asking.
+        one: ``one(x)`` returns ``(logp, grad)`` at one position (a fresh
+            gradient); default: ``evaluate`` on a batch of one.  A request
+            that finds no other chain sampling goes straight to it.
     """
 
-    def __init__(self, evaluate, max_wait_s=0.005):
+    def __init__(self, evaluate, max_wait_s=0.005, one=None):
         self._evaluate = evaluate
+        self._one = one if one is not None else self._one_by_batch
         self._cond = threading.Condition()
         self._members = None           # explicit membership (expect/leave), or None
         self._pending = {}             # ticket -> position
@@ -48,6 +51,10 @@ class Batcher:
         self.max_wait_s = max_wait_s
         self.calls = 0                 # data-parallel calls made
         self.positions = 0             # positions evaluated by them
+
+    def _one_by_batch(self, x):
+        logps, grads = self._evaluate([x])
+        return logps[0], grads[0]
 
     def expect(self, n):
         """Say that ``n`` threads will ask until each calls ``leave()``."""
@@ -87,10 +94,31 @@ class Batcher:
         with self._cond:
             if self._aborted is not None:
                 raise BatchAborted("sampling stopped") from self._aborted
+            self._seen[me] = self._calls
+            if not self._busy and not self._pending and self._expected() == 1:
+                # Alone (one chain, or the others finished): no batch to wait for or build.
+                self._busy = True
+                self._calls += 1
+                alone = True
+            else:
+                alone = False
+        if alone:
+            try:
+                return self._one(x)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self.calls += 1
+                    self.positions += 1
+                    self._cond.notify_all()
+        return self._batched(x)
+
+    def _batched(self, x):
+        """Wait for the other chains' requests; the last one to ask makes the call."""
+        with self._cond:
             ticket = self._tickets
             self._tickets += 1
             self._pending[ticket] = x
-            self._seen[me] = self._calls
             first = time.monotonic()
             while True:
                 if ticket in self._results:
@@ -108,9 +136,11 @@ class Batcher:
             self._busy = True
             self._calls += 1
         try:
-            logps, grads = self._evaluate(np.stack(list(batch.values())))
-            # Copies: a chain keeps its gradient past the next call.
-            results = {t: (logps[i], grads[i].copy()) for i, t in enumerate(batch)}
+            if len(batch) == 1:
+                results = {t: self._one(p) for t, p in batch.items()}
+            else:
+                logps, grads = self._evaluate(list(batch.values()))
+                results = {t: (logps[i], grads[i]) for i, t in enumerate(batch)}
         except BaseException as exc:  # noqa: BLE001 - handed to every chain of the batch
             results = {t: exc for t in batch}
         with self._cond:
