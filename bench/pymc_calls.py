@@ -12,8 +12,10 @@ Four parts, each in child processes of its own (own memory, core pinning):
             (logp, dlogp) call it makes (measured alone in the same process).
   modes     the cost per row of PyMC's serial (logp, dlogp) and of the rank's graphs (one
             position; vectorised over 1 and 4) in PyTensor's default mode (C code through
-            the cvm linker), the c linker and Numba, for a logistic regression and a
-            radon-style hierarchical model.
+            the cvm linker) and in Numba, for a logistic regression and a radon-style
+            hierarchical model.  (The c linker, one C module per graph, cannot compile
+            the radon model's vectorised gradient: AdvancedIncSubtensor1 has no C code
+            for it.)
   ratio     dp.logp_dlogp at 10^4 rows on 2 ranks against PyMC's serial call, in PyTensor's
             default mode and in Numba, rounds alternating.
 
@@ -213,10 +215,20 @@ def child_overhead(calls, mode):
     dp = synk_pymc.data_parallel(model, **kw)
     x = pt.dmatrix("x")
     tiny = synk.function([x], pt.sum(x), name="tiny")
+    # The tiny call with the shape of the model's: a position broadcast, and an output
+    # the size of (logp, gradient) instead of a scalar.
+    v = pt.dvector("v")
+    with_pos = synk.function([x], [(pt.sum(x) + pt.sum(v), "sum")], bcast_inputs=[v],
+                             name="tiny_pos")
+    with_vec = synk.function([x], [(pt.sum(x) * v, "sum")], bcast_inputs=[v], name="tiny_vec")
+    bare_pos = pytensor.function([x0, v], pt.sum(x0) + pt.sum(v))
+    bare_vec = pytensor.function([x0, v], pt.sum(x0) * v)
     synk.distribute()
     dp.scatter()
     xd = synk.data(np.ones((2, 1)))
     q = _flat_point(model)
+    vd = synk.data(np.ones(q.size + 1))
+    ones_v = np.ones(q.size + 1)
     qg[...] = q
     P4 = np.tile(q, (4, 1))
     ones = np.ones((2, 1))
@@ -224,6 +236,10 @@ def child_overhead(calls, mode):
     nutpie_call = internals.nutpie_model(dp)._make_logp_func()
     fns = {"tiny synk.function": lambda: tiny(xd),
            "bare PyTensor (same tiny graph)": lambda: bare(ones),
+           "tiny call + a broadcast vector input": lambda: with_pos(xd, vd),
+           "bare PyTensor (same graph)": lambda: bare_pos(ones, ones_v),
+           "tiny call + the vector input, vector output": lambda: with_vec(xd, vd),
+           "bare PyTensor (same graph, vector out)": lambda: bare_vec(ones, ones_v),
            "dp.logp_dlogp": lambda: dp.logp_dlogp(q),
            "PyMC's NUTS hook (batcher, 1 chain)": lambda: nuts_call(q),
            "nutpie's callback (1 chain)": lambda: nutpie_call(q),
@@ -252,8 +268,12 @@ def _overhead_table(runs):
                   "nutpie's callback (1 chain)"):
             fixed = o[k]["best"] - g["best"]
             parts.append(f"{k} {fixed:.1f} us ({fixed / fixed_tiny:.2f}x)")
+        pos = o["tiny call + a broadcast vector input"]["best"] - o["bare PyTensor (same graph)"]["best"]
+        vec = (o["tiny call + the vector input, vector output"]["best"]
+               - o["bare PyTensor (same graph, vector out)"]["best"])
         print(f"{tag}: fixed cost (best, less the serial graph) of the tiny call {fixed_tiny:.1f} "
-              f"us; " + ", ".join(parts), flush=True)
+              f"us; with a broadcast input {pos:.1f} us; and a vector output {vec:.1f} us; "
+              + ", ".join(parts), flush=True)
 
 
 # -- a sampler's step --------------------------------------------------------------------------
@@ -285,6 +305,7 @@ def child_steps(system, n_rows, draws, tune):
         dp = synk_pymc.data_parallel(model)
         synk.distribute()
         dp.scatter()
+        dp.logp_dlogp(q)     # compiled (Numba compiles at the first call) before the timing
         call = internals.LogpDlogp(dp.batcher, dp.dtype)._pytensor_function
         raw = dp._fn1 if hasattr(dp, "_fn1") else None
     else:
@@ -380,7 +401,7 @@ def _steps_table(results):
 
 
 # -- PyTensor modes, per row -------------------------------------------------------------------
-MODES = ("CVM", "C", "NUMBA")
+MODES = ("CVM", "NUMBA")
 
 
 def child_modes(which, n_rows):

@@ -54,6 +54,10 @@ def env(runtime_keeper):
         runtime_keeper.fork(2)
         try:
             e.dps = {k: synk_pymc.data_parallel(m) for k, m in e.models.items()}
+            # The radon model again, its graphs compiled in the mode that is not the default.
+            e.other_mode = "CVM" if synk_pymc.model.DEFAULT_MODE == "NUMBA" else "NUMBA"
+            e.other = synk_pymc.data_parallel(e.models["radon"], mode=e.other_mode,
+                                              name="pymc_other_mode")
             synk.distribute()
         except BaseException:
             runtime_keeper.close()
@@ -75,6 +79,43 @@ def test_logp_and_dlogp_equal_pymc(env, name):
     for point, lp, g in zip(points, logps, grads):
         np.testing.assert_allclose(lp, logp(point), rtol=1e-10)
         np.testing.assert_allclose(g, dlogp(point), rtol=1e-9, atol=1e-10)
+
+
+def test_the_other_mode_equals_pymc(env):
+    model, dp = env.models["radon"], env.other
+    assert dp.mode == env.other_mode
+    logp, dlogp = model.compile_logp(), model.compile_dlogp()
+    points = _points(model, np.random.default_rng(12), k=3)
+    for point in points:
+        lp, g = dp.logp_dlogp(point)
+        np.testing.assert_allclose(lp, logp(point), rtol=1e-10)
+        np.testing.assert_allclose(g, dlogp(point), rtol=1e-9, atol=1e-10)
+    logps, grads = dp.logp_dlogp_many(np.stack([dp.ravel(p) for p in points]))
+    for point, lp, g in zip(points, logps, grads):
+        np.testing.assert_allclose(lp, logp(point), rtol=1e-10)
+        np.testing.assert_allclose(g, dlogp(point), rtol=1e-9, atol=1e-10)
+
+
+def test_mode_is_checked_before_anything_is_built(env):
+    with pytest.raises(ValueError, match=r"mode must be one of NUMBA, CVM"):
+        synk_pymc.data_parallel(env.models["negbin"], mode="FAST")
+
+
+def test_results_outlive_the_next_call(env):
+    """The positions and outputs are buffers held for the run: what a call returned stays."""
+    model, dp = env.models["survival"], env.dps["survival"]
+    logp, dlogp = model.compile_logp(), model.compile_dlogp()
+    p1, p2, p3, p4 = _points(model, np.random.default_rng(13), k=4)
+    lp1, g1 = dp.logp_dlogp(p1)
+    lp2, g2 = dp.logp_dlogp(p2)
+    many1 = dp.logp_dlogp_many(np.stack([dp.ravel(p1), dp.ravel(p2)]))
+    many2 = dp.logp_dlogp_many(np.stack([dp.ravel(p3), dp.ravel(p4)]))
+    lp3, g3 = dp.batcher(dp.ravel(p3))     # what a sampler's lone chain calls
+    np.testing.assert_allclose([lp1, lp2, lp3], [logp(p1), logp(p2), logp(p3)], rtol=1e-10)
+    for g, p in ((g1, p1), (g2, p2), (g3, p3), (many1[1][0], p1), (many1[1][1], p2),
+                 (many2[1][0], p3), (many2[1][1], p4)):
+        np.testing.assert_allclose(g, dlogp(p), rtol=1e-9, atol=1e-10)
+    np.testing.assert_allclose(many1[0], [logp(p1), logp(p2)], rtol=1e-10)
 
 
 def test_data_split_and_kept_whole(env):

@@ -49,8 +49,8 @@ def data_parallel(model=None, data=None, unsplit=None, name="pymc_logp", mode=No
             only those count once).
         name: name of the synkhronos function (for logs and errors).
         mode: the PyTensor mode the ranks compile the log-density in:
-            "NUMBA", "CVM" (C code, PyTensor's default here), "C", or a
-            ``Mode``; None: the measured default (docs/pymc.md, "Speed").
+            "NUMBA", "CVM" (C code, PyTensor's default here) or a ``Mode``;
+            None: the measured default (docs/pymc.md, "Speed").
 
     Returns:
         DataParallelModel

@@ -44,6 +44,7 @@ class Batcher:
         self._pending = {}             # ticket -> position
         self._results = {}             # ticket -> (logp, grad) or an exception
         self._busy = False
+        self._waiting = 0              # threads waiting in _batched
         self._tickets = 0
         self._calls = 0
         self._seen = {}                # thread id -> last call it took part in
@@ -110,7 +111,8 @@ class Batcher:
                     self._busy = False
                     self.calls += 1
                     self.positions += 1
-                    self._cond.notify_all()
+                    if self._waiting:   # a chain that came while this one ran
+                        self._cond.notify_all()
         return self._batched(x)
 
     def _batched(self, x):
@@ -131,7 +133,11 @@ class Batcher:
                     if (len(self._pending) >= self._expected()
                             or (self._members is None and waited >= self.max_wait_s)):
                         break
-                self._cond.wait(self.max_wait_s if self._members is None else 0.5)
+                self._waiting += 1
+                try:
+                    self._cond.wait(self.max_wait_s if self._members is None else 0.5)
+                finally:
+                    self._waiting -= 1
             batch, self._pending = self._pending, {}
             self._busy = True
             self._calls += 1

@@ -14,18 +14,20 @@ from .batching import Batcher
 logger = logging.getLogger(__name__)
 
 
-# The mode the ranks compile in unless told: measured per row against PyTensor's default
-# (C through the cvm linker) in bench/pymc_sampling.py --modes.
-DEFAULT_MODE = None
-MODES = ("NUMBA", "CVM", "C", "FAST_RUN")
+# The mode the ranks compile in unless told.  Numba, as nutpie compiles: measured per
+# row against PyTensor's default (C code through the cvm linker), it ran PyMC's own graph
+# and the rank's in 0.3-0.8x the time on a logistic regression and a radon-style model,
+# and compiled faster from a cold cache (bench/pymc_calls.py --parts modes, bench/RESULTS.md).
+DEFAULT_MODE = "NUMBA"
+MODES = ("NUMBA", "CVM")
 
 
 def _rank_mode(mode):
-    """The PyTensor mode of the rank's graphs: a name from ``MODES``, a ``Mode``, or None
-    (PyTensor's default mode, as PyMC compiles with)."""
+    """The PyTensor mode of the rank's graphs: a name from ``MODES`` or a ``Mode``; None
+    for ``DEFAULT_MODE``."""
     if mode is None:
         mode = DEFAULT_MODE
-    if mode is None or not isinstance(mode, str):
+    if not isinstance(mode, str):
         return mode
     if mode.upper() not in MODES:
         raise ValueError(f"data_parallel: mode must be one of {', '.join(MODES)}, a PyTensor "
@@ -48,7 +50,7 @@ class DataParallelModel:
         whole: the containers every rank reads whole.
         n_rows: rows of the split data.
         value_names, size, dtype: the flat parameter vector.
-        mode: the PyTensor mode the rank's graphs compile in (None: PyTensor's default).
+        mode: the PyTensor mode the rank's graphs compile in ("NUMBA", "CVM" or a ``Mode``).
     """
 
     def __init__(self, model, data, unsplit, name, mode=None):
@@ -56,6 +58,7 @@ class DataParallelModel:
             synk.layout()
         except synk.SynkStateError:
             raise synk.SynkStateError("data_parallel() needs synk.fork() first") from None
+        self.mode = _rank_mode(mode)
         self.model = model
         if not model.observed_RVs:
             raise ValueError("data_parallel: the model has no observed variables")
@@ -78,7 +81,6 @@ class DataParallelModel:
         terms.refuse_random_draws(all_terms)
         plan = terms.choose(model, all_terms, list(given) if given else data, unsplit)
         terms.refuse_numpy_rows(model, plan)
-        self.mode = _rank_mode(mode)
         rank_mode = internals.pymc_mode(model, base=self.mode)
         rowcheck.check_rows(model, plan, value_vars, self._check_point,
                             internals.pymc_mode(model, fast=True))
