@@ -37,6 +37,19 @@ def _points(model, rng, k=2):
              for name, v in start.items()} for _ in range(k)]
 
 
+def _assert_grad_close(g, ref):
+    """A gradient equals PyMC's up to rounding at the scale of its largest entry.
+
+    An entry that is a small sum of large terms of both signs (0.02 from terms
+    near 100) differs from PyMC's by the rounding of those terms once the sum
+    runs in another order: Numba (as PyTensor compiles it, with reassociation
+    allowed) and every split over ranks do.
+    """
+    ref = np.asarray(ref)
+    scale = max(1.0, float(np.max(np.abs(ref)))) if ref.size else 1.0
+    np.testing.assert_allclose(g, ref, rtol=1e-9, atol=1e-9 * scale)
+
+
 # -- misuse without a runtime -------------------------------------------------------------------
 def test_needs_fork_first_and_says_so():
     model = pymc_models.negbin(20)
@@ -73,12 +86,12 @@ def test_logp_and_dlogp_equal_pymc(env, name):
     points = _points(model, np.random.default_rng(11), k=3)
     for point in points:
         np.testing.assert_allclose(dp.logp(point), logp(point), rtol=1e-10)
-        np.testing.assert_allclose(dp.dlogp(point), dlogp(point), rtol=1e-9, atol=1e-10)
+        _assert_grad_close(dp.dlogp(point), dlogp(point))
     # Several positions in one call: each row is PyMC's value at that position.
     logps, grads = dp.logp_dlogp_many(np.stack([dp.ravel(p) for p in points]))
     for point, lp, g in zip(points, logps, grads):
         np.testing.assert_allclose(lp, logp(point), rtol=1e-10)
-        np.testing.assert_allclose(g, dlogp(point), rtol=1e-9, atol=1e-10)
+        _assert_grad_close(g, dlogp(point))
 
 
 def test_the_other_mode_equals_pymc(env):
@@ -89,11 +102,11 @@ def test_the_other_mode_equals_pymc(env):
     for point in points:
         lp, g = dp.logp_dlogp(point)
         np.testing.assert_allclose(lp, logp(point), rtol=1e-10)
-        np.testing.assert_allclose(g, dlogp(point), rtol=1e-9, atol=1e-10)
+        _assert_grad_close(g, dlogp(point))
     logps, grads = dp.logp_dlogp_many(np.stack([dp.ravel(p) for p in points]))
     for point, lp, g in zip(points, logps, grads):
         np.testing.assert_allclose(lp, logp(point), rtol=1e-10)
-        np.testing.assert_allclose(g, dlogp(point), rtol=1e-9, atol=1e-10)
+        _assert_grad_close(g, dlogp(point))
 
 
 def test_mode_is_checked_before_anything_is_built(env):
@@ -114,7 +127,7 @@ def test_results_outlive_the_next_call(env):
     np.testing.assert_allclose([lp1, lp2, lp3], [logp(p1), logp(p2), logp(p3)], rtol=1e-10)
     for g, p in ((g1, p1), (g2, p2), (g3, p3), (many1[1][0], p1), (many1[1][1], p2),
                  (many2[1][0], p3), (many2[1][1], p4)):
-        np.testing.assert_allclose(g, dlogp(p), rtol=1e-9, atol=1e-10)
+        _assert_grad_close(g, dlogp(p))
     np.testing.assert_allclose(many1[0], [logp(p1), logp(p2)], rtol=1e-10)
 
 
