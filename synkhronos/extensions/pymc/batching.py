@@ -39,7 +39,10 @@ class Batcher:
     def __init__(self, evaluate, max_wait_s=0.005, one=None):
         self._evaluate = evaluate
         self._one = one if one is not None else self._one_by_batch
-        self._cond = threading.Condition()
+        # A plain lock under the condition: ``with self._lock`` runs in C (a lone chain
+        # takes it twice a step); nothing here takes it twice in one thread.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._members = None           # explicit membership (expect/leave), or None
         self._pending = {}             # ticket -> position
         self._results = {}             # ticket -> (logp, grad) or an exception
@@ -86,34 +89,41 @@ class Batcher:
     def _expected(self):
         if self._members is not None:
             return max(self._members, 1)
-        recent = sum(1 for last in self._seen.values() if last >= self._calls - _RECENT_CALLS)
-        return max(recent, 1)
+        floor, recent = self._calls - _RECENT_CALLS, 0
+        for last in self._seen.values():
+            if last >= floor:
+                recent += 1
+        return recent or 1
 
     def __call__(self, x):
         """Return ``(logp, grad)`` at position ``x`` (blocks until its batch ran)."""
-        me = threading.get_ident()
-        with self._cond:
+        lock = self._lock
+        with lock:
             if self._aborted is not None:
                 raise BatchAborted("sampling stopped") from self._aborted
-            self._seen[me] = self._calls
-            if not self._busy and not self._pending and self._expected() == 1:
-                # Alone (one chain, or the others finished): no batch to wait for or build.
+            members = self._members
+            if members is None:
+                # Threads started elsewhere: who asked lately tells who is sampling.
+                self._seen[threading.get_ident()] = self._calls
+                alone = self._expected() == 1
+            else:
+                alone = members <= 1
+            alone = alone and not self._busy and not self._pending
+            if alone:
+                # One chain (or the others finished): no batch to wait for or build.
                 self._busy = True
                 self._calls += 1
-                alone = True
-            else:
-                alone = False
-        if alone:
-            try:
-                return self._one(x)
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self.calls += 1
-                    self.positions += 1
-                    if self._waiting:   # a chain that came while this one ran
-                        self._cond.notify_all()
-        return self._batched(x)
+        if not alone:
+            return self._batched(x)
+        try:
+            return self._one(x)
+        finally:
+            with lock:
+                self._busy = False
+                self.calls += 1
+                self.positions += 1
+                if self._waiting:   # a chain that came while this one ran
+                    self._cond.notify_all()
 
     def _batched(self, x):
         """Wait for the other chains' requests; the last one to ask makes the call."""
