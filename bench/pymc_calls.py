@@ -281,12 +281,13 @@ def _overhead_table(runs):
 
 # -- a sampler's step --------------------------------------------------------------------------
 def _n_steps(idata):
-    """Gradient evaluations of a run: the leapfrog steps of every draw, tuning included."""
-    total = 0
+    """The leapfrog steps of every draw, tuning included, and the number of draws."""
+    steps = draws = 0
     for group in ("sample_stats", "warmup_sample_stats"):
         if group in idata.groups() and "n_steps" in idata[group]:
-            total += int(idata[group]["n_steps"].sum())
-    return total
+            steps += int(idata[group]["n_steps"].sum())
+            draws += int(idata[group]["n_steps"].size)
+    return steps, draws
 
 
 def child_steps(system, n_rows, draws, tune):
@@ -364,9 +365,13 @@ def child_steps(system, n_rows, draws, tune):
         seconds = time.perf_counter() - t0
         if nutpie_fn is not None:
             call = nutpie_fn
-    evals = _n_steps(idata)
-    if dp is not None:
-        evals = dp.batcher.positions or evals
+    steps, n_draws = _n_steps(idata)
+    # Gradient evaluations: counted by the batcher where one runs; else PyMC's NUTS
+    # evaluates once per leapfrog step and once more at each draw's start
+    # (compute_state), and nutpie once per leapfrog step.
+    counted = dp.batcher.positions if dp is not None else (
+        standin.batcher.positions if system == "nutpie-pyfunc" else None)
+    evals = counted or (steps + n_draws if system == "pymc" else steps)
     fns = {"call": lambda: call(q)}
     if system.startswith("synk") and raw is not None:
         args = dp._args.get(0) or dp._call_args(0)
@@ -377,6 +382,7 @@ def child_steps(system, n_rows, draws, tune):
         import synkhronos as synk
         synk.close()
     _emit("STEPS", {"system": system, "rows": n_rows, "evals": evals, "seconds": seconds,
+                    "leapfrog_steps": steps, "draws": n_draws,
                     "per_eval_us": seconds / evals * 1e6,
                     "call_us": alone["call"]["best"],
                     "synk_call_us": alone.get("synk call", {}).get("best")})
@@ -391,13 +397,15 @@ STEP_WHAT = {"pymc": "pm.sample, PyMC's NUTS, serial (logp, dlogp)",
 
 
 def _steps_table(results):
-    print("\n| system (1 chain) | rows | us per gradient evaluation | the (logp, dlogp) call "
-          "alone, us | the sampler's own, us | of which the synk call, us |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("\n| system (1 chain) | rows | gradient evaluations (leapfrog steps, draws) | us per "
+          "evaluation | the (logp, dlogp) call alone, us | the sampler's own, us | of which "
+          "the synk call, us |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         call = r["call_us"] if r["system"] != "nutpie" else None
         own = r["per_eval_us"] - call if call is not None else None
-        print(f"| {STEP_WHAT[r['system']]} | {r['rows']} | {r['per_eval_us']:.1f} | "
+        print(f"| {STEP_WHAT[r['system']]} | {r['rows']} | {r['evals']} ({r['leapfrog_steps']}, "
+              f"{r['draws']}) | {r['per_eval_us']:.1f} | "
               f"{'-' if call is None else format(call, '.1f')} | "
               f"{'-' if own is None else format(own, '.1f')} | "
               f"{'-' if r['synk_call_us'] is None else format(r['synk_call_us'], '.1f')} |")
@@ -413,12 +421,15 @@ def child_modes(which, n_rows):
     model = MODELS[which](n_rows)
     q = _flat_point(model)
     half = n_rows // 2
+    model_half = MODELS[which](half)
     out = {}
     for mode in MODES:
         fns = {}
         t0 = time.perf_counter()
         serial = _serial_pair(model, mode, trust=True)
         fns[f"PyMC serial, {n_rows} rows"] = (lambda f: lambda: f(q))(serial)
+        serial_half = _serial_pair(model_half, mode, trust=True)
+        fns[f"PyMC serial, {half} rows"] = (lambda f: lambda: f(q))(serial_half)
         for k, label in ((None, "one position"), (1, "vectorised, k=1"),
                          (4, "vectorised, k=4")):
             fn, rows, P = _rank_graph(model, n_rows, half, mode, k)
@@ -430,7 +441,7 @@ def child_modes(which, n_rows):
         n = min(calls_for(f) for f in fns.values())
         res = paired(fns, n, rounds=7, warm=5)
         for k, v in res.items():
-            rows_k = n_rows if k.startswith("PyMC") else half
+            rows_k = n_rows if k == f"PyMC serial, {n_rows} rows" else half
             per = 4 if k.endswith(f"k=4, {half} rows") else 1
             out[f"{mode}|{k}"] = {"us": v["best"], "ns_per_row": v["best"] * 1e3 / rows_k / per}
         out[f"{mode}|compile s"] = compile_s
@@ -451,7 +462,12 @@ def _modes_table(results):
                      for m in MODES]
             ratio = res[f"NUMBA|{k}"]["us"] / res[f"CVM|{k}"]["us"]
             print(f"| {k} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
-        print("| compile (4 functions), s | " + " | ".join(
+        k1 = f"rank graph, one position, {r['rows'] // 2} rows"
+        k4 = f"rank graph, vectorised, k=4, {r['rows'] // 2} rows"
+        print("| 4 positions: vectorised / 4 one-position runs | " + " | ".join(
+            f"{res[f'{m}|{k4}']['us'] / (4 * res[f'{m}|{k1}']['us']):.2f}x" for m in MODES)
+            + " | |")
+        print("| compile (5 functions), s | " + " | ".join(
             f"{res[f'{m}|compile s']:.1f}" for m in MODES) + " | |", flush=True)
 
 

@@ -131,6 +131,30 @@ def test_results_outlive_the_next_call(env):
     np.testing.assert_allclose(many1[0], [logp(p1), logp(p2)], rtol=1e-10)
 
 
+def test_many_positions_vectorised_or_one_by_one_equal_pymc(env):
+    """k positions run as one vectorised call or as k single calls, whichever is faster on
+    the model (tried at the first calls): both give PyMC's values."""
+    model, dp = env.models["radon"], env.dps["radon"]
+    logp, dlogp = model.compile_logp(), model.compile_dlogp()
+    points = _points(model, np.random.default_rng(14), k=2)
+    P = np.stack([dp.ravel(p) for p in points])
+    dp._batch_wins.pop(2, None)
+
+    def check():
+        logps, grads = dp.logp_dlogp_many(P)
+        for point, lp, g in zip(points, logps, grads):
+            np.testing.assert_allclose(lp, logp(point), rtol=1e-10)
+            _assert_grad_close(g, dlogp(point))
+
+    for _ in range(2 * synk_pymc.model._TRIALS):
+        check()
+    assert 2 in dp._batch_wins
+    for wins in (True, False):
+        dp._batch_wins[2] = wins
+        check()
+    dp._batch_wins.pop(2)
+
+
 def test_data_split_and_kept_whole(env):
     dp = env.dps["studentt_dims"]
     assert [c.name for c in dp.containers] == ["X", "y"]      # "scale" has other rows

@@ -1,6 +1,7 @@
 """DataParallelModel: a PyMC log-density and its gradient, summed over ranks, many positions a call."""
 
 import logging
+import time
 
 import numpy as np
 import pytensor
@@ -33,6 +34,10 @@ def _rank_mode(mode):
         raise ValueError(f"data_parallel: mode must be one of {', '.join(MODES)}, a PyTensor "
                          f"Mode or None; got {mode!r}")
     return mode.upper()
+
+
+# Runs of each way to evaluate k positions (vectorised, one by one) before keeping one.
+_TRIALS = 4
 
 
 class DataParallelModel:
@@ -132,6 +137,8 @@ class DataParallelModel:
         # call as a NumPy input instead.
         self._held = {} if synk.layout().n_machines == 1 else None
         self._args = {}              # k -> (the call's arguments, the array to write)
+        self._batch_wins = {}        # k -> whether one vectorised call beats k single ones
+        self._trials = {}            # k -> ([vectorised s], [k single calls s]) until known
         self.batcher = Batcher(self._evaluate, one=self._evaluate_one)
         self._map_fns = None
         logger.info("pymc model: %d value variables (%d numbers), %s split by rows (%d), "
@@ -178,6 +185,7 @@ class DataParallelModel:
             SynkStateError: before ``synk.distribute()``.
         """
         self._args = {}
+        self._batch_wins, self._trials = {}, {}   # the balance moves with the rows
         if self._given:
             self._data = self._given
         else:
@@ -247,11 +255,25 @@ class DataParallelModel:
         return out[0], out[1:].copy()
 
     def _evaluate(self, positions):
-        """(logps, grads) at ``positions`` (k vectors or a k x size matrix): one call."""
+        """(logps, grads) at ``positions`` (k vectors or a k x size matrix).
+
+        One vectorised call over all k, or k calls of the one-position graph,
+        whichever this model runs faster at k: vectorising a model's gradient
+        can cost more per position than running it k times (the radon model's
+        indexing, 3x at k = 4), and batching must never cost more than running
+        the chains one by one.  The first calls at each k try both.
+        """
         k = len(positions)
         if k == 1:
             lp, g = self._evaluate_one(positions[0])
             return np.array([lp]), g[None]
+        wins = self._batch_wins.get(k)
+        if wins is not None:
+            return self._vectorised(positions) if wins else self._each(positions)
+        return self._trial(k, positions)
+
+    def _vectorised(self, positions):
+        k = len(positions)
         args = self._args.get(k)
         if args is None or self._held is None:
             args = self._call_args(k)
@@ -260,6 +282,29 @@ class DataParallelModel:
             buf[i] = x
         both = np.array(self._fn(*args[0])[0])
         return both[:, 0], both[:, 1:]
+
+    def _each(self, positions):
+        logps = np.empty(len(positions), self.dtype)
+        grads = np.empty((len(positions), self.size), self.dtype)
+        for i, x in enumerate(positions):
+            logps[i], grads[i] = self._evaluate_one(x)
+        return logps, grads
+
+    def _trial(self, k, positions):
+        """Evaluate by the way tried less so far; once each has run ``_TRIALS`` times, keep
+        the faster (the first run of each left out: it compiles and faults pages in)."""
+        vec, each = self._trials.setdefault(k, ([], []))
+        times, how = (vec, self._vectorised) if len(vec) <= len(each) else (each, self._each)
+        t0 = time.perf_counter()
+        out = how(positions)
+        times.append(time.perf_counter() - t0)
+        if len(vec) >= _TRIALS and len(each) >= _TRIALS:
+            wins = self._batch_wins[k] = min(vec[1:]) <= min(each[1:])
+            del self._trials[k]
+            logger.debug("pymc model: %d positions a call %s (%.1f us vectorised, %.1f us one "
+                         "by one)", k, "vectorised" if wins else "one by one",
+                         min(vec[1:]) * 1e6, min(each[1:]) * 1e6)
+        return out
 
     def logp_dlogp_many(self, positions):
         """Return ``(logps, grads)`` at many positions (a k x size matrix) with one call.
