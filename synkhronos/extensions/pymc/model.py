@@ -37,7 +37,7 @@ def _rank_mode(mode):
 
 
 # Runs of each way to evaluate k positions (vectorised, one by one) before keeping one.
-_TRIALS = 4
+_TRIALS = 6
 
 
 class DataParallelModel:
