@@ -11,7 +11,8 @@ machine can make its own) sampled at each row count and chain count by:
 Printed per run: draws/s (post-tuning draws of all chains over the sampling
 time, tuning included), bulk ESS/s (the smallest ``arviz.ess`` over the
 parameters, over the same time), positions per data-parallel call, and the
-peak memory (PSS, so shared memory counts once) of all the run's processes;
+peak memory (PSS, so shared memory counts once; sampled every 250 ms by a
+process of its own) of all the run's processes;
 then ratios against pm.sample and nutpie from this run.  Then the fixed cost
 of one data-parallel (logp, dlogp) call against a tiny ``synk.function`` call
 and PyMC's serial pair, and synk-pymc on 2 simulated machines (1 rank each,
@@ -90,22 +91,58 @@ def _pss_kib(pid):
 
 
 class PeakMemory:
-    """The peak PSS of this process and all its descendants, sampled every 20 ms."""
+    """The peak PSS of a process and all its descendants: sampled every 250 ms and when read.
+
+    Sampling costs: reading smaps_rollup walks a process's page tables.  Every
+    20 ms in a thread of the measured process (as before) it held the GIL and
+    slowed dp.sample's chain threads by up to a third, and not pm.sample's
+    chain processes nor nutpie's Rust threads; so it runs rarely, in a
+    process of its own (memory is flat while a model samples).
+    """
 
     def __init__(self):
-        self.peak = 0
-        self._stop = threading.Event()
-        threading.Thread(target=self._run, daemon=True).start()
+        self._proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--memory-of", str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
-    def _run(self):
-        while not self._stop.wait(0.02):
-            self.peak = max(self.peak, sum(_pss_kib(p) for p in _tree(os.getpid())))
+    def _ask(self, what):
+        self._proc.stdin.write(what + "\n")
+        self._proc.stdin.flush()
+        return self._proc.stdout.readline()
 
     def reset(self):
-        self.peak = 0
+        self._ask("reset")
 
     def mib(self):
-        return self.peak / 1024
+        return int(self._ask("peak")) / 1024
+
+
+def memory_monitor(pid):
+    """The other side of PeakMemory: sample ``pid``'s tree, answer "reset" and "peak"."""
+    peak = [0]
+    me = os.getpid()
+
+    lock = threading.Lock()
+
+    def sample():
+        now = sum(_pss_kib(p) for p in _tree(pid) if p != me)
+        with lock:
+            peak[0] = max(peak[0], now)
+
+    def loop():
+        while True:
+            time.sleep(0.25)
+            sample()
+
+    threading.Thread(target=loop, daemon=True).start()
+    for line in sys.stdin:
+        if line.strip() == "reset":
+            with lock:
+                peak[0] = 0
+            print("ok", flush=True)
+        elif line.strip() == "peak":
+            sample()
+            print(peak[0], flush=True)
 
 
 # -- one system in a child process -------------------------------------------------------------
@@ -239,7 +276,10 @@ def main():
     p.add_argument("--n-parallel", type=int, default=None)
     p.add_argument("--produce", action="store_true")
     p.add_argument("--overhead-child", action="store_true")
+    p.add_argument("--memory-of", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.memory_of:
+        return memory_monitor(a.memory_of)
     if a.child:
         s, r, c, d, t = a.child
         return child_run(s, int(float(r)), [int(x) for x in c.split(",")], int(d), int(t),
