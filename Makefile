@@ -106,6 +106,7 @@ test-openmpi: $(OMPI_STAMP)
 # Sampling figures for bench/RESULTS.md ("PyMC sampling"): a few minutes by default.
 bench-pymc: $(PYMC_STAMP)
 	$(PYMC_VENV)/bin/python bench/pymc_sampling.py
+	$(PYMC_VENV)/bin/python bench/pymc_calls.py
 
 # The demo needs the package and the demo extra only (not the test, docs and MPI ones).
 DEMO_STAMP := $(VENV)/.demo-installed

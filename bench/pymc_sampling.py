@@ -11,7 +11,8 @@ machine can make its own) sampled at each row count and chain count by:
 Printed per run: draws/s (post-tuning draws of all chains over the sampling
 time, tuning included), bulk ESS/s (the smallest ``arviz.ess`` over the
 parameters, over the same time), positions per data-parallel call, and the
-peak memory (PSS, so shared memory counts once) of all the run's processes;
+peak memory (PSS, so shared memory counts once; sampled every 250 ms by a
+process of its own) of all the run's processes;
 then ratios against pm.sample and nutpie from this run.  Then the fixed cost
 of one data-parallel (logp, dlogp) call against a tiny ``synk.function`` call
 and PyMC's serial pair, and synk-pymc on 2 simulated machines (1 rank each,
@@ -28,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import threading
@@ -91,28 +91,65 @@ def _pss_kib(pid):
 
 
 class PeakMemory:
-    """The peak PSS of this process and all its descendants, sampled every 20 ms."""
+    """The peak PSS of a process and all its descendants: sampled every 250 ms and when read.
+
+    Sampling costs: reading smaps_rollup walks a process's page tables.  Every
+    20 ms in a thread of the measured process (as before) it held the GIL and
+    slowed dp.sample's chain threads by up to a third, and not pm.sample's
+    chain processes nor nutpie's Rust threads; so it runs rarely, in a
+    process of its own (memory is flat while a model samples).
+    """
 
     def __init__(self):
-        self.peak = 0
-        self._stop = threading.Event()
-        threading.Thread(target=self._run, daemon=True).start()
+        self._proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--memory-of", str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
-    def _run(self):
-        while not self._stop.wait(0.02):
-            self.peak = max(self.peak, sum(_pss_kib(p) for p in _tree(os.getpid())))
+    def _ask(self, what):
+        self._proc.stdin.write(what + "\n")
+        self._proc.stdin.flush()
+        return self._proc.stdout.readline()
 
     def reset(self):
-        self.peak = 0
+        self._ask("reset")
 
     def mib(self):
-        return self.peak / 1024
+        return int(self._ask("peak")) / 1024
+
+
+def memory_monitor(pid):
+    """The other side of PeakMemory: sample ``pid``'s tree, answer "reset" and "peak"."""
+    peak = [0]
+    me = os.getpid()
+
+    lock = threading.Lock()
+
+    def sample():
+        now = sum(_pss_kib(p) for p in _tree(pid) if p != me)
+        with lock:
+            peak[0] = max(peak[0], now)
+
+    def loop():
+        while True:
+            time.sleep(0.25)
+            sample()
+
+    threading.Thread(target=loop, daemon=True).start()
+    for line in sys.stdin:
+        if line.strip() == "reset":
+            with lock:
+                peak[0] = 0
+            print("ok", flush=True)
+        elif line.strip() == "peak":
+            sample()
+            print(peak[0], flush=True)
 
 
 # -- one system in a child process -------------------------------------------------------------
 def child_run(system, n_rows, chains_list, draws, tune, n_parallel=None, produce=False):
     import warnings
     warnings.filterwarnings("ignore")
+    import numpy as np
     import pytensor
     pytensor.config.floatX = "float64"
     import arviz as az
@@ -138,6 +175,9 @@ def child_run(system, n_rows, chains_list, draws, tune, n_parallel=None, produce
             dp = synk_pymc.data_parallel(model)
         synk.distribute()
         dp.scatter()
+        # Compile (Numba compiles at the first call) outside the timed sampling.
+        dp.logp_dlogp(dp.initial_x())
+        dp.logp_dlogp_many(np.tile(dp.initial_x(), (2, 1)))
     else:
         model = make_model(rows_x(0, n_rows), rows_y(0, n_rows))
     compiled = None
@@ -175,82 +215,16 @@ def child_run(system, n_rows, chains_list, draws, tune, n_parallel=None, produce
         synk.close()
 
 
-def _rank_graph_serial(model):
-    """The graph each rank runs in dp.logp_dlogp, compiled serially, on 32 of the 64 rows."""
-    import numpy as np
-    import pytensor
-    import pytensor.tensor as pt
-
-    from synkhronos.extensions.pymc import graphs, internals, terms
-
-    plan = terms.choose(model, terms.model_terms(model))
-    inputs = graphs.row_inputs(plan.split)
-    n_total = pytensor.shared(np.float64(64))
-    split, whole, frac = graphs.rank_terms(model, plan, inputs, {}, n_total)
-    point = model.initial_point()
-    shapes = [np.shape(point[v.name]) for v in model.value_vars]
-    P = pt.dmatrix("P")
-    logps, grads = graphs.batched(graphs.rank_logp(split, whole, frac, "float64"),
-                                  model.value_vars, shapes, P, pregrad=internals.rewrite_pregrad)
-    both = pt.concatenate([logps[:, None], grads], axis=1)
-    fn = pytensor.function([*inputs, P], both, mode=internals.pymc_mode(model))
-    rows = [c.get_value()[:32] for c in plan.split]
-    return lambda q: fn(*rows, q)
-
-
 def _n_machines():
     import synkhronos as synk
     return synk.layout().n_machines
 
 
 def child_overhead(calls):
-    """Fixed cost per call: dp.logp_dlogp on 64 rows vs a tiny synk.function call, 2 ranks."""
-    import warnings
-    warnings.filterwarnings("ignore")
-    import numpy as np
-    import pytensor
-    pytensor.config.floatX = "float64"
-    import pytensor.tensor as pt
-
-    import synkhronos as synk
-    from synkhronos.extensions import pymc as synk_pymc
-
-    model = make_model(rows_x(0, 64), rows_y(0, 64))
-    logp, dlogp = model.compile_logp(), model.compile_dlogp()
-    joint = model.logp_dlogp_function(ravel_inputs=True)   # what PyMC's NUTS calls
-    joint.set_extra_values({})
-    x0 = pt.dmatrix("x0")
-    bare = pytensor.function([x0], pt.sum(x0))
-    rank_graph = _rank_graph_serial(model)
-    synk.fork(2)
-    dp = synk_pymc.data_parallel(model)
-    x = pt.dmatrix("x")
-    tiny = synk.function([x], pt.sum(x), name="tiny")
-    synk.distribute()
-    xd = synk.data(np.ones((2, 1)))
-    q = dp.initial_x()
-    point = model.initial_point()
-    P4 = np.tile(q, (4, 1))
-    ones = np.ones((2, 1))
-    fns = {"tiny synk.function": lambda: tiny(xd), "bare PyTensor (same tiny graph)": lambda: bare(ones),
-           "dp.logp_dlogp": lambda: dp.logp_dlogp(q),
-           "dp.logp_dlogp_many (4)": lambda: dp.logp_dlogp_many(P4),
-           "PyMC serial (logp, dlogp), one function": lambda: joint._pytensor_function(q),
-           "the rank's graph, serial on 32 rows": lambda: rank_graph(q[None]),
-           "PyMC serial compile_logp + compile_dlogp": lambda: (logp(point), dlogp(point))}
-    for fn in fns.values():
-        for _ in range(200):
-            fn()
-    times = {k: [] for k in fns}
-    for _ in range(9):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times[k].append((time.perf_counter() - t0) / calls * 1e6)
-    synk.close()
-    print("OVERHEAD " + json.dumps({k: {"best": min(v), "median": statistics.median(v)}
-                                    for k, v in times.items()}), flush=True)
+    """Fixed cost per call: bench/pymc_calls.py's overhead part (2 ranks, 64 rows)."""
+    sys.path.insert(0, HERE)
+    import pymc_calls
+    pymc_calls.child_overhead(calls, None)
 
 
 # -- the parent --------------------------------------------------------------------------------
@@ -302,7 +276,10 @@ def main():
     p.add_argument("--n-parallel", type=int, default=None)
     p.add_argument("--produce", action="store_true")
     p.add_argument("--overhead-child", action="store_true")
+    p.add_argument("--memory-of", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.memory_of:
+        return memory_monitor(a.memory_of)
     if a.child:
         s, r, c, d, t = a.child
         return child_run(s, int(float(r)), [int(x) for x in c.split(",")], int(d), int(t),
@@ -365,19 +342,9 @@ def _table(results, rows, chains, systems):
 
 
 def _overhead(o):
-    print("\n| call (2 ranks, 64 rows) | best us | median us |")
-    print("| --- | --- | --- |")
-    for k, v in o.items():
-        print(f"| {k} | {v['best']:.1f} | {v['median']:.1f} |")
-    t, d = o["tiny synk.function"], o["dp.logp_dlogp"]
-    b = o["bare PyTensor (same tiny graph)"]
-    print(f"dp.logp_dlogp / tiny synk call: {d['best'] / t['best']:.2f}x best, "
-          f"{d['median'] / t['median']:.2f}x median", flush=True)
-    # The fixed cost of going data-parallel: each call less its graph's own serial run.
-    fixed_dp, fixed_tiny = d["best"] - o["the rank's graph, serial on 32 rows"]["best"], \
-        t["best"] - b["best"]
-    print(f"fixed cost (call less its serial graph, best): dp.logp_dlogp {fixed_dp:.1f} us, "
-          f"tiny synk call {fixed_tiny:.1f} us: {fixed_dp / fixed_tiny:.2f}x", flush=True)
+    sys.path.insert(0, HERE)
+    import pymc_calls
+    pymc_calls._overhead_table([("this tree", o)])
 
 
 def _machines_table(n, one, two, why):

@@ -29,7 +29,7 @@ from .model import DataParallelModel
 __all__ = ["DataParallelModel", "data_parallel"]
 
 
-def data_parallel(model=None, data=None, unsplit=None, name="pymc_logp"):
+def data_parallel(model=None, data=None, unsplit=None, name="pymc_logp", mode=None):
     """Build the data-parallel log-density of a PyMC model.  Master only.
 
     Call after ``synk.fork()`` and before ``synk.distribute()``.  Checks the
@@ -48,6 +48,9 @@ def data_parallel(model=None, data=None, unsplit=None, name="pymc_logp"):
         unsplit: containers to keep whole on every rank (the terms reading
             only those count once).
         name: name of the synkhronos function (for logs and errors).
+        mode: the PyTensor mode the ranks compile the log-density in:
+            "NUMBA", "CVM" (C code, PyTensor's default here) or a ``Mode``;
+            None: the measured default (docs/pymc.md, "Speed").
 
     Returns:
         DataParallelModel
@@ -62,4 +65,4 @@ def data_parallel(model=None, data=None, unsplit=None, name="pymc_logp"):
     import pymc as pm
 
     model = pm.modelcontext(model)
-    return DataParallelModel(model, data, unsplit, name)
+    return DataParallelModel(model, data, unsplit, name, mode)

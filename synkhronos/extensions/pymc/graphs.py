@@ -70,6 +70,29 @@ def rank_logp(split_exprs, whole_expr, frac, dtype):
     return total.astype(dtype) if total.dtype != dtype else total
 
 
+def joined(logp, value_vars, shapes, position, pregrad=None):
+    """``[logp, *gradient]`` at one position (a vector of ``size``): one vector of size + 1.
+
+    The graph PyMC's own (logp, dlogp) function runs (``ravel_inputs=True``),
+    on the rank's rows: no batch axis, so each row costs what it costs
+    PyMC.  Vectorised graphs can cost several times more per row (the
+    gradient of an indexing such as ``a[county]`` becomes an increment of
+    a (groups, k) matrix row by row), so a lone position takes this graph.
+    """
+    cost = pregrad(logp) if pregrad is not None else logp
+    grads = pytensor.grad(cost, value_vars, disconnected_inputs="ignore")
+    replace, lo = {}, 0
+    for v, shape in zip(value_vars, shapes):
+        size = int(np.prod(shape, dtype=int))
+        part = position[lo:lo + size].reshape(shape)
+        replace[v] = part.astype(v.dtype) if part.dtype != v.dtype else part
+        lo += size
+    out = pytensor.clone_replace([logp, *grads], replace=replace)
+    parts = [out[0].astype(position.dtype)[None]]
+    parts += [g.reshape((-1,)).astype(position.dtype) for g in out[1:]]
+    return pt.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
 def batched(logp, value_vars, shapes, positions, pregrad=None):
     """Vectorise ``logp`` and its gradient over the rows of ``positions`` (k x size).
 

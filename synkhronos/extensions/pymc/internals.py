@@ -60,16 +60,19 @@ def rewrite_pregrad(cost):
     return _rewrite_pregrad(cost)
 
 
-def pymc_mode(model, fast=False):
+def pymc_mode(model, fast=False, base=None):
     """The mode PyMC compiles with: failed parameter checks give -inf (or are removed).
 
-    ``fast``: a mode that compiles quickly (Python linker), for one-off checks.
+    Args:
+        fast: a mode that compiles quickly (Python linker), for one-off checks.
+        base: the PyTensor mode to start from (a name such as "NUMBA", or a
+            ``Mode``); None: PyTensor's default, as PyMC uses.
     """
     from pytensor.compile.mode import Mode, get_mode
 
     check = ("local_check_parameter_to_ninf_switch" if model.check_bounds
              else "local_remove_check_parameter")
-    base = get_mode("FAST_COMPILE" if fast else None)
+    base = get_mode("FAST_COMPILE" if fast else base)
     linker = "py" if fast else base.linker
     return Mode(linker=linker, optimizer=base.provided_optimizer.including(check))
 
@@ -81,13 +84,13 @@ class LogpDlogp:
 
     def __init__(self, batcher, dtype):
         self._batcher = batcher
+        # PyMC's leapfrog calls _pytensor_function(q) at every step: the batcher itself,
+        # no frame of ours in between.
+        self._pytensor_function = batcher
         self.dtype = str(dtype)
         self._extra_vars_shared = {}
         self._extra_are_set = True
         self.trust_input = True
-
-    def _pytensor_function(self, q):
-        return self._batcher(q)
 
     def __call__(self, grad_vars, *, extra_vars=None):
         q = getattr(grad_vars, "data", grad_vars)
@@ -243,9 +246,16 @@ def nutpie_model(dp, var_names=None, initial_points=None, jitter_rvs=None,
         return np.concatenate([np.asarray(p[n], dtype=np.float64).ravel() for n in names])
 
     def make_logp():
-        def logp(x, **shared):
-            lp, g = batcher(np.asarray(x, dtype=dp.dtype))
-            return float(lp), np.asarray(g, dtype=np.float64, order="C")
+        if np.dtype(dp.dtype) == np.float64:
+            # nutpie's position is a float64 vector and our gradient a fresh float64
+            # copy: nothing to convert at each step.
+            def logp(x, **shared):
+                lp, g = batcher(x)
+                return float(lp), g
+        else:
+            def logp(x, **shared):
+                lp, g = batcher(x)
+                return float(lp), np.asarray(g, dtype=np.float64, order="C")
         return logp
 
     def make_expand(seed1, seed2, chain):

@@ -1,6 +1,7 @@
 """DataParallelModel: a PyMC log-density and its gradient, summed over ranks, many positions a call."""
 
 import logging
+import time
 
 import numpy as np
 import pytensor
@@ -12,6 +13,31 @@ from . import graphs, internals, rowcheck, terms
 from .batching import Batcher
 
 logger = logging.getLogger(__name__)
+
+
+# The mode the ranks compile in unless told.  Numba, as nutpie compiles: measured per
+# row against PyTensor's default (C code through the cvm linker), it ran PyMC's own graph
+# and the rank's in 0.3-0.8x the time on a logistic regression and a radon-style model,
+# and compiled faster from a cold cache (bench/pymc_calls.py --parts modes, bench/RESULTS.md).
+DEFAULT_MODE = "NUMBA"
+MODES = ("NUMBA", "CVM")
+
+
+def _rank_mode(mode):
+    """The PyTensor mode of the rank's graphs: a name from ``MODES`` or a ``Mode``; None
+    for ``DEFAULT_MODE``."""
+    if mode is None:
+        mode = DEFAULT_MODE
+    if not isinstance(mode, str):
+        return mode
+    if mode.upper() not in MODES:
+        raise ValueError(f"data_parallel: mode must be one of {', '.join(MODES)}, a PyTensor "
+                         f"Mode or None; got {mode!r}")
+    return mode.upper()
+
+
+# Runs of each way to evaluate k positions (vectorised, one by one) before keeping one.
+_TRIALS = 6
 
 
 class DataParallelModel:
@@ -29,13 +55,15 @@ class DataParallelModel:
         whole: the containers every rank reads whole.
         n_rows: rows of the split data.
         value_names, size, dtype: the flat parameter vector.
+        mode: the PyTensor mode the rank's graphs compile in ("NUMBA", "CVM" or a ``Mode``).
     """
 
-    def __init__(self, model, data, unsplit, name):
+    def __init__(self, model, data, unsplit, name, mode=None):
         try:
             synk.layout()
         except synk.SynkStateError:
             raise synk.SynkStateError("data_parallel() needs synk.fork() first") from None
+        self.mode = _rank_mode(mode)
         self.model = model
         if not model.observed_RVs:
             raise ValueError("data_parallel: the model has no observed variables")
@@ -58,7 +86,7 @@ class DataParallelModel:
         terms.refuse_random_draws(all_terms)
         plan = terms.choose(model, all_terms, list(given) if given else data, unsplit)
         terms.refuse_numpy_rows(model, plan)
-        mode = internals.pymc_mode(model)
+        rank_mode = internals.pymc_mode(model, base=self.mode)
         rowcheck.check_rows(model, plan, value_vars, self._check_point,
                             internals.pymc_mode(model, fast=True))
         self._plan = plan
@@ -78,25 +106,40 @@ class DataParallelModel:
                                                           n_sym)
         logp = graphs.rank_logp(split_exprs, whole_expr, frac, self.dtype)
         logp = pytensor.clone_replace(logp, replace={n_sym: self._n_total})
+        # Two functions, each with one output (logp first, then the gradient): one
+        # reduction per call.  A lone position (one chain, find_map, logp_dlogp) runs
+        # PyMC's own graph on the rank's rows; several run the graph vectorised over
+        # them, one pass over the rows for every chain.
+        position = pt.vector("position", dtype=self.dtype)
         positions = pt.matrix("positions", dtype=self.dtype)
+        one = graphs.joined(logp, value_vars, self._shapes, position,
+                            pregrad=internals.rewrite_pregrad)
         logps, grads = graphs.batched(logp, value_vars, self._shapes, positions,
                                       pregrad=internals.rewrite_pregrad)
+        both = pt.concatenate([logps[:, None].astype(grads.dtype), grads], axis=1)
         try:
-            # One output, logp in column 0: one reduction per call, not two.
-            both = pt.concatenate([logps[:, None].astype(grads.dtype), grads], axis=1)
+            self._fn1 = synk.function(inputs=inputs, bcast_inputs=[position],
+                                      outputs=[(one, "sum")], name=name, mode=rank_mode,
+                                      on_unused_input="ignore")
             self._fn = synk.function(inputs=inputs, bcast_inputs=[positions],
-                                     outputs=[(both, "sum")], name=name, mode=mode,
-                                     on_unused_input="ignore")
+                                     outputs=[(both, "sum")], name=f"{name}_many",
+                                     mode=rank_mode, on_unused_input="ignore")
         except synk.SynkStateError as exc:
             raise synk.SynkStateError(f"data_parallel() must come after synk.fork() and "
                                       f"before synk.distribute() ({exc})") from None
         self._data = None
         self._seen = {}
         self._n_sent = self.n_rows   # the value distribute() sends
-        # In a cluster a write to a Data is mirrored by a command of its own: positions
-        # then travel inside the call as a NumPy input instead.
-        self._pos = {} if synk.layout().n_machines == 1 else None
-        self.batcher = Batcher(self._evaluate)
+        # On one machine the positions go into Data held for the run (one per batch
+        # size), written in place, so each call passes the very same Data: the call
+        # is then a kept one (no checks, nothing pickled).  In a cluster a write to a
+        # Data is mirrored by a command of its own: positions then travel inside the
+        # call as a NumPy input instead.
+        self._held = {} if synk.layout().n_machines == 1 else None
+        self._args = {}              # k -> (the call's arguments, the array to write)
+        self._batch_wins = {}        # k -> whether one vectorised call beats k single ones
+        self._trials = {}            # k -> ([vectorised s], [k single calls s]) until known
+        self.batcher = Batcher(self._evaluate, one=self._evaluate_one)
         self._map_fns = None
         logger.info("pymc model: %d value variables (%d numbers), %s split by rows (%d), "
                     "%s whole; terms split %s, whole %s", len(value_vars), self.size,
@@ -141,6 +184,8 @@ class DataParallelModel:
         Raises:
             SynkStateError: before ``synk.distribute()``.
         """
+        self._args = {}
+        self._batch_wins, self._trials = {}, {}   # the balance moves with the rows
         if self._given:
             self._data = self._given
         else:
@@ -179,21 +224,87 @@ class DataParallelModel:
                 "still hold the old rows. Call dp.scatter() to send the new ones")
 
     # -- evaluation -------------------------------------------------------------------------
+    def _call_args(self, k):
+        """The arguments of a call at ``k`` positions and the array the positions go into.
+
+        ``k`` 0 stands for one position as a vector (the single-position function).
+        """
+        held = self._held
+        shape = (k, self.size) if k else (self.size,)
+        if held is None:
+            # A cluster: a fresh array each call, sent inside the call.
+            buf = np.empty(shape, self.dtype)
+            return (*self._data, buf), buf
+        d = held.get(k)
+        if d is None:
+            d = held[k] = synk.data(np.zeros(shape, self.dtype),
+                                    name=f"pymc:position{'s' + str(k) if k else ''}")
+        # The Data's own array (one machine: shared memory, writable), kept: a call
+        # writes the positions into it and passes the same Data.
+        args = self._args[k] = (*self._data, d), d.data
+        return args
+
+    def _evaluate_one(self, x):
+        """(logp, grad) at one position ``x`` (a vector): one data-parallel call."""
+        args = self._args.get(0)
+        if args is None or self._held is None:
+            args = self._call_args(0)
+        args[1][...] = x
+        out = self._fn1(*args[0])[0]
+        # A copy: a sampler keeps its gradient past the next call.
+        return out[0], out[1:].copy()
+
     def _evaluate(self, positions):
-        """(logps, grads) at the rows of ``positions``: one data-parallel call."""
-        positions = np.asarray(positions, dtype=self.dtype)
-        if self._pos is not None:
-            # One machine: the positions go into a Data of their own (one per batch
-            # size), so the call passes the same Data each time (no per-call copy).
-            k = len(positions)
-            held = self._pos.get(k)
-            if held is None:
-                held = self._pos[k] = synk.data(np.empty((k, self.size), self.dtype),
-                                                name=f"pymc:positions{k}")
-            held[...] = positions
-            positions = held
-        both = np.asarray(self._fn(*self._data, positions)[0])
+        """(logps, grads) at ``positions`` (k vectors or a k x size matrix).
+
+        One vectorised call over all k, or k calls of the one-position graph,
+        whichever this model runs faster at k: vectorising a model's gradient
+        can cost more per position than running it k times (the radon model's
+        indexing, 3x at k = 4), and batching must never cost more than running
+        the chains one by one.  The first calls at each k try both.
+        """
+        k = len(positions)
+        if k == 1:
+            lp, g = self._evaluate_one(positions[0])
+            return np.array([lp]), g[None]
+        wins = self._batch_wins.get(k)
+        if wins is not None:
+            return self._vectorised(positions) if wins else self._each(positions)
+        return self._trial(k, positions)
+
+    def _vectorised(self, positions):
+        k = len(positions)
+        args = self._args.get(k)
+        if args is None or self._held is None:
+            args = self._call_args(k)
+        buf = args[1]
+        for i, x in enumerate(positions):
+            buf[i] = x
+        both = np.array(self._fn(*args[0])[0])
         return both[:, 0], both[:, 1:]
+
+    def _each(self, positions):
+        logps = np.empty(len(positions), self.dtype)
+        grads = np.empty((len(positions), self.size), self.dtype)
+        for i, x in enumerate(positions):
+            logps[i], grads[i] = self._evaluate_one(x)
+        return logps, grads
+
+    def _trial(self, k, positions):
+        """Evaluate by the way tried less so far; once each has run ``_TRIALS`` times, keep
+        the faster (the first run of each left out: it compiles and faults pages in)."""
+        vec, each = self._trials.setdefault(k, ([], []))
+        times, how = (vec, self._vectorised) if len(vec) <= len(each) else (each, self._each)
+        t0 = time.perf_counter()
+        out = how(positions)
+        times.append(time.perf_counter() - t0)
+        if len(vec) >= _TRIALS and len(each) >= _TRIALS:
+            wins = self._batch_wins[k] = min(vec[1:]) <= min(each[1:])
+            del self._trials[k]
+            logger.debug("pymc model: %d positions a call %s (%.1f us vectorised, %.1f us one "
+                         "by one)", k, "vectorised" if wins else "one by one",
+                         min(vec[1:]) * 1e6, min(each[1:]) * 1e6)
+        return out
 
     def logp_dlogp_many(self, positions):
         """Return ``(logps, grads)`` at many positions (a k x size matrix) with one call.
@@ -212,8 +323,7 @@ class DataParallelModel:
         """Return ``(logp, dlogp)`` at ``point`` (a point dict or flat vector), one call."""
         x = self._flat(point)
         self._ready("DataParallelModel.logp_dlogp")
-        logps, grads = self._evaluate(x[None])
-        return logps[0], grads[0]
+        return self._evaluate_one(x)
 
     def logp(self, point):
         """Return the log-density at ``point``; equals ``model.compile_logp()(point)``."""
