@@ -81,6 +81,21 @@ class Backend(ABC):
         """The latency path's plan of a small all-reduce (with ``small_all_reduce``), or None."""
         return None
 
+    def output_combiner(self, op):
+        """A call's one output combined over the ranks by ``op``, as ``f(value, weight)``.
+
+        ``value`` and ``weight`` are the root's own; ``f`` returns the result,
+        or None to send the caller to ``collect`` (here always, but for float
+        scalars where ``scalar_result`` takes them).
+        """
+        scalar = self.scalar_combiner(op)
+
+        def combine(value, weight):
+            if type(value) is np.ndarray and value.ndim == 0:
+                return scalar(value, weight)
+            return None
+        return combine
+
     def scalar_combiner(self, op):
         """``scalar_result`` for one ``op`` as ``f(value, weight)``, bound once (a kept call's)."""
         return lambda value, weight: self.scalar_result(op, value, weight)

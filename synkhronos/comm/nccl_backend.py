@@ -171,6 +171,9 @@ class NcclBackend(Backend):
     def scalar_combiner(self, op):
         return self._host.scalar_combiner(op)
 
+    def output_combiner(self, op):
+        return self._host.output_combiner(op)
+
     def _agree(self, values):
         """Exchange headers through the host backend; return every rank's (parsed) header.
 

@@ -18,7 +18,7 @@ import logging
 
 import numpy as np
 
-from ..runtime._block import GE, Block
+from ..runtime._block import GE, SMALL_CODES, Block, combine_outputs, pack_one
 from ..runtime.liveness import wait_slots
 from ..runtime.shmem import SharedArray
 from . import parts
@@ -26,11 +26,13 @@ from .base import SPLIT_BYTES, Backend
 from .homes import Homes
 from .reduce_ops import OP_CODES
 from .shm_reduce import ShmReduce
-from .slabs import (EPOCH, EPOCH_WAITERS, MADV_POPULATE_WRITE, SCALAR_CODE, SCALAR_SEQ, SCALAR_VALUE,
-                    SCALAR_WEIGHT, STRIDE, Slabs, _dtype, populate)
+from .slabs import (EPOCH, EPOCH_WAITERS, GEN, MADV_POPULATE_WRITE, SCALAR_CODE, SCALAR_SEQ,
+                    SCALAR_VALUE, SCALAR_WEIGHT, STRIDE, Slabs, _dtype, populate)
 
 # A contribution of one float scalar (a loss) travels in the control block.
 SCALAR_CHARS = "efd"
+# One small output array (a gradient of a few parameters) is packed and combined in C.
+SMALL_OUTPUT_BYTES = 1 << 14
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ class ShmBackend(ShmReduce, Backend):
         self.small_plans = {}  # (variables, op) -> plan of ShmReduce.small_all_reduce
         self.spin_ns = int(self.spin_s * 1e9)
         self._me = None        # (rank, its epoch slot, its waiters slot, the others' epoch slots)
+        self._mapped = None    # every rank's slab buffer and generation, and Slabs.remaps then
 
     def begin(self, seq):
         self.seq = seq
@@ -116,15 +119,70 @@ class ShmBackend(ShmReduce, Backend):
             # float32 and float64 in C, float16 here; the seq last: the root checks it first.
             if self.fast.put_scalar_array(self._slots()[4], self.seq, a, weight):
                 return
-            if type(a) is np.ndarray and a.ndim == 0 and a.dtype.char in SCALAR_CHARS:
-                self.fast.put_scalar(self._slots()[4], self.seq, float(a), float(weight),
-                                     ord(a.dtype.char))
-                return
+            if type(a) is np.ndarray:
+                if a.ndim == 0 and a.dtype.char in SCALAR_CHARS:
+                    self.fast.put_scalar(self._slots()[4], self.seq, float(a), float(weight),
+                                         ord(a.dtype.char))
+                    return
+                if (a.nbytes <= SMALL_OUTPUT_BYTES and a.dtype.char in SMALL_CODES
+                        and a.flags.c_contiguous):
+                    # The same bytes as slabs.pack, packed in C.
+                    lay = self.slabs.layout(arrays)
+                    pack_one(self.slabs.own(lay.total).buffer, lay.head, float(weight), a,
+                             lay.entries[0][1])
+                    return
         self.slabs.pack(arrays, weight)
 
     def settle(self):
         if self.fence:
             self.barrier()  # nobody may still read the slabs the last collective used
+
+    def mapped_slabs(self, refresh=False):
+        """Every rank's slab buffer and generation as this process maps them, cached.
+
+        Mapped again whenever a slab was replaced or attached anew since
+        (``Slabs.remaps``), or with ``refresh`` (another rank's slab grew:
+        ``slab(q)`` attaches its newer generation).
+        """
+        slabs = self.slabs
+        n = self.n_parallel
+        if refresh:
+            for q in range(n):
+                slabs.slab(q)
+        m = self._mapped
+        if m is None or m[2] != slabs.remaps:
+            bufs = tuple([slabs.slab(q).buffer for q in range(n)])
+            gens = tuple([slabs.slabs[q][0] for q in range(n)])
+            m = self._mapped = (bufs, gens, slabs.remaps)
+        return m
+
+    def output_combiner(self, op):
+        scalar = self.scalar_combiner(op)
+        opcode = OP_CODES[op]
+        averaged = op == "avg"
+        layout = self.slabs.layout
+
+        def combine(value, weight):
+            if type(value) is not np.ndarray:
+                return None
+            char = value.dtype.char
+            if value.ndim == 0 and char in SCALAR_CHARS:
+                return scalar(value, weight)
+            if (value.nbytes > SMALL_OUTPUT_BYTES or char not in SMALL_CODES
+                    or (averaged and char not in "fd") or not value.flags.c_contiguous):
+                return None
+            lay = layout([value])
+            out = np.empty(value.shape, value.dtype)
+            me = self._slots()[0]
+            bufs, gens, _ = self.mapped_slabs()
+            status = combine_outputs(self.fast, STRIDE, GEN, gens, bufs, me, lay.head, value,
+                                     float(weight), lay.entries[0][1], opcode, out)
+            if status == -2:
+                bufs, gens, _ = self.mapped_slabs(refresh=True)
+                status = combine_outputs(self.fast, STRIDE, GEN, gens, bufs, me, lay.head, value,
+                                         float(weight), lay.entries[0][1], opcode, out)
+            return out if status == 1 else None
+        return combine
 
     def scalar_combiner(self, op):
         got = functools.partial(self.fast.combine_scalar_array, SCALAR_SEQ, STRIDE,

@@ -65,7 +65,7 @@ def populate(seg, advice):
 class _Layout:
     """Where arrays of given shapes and dtypes go in a slab, and their header bytes."""
 
-    __slots__ = ("ints", "hlen", "entries", "total", "views")
+    __slots__ = ("ints", "hlen", "entries", "total", "views", "head")
 
     def __init__(self, ints, hlen, entries, total):
         self.ints = ints          # the per-array header ints, packed
@@ -73,6 +73,8 @@ class _Layout:
         self.entries = entries    # per array: dtype code, offset, shape
         self.total = total        # bytes the slab needs
         self.views = {}           # rank -> (slab generation, views)
+        # The whole header of a contribution (weight 0: runtime/_block.c's pack_one sets it).
+        self.head = _HEAD.pack(len(entries), 0.0, 0) + ints
 
 
 class Slabs:

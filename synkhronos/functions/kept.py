@@ -68,18 +68,16 @@ class KeptCall:
 
 
 def _combiner(spec, rt, name):
-    """``collect`` for a kept call: one float scalar output (a loss) goes straight to the backend."""
+    """``collect`` for a kept call: one small output (a loss, a gradient) goes straight to the backend."""
     if not spec.simple:
         return lambda mine: collect(spec, rt, mine, None, name)
-    combine = rt.backend.scalar_combiner(spec.output_ops[0])
+    combine = rt.backend.output_combiner(spec.output_ops[0])
     listed = spec.return_list
 
     def after(mine):
         if mine is not None:
-            a = mine[0][0]
-            if a.ndim == 0:
-                out = combine(a, mine[1])
-                if out is not None:
-                    return [out] if listed else out
+            out = combine(mine[0][0], mine[1])
+            if out is not None:
+                return [out] if listed else out
         return collect(spec, rt, mine, None, name)
     return after

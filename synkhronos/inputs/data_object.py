@@ -337,6 +337,9 @@ class Data:
 
     def _reshape(self, shape, oversize, keep):
         n = math.prod(shape)
+        if self._data is not None and self._data.shape == tuple(shape) and self._seg is not None:
+            # The same memory, the same view: a call kept for this Data stays valid.
+            return
         if n > self._alloc_size or self._seg is None:
             self._check_live("Data")
             old = self._data

@@ -838,6 +838,206 @@ static PyTypeObject SmallReduceType = {
     .tp_methods = SmallReduce_methods,
 };
 
+/* A call's small output: each worker packs its one array into its slab as the
+ * general path would (comm/slabs.py: a header with the count, the weight, a flag,
+ * then the array's dtype code, ndim, offset, size and shape; the data at its
+ * offset); after the end barrier the leader combines every rank's copy in rank
+ * order, with the operations of reduce_ops.combine (so the same bits). */
+
+#define WEIGHT_AT 8  /* the weight's bytes in a slab header: [8, 16) */
+
+static PyObject *pack_one(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    /* pack_one(slab, header, weight, array, offset): the header (its weight field set),
+     * then the array's bytes at offset. */
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "pack_one(slab, header, weight, array, offset)");
+        return NULL;
+    }
+    double w = PyFloat_AsDouble(args[2]);
+    Py_ssize_t off = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer dst, head, src;
+    if (PyObject_GetBuffer(args[0], &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[1], &head, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[3], &src, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&head);
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    int ok = head.len >= WEIGHT_AT + 8 && head.len <= dst.len && off >= head.len &&
+             off + src.len <= dst.len;
+    if (ok) {
+        memcpy(dst.buf, head.buf, head.len);
+        memcpy((char *)dst.buf + WEIGHT_AT, &w, 8);
+        memcpy((char *)dst.buf + off, src.buf, src.len);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&head);
+    PyBuffer_Release(&dst);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "pack_one: the header and array do not fit the slab");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* avg as reduce_ops.combine does it: the first part if every part equals it
+ * (==, so NaN never does), else sum(part * (w / total)) in rank order, each
+ * factor in the parts' type (NumPy's weak Python float). */
+#define AVERAGE(T)                                                                   \
+    {                                                                                \
+        T *o = (T *)out;                                                             \
+        int equal = 1;                                                               \
+        for (Py_ssize_t q = 1; q < n && equal; q++)                                    \
+            for (Py_ssize_t e = 0; e < count; e++)                                    \
+                if (!(((const T *)srcs[q])[e] == ((const T *)srcs[0])[e])) {           \
+                    equal = 0;                                                       \
+                    break;                                                           \
+                }                                                                    \
+        if (equal) {                                                                 \
+            memcpy(o, srcs[0], count * sizeof(T));                                   \
+        } else {                                                                     \
+            double total = 0.0;                                                      \
+            for (Py_ssize_t q = 0; q < n; q++) total += w[q];                          \
+            T f0 = (T)(w[0] / total);                                                \
+            for (Py_ssize_t e = 0; e < count; e++) o[e] = ((const T *)srcs[0])[e] * f0; \
+            for (Py_ssize_t q = 1; q < n; q++) {                                      \
+                T f = (T)(w[q] / total);                                             \
+                const T *c = (const T *)srcs[q];                                      \
+                for (Py_ssize_t e = 0; e < count; e++) {                              \
+                    T p = c[e] * f;                                                   \
+                    o[e] = o[e] + p;                                                  \
+                }                                                                    \
+            }                                                                        \
+        }                                                                            \
+    }
+
+static PyObject *combine_outputs(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    /* combine_outputs(block, stride, gen_off, gens, slabs, me, header, array, weight, offset,
+     *                 op, out) -> int
+     * Every rank's one packed array (this rank's is ``array``, weight ``weight``) combined
+     * by op into ``out``: 1 done; 0 a rank packed something else (another header, or
+     * nothing): nothing written, use the general path; -2 a slab of another generation
+     * than ``gens`` says (map it, then call again). */
+    if (nargs != 12 || !PyObject_TypeCheck(args[0], &BlockType) || !PyTuple_Check(args[3]) ||
+        !PyTuple_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "combine_outputs(block, stride, gen_off, gens: tuple, slabs: tuple, me, "
+                        "header, array, weight, offset, op, out)");
+        return NULL;
+    }
+    Block *b = (Block *)args[0];
+    Py_ssize_t stride = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t goff = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t n = PyTuple_GET_SIZE(args[4]);
+    Py_ssize_t me = PyLong_AsSsize_t(args[5]);
+    double my_w = PyFloat_AsDouble(args[8]);
+    Py_ssize_t off = PyLong_AsSsize_t(args[9]);
+    int op = (int)PyLong_AsLong(args[10]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (n < 1 || n > MAX_WAIT || me < 0 || me >= n || PyTuple_GET_SIZE(args[3]) != n ||
+        check_index(b, (n - 1) * stride + goff) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "combine_outputs: bad ranks or generations");
+        return NULL;
+    }
+    for (Py_ssize_t q = 0; q < n; q++) {
+        if (q == me)
+            continue;
+        long long g = PyLong_AsLongLong(PyTuple_GET_ITEM(args[3], q));
+        if (load_acquire(&b->slots[q * stride + goff]) != g)
+            return PyLong_FromLong(-2);
+    }
+    Py_buffer head, mine, outb;
+    static Py_buffer slabs[MAX_WAIT];
+    if (PyObject_GetBuffer(args[6], &head, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[7], &mine, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&head);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[11], &outb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&mine);
+        PyBuffer_Release(&head);
+        return NULL;
+    }
+    long result = 1;
+    int have = 0;
+    const char *f = mine.format ? mine.format : "B";
+    if (*f == '=' || *f == '<' || *f == '@')
+        f++;
+    char code = f[0];
+    Py_ssize_t size = itemsize_of(code);
+    if (f[1] != 0 || size == 0 || size != mine.itemsize || outb.len != mine.len ||
+        head.len < WEIGHT_AT + 8 || (op == OP_AVG && code != 'f' && code != 'd')) {
+        result = 0;
+        goto out;
+    }
+    if (get_buffers(args[4], slabs, n, PyBUF_C_CONTIGUOUS) < 0) {
+        result = -9;
+        goto out;
+    }
+    have = 1;
+    {
+        const char *srcs[MAX_WAIT];
+        double w[MAX_WAIT];
+        const char *h = (const char *)head.buf;
+        for (Py_ssize_t q = 0; q < n; q++) {
+            if (q == me) {
+                srcs[q] = (const char *)mine.buf;
+                w[q] = my_w;
+                continue;
+            }
+            const char *s = (const char *)slabs[q].buf;
+            if (slabs[q].len < off + mine.len || memcmp(s, h, WEIGHT_AT) != 0 ||
+                memcmp(s + WEIGHT_AT + 8, h + WEIGHT_AT + 8, head.len - WEIGHT_AT - 8) != 0) {
+                result = 0;
+                goto out;
+            }
+            memcpy(&w[q], s + WEIGHT_AT, 8);
+            srcs[q] = s + off;
+        }
+        Py_ssize_t count = mine.len / size;
+        char *out = (char *)outb.buf;
+        if (op == OP_AVG) {
+            if (code == 'f')
+                AVERAGE(float)
+            else
+                AVERAGE(double)
+        } else if (n == 1) {
+            memcpy(out, srcs[0], mine.len);
+        } else {
+            reduce_typed(code, op, out, srcs, n, count, 0, 1.0);
+        }
+    }
+out:
+    if (have)
+        release_buffers(slabs, n);
+    PyBuffer_Release(&outb);
+    PyBuffer_Release(&mine);
+    PyBuffer_Release(&head);
+    if (result == -9)
+        return NULL;
+    return PyLong_FromLong(result);
+}
+
+static PyMethodDef module_methods[] = {
+    {"pack_one", (PyCFunction)(void (*)(void))pack_one, METH_FASTCALL,
+     "pack_one(slab, header, weight, array, offset): a call's one small output in a\n"
+     "worker's slab, as comm/slabs.py packs it."},
+    {"combine_outputs", (PyCFunction)(void (*)(void))combine_outputs, METH_FASTCALL,
+     "combine_outputs(block, stride, gen_off, gens, slabs, me, header, array, weight, offset,\n"
+     "op, out) -> int: every rank's one packed output combined by op (0 avg, weighted;\n"
+     "1 sum; 2 prod; 3 max; 4 min) in rank order into ``out``, as reduce_ops.combine\n"
+     "does; 1 done, 0 use the general path, -2 map a newer slab first."},
+    {NULL, NULL, 0, NULL}};
+
 static PyMethodDef Block_methods[] = {
     {"wait", (PyCFunction)(void (*)(void))Block_wait, METH_FASTCALL,
      "wait(index, mode, target, waiters_offset, spin_ns, block_ns) -> bool\n\n"
@@ -886,7 +1086,8 @@ static PyTypeObject BlockType = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_block",
-    "Bounded waits, wake-ups and small reductions on int64 slots in shared memory.", -1, NULL};
+    "Bounded waits, wake-ups and small reductions on int64 slots in shared memory.", -1,
+    module_methods};
 
 PyMODINIT_FUNC PyInit__block(void) {
     if (PyType_Ready(&BlockType) < 0 || PyType_Ready(&SmallReduceType) < 0)

@@ -170,3 +170,48 @@ def test_small_all_reduce_follows_a_slab_that_grew(forked):
         np.testing.assert_allclose(out, np.full(300_000 * 2 ** round_, 3 * want.sum()))
         synk.all_reduce(v, op="sum")  # right after: the master maps the new slabs
         np.testing.assert_array_equal(synk.gather(v, nd_up=1), np.stack([want * 3] * 3))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64"])
+def test_small_array_outputs_equal_the_general_path_and_numpy(forked, dtype):
+    # 10 rows on 3 ranks: 4, 3, 3.  A kept call's small outputs are combined in C;
+    # output_subset sends the same call down the general path (NumPy in Python):
+    # both must give the same bits, and NumPy's answer on the whole.
+    forked(3)
+    x = pt.matrix("x", dtype=dtype)
+    ops = ["sum", "max", "min", "prod"] + (["avg"] if dtype.startswith("float") else [])
+    exprs = {"sum": pt.sum(x, axis=0, dtype=dtype), "max": pt.max(x, axis=0),
+             "min": pt.min(x, axis=0), "prod": pt.prod(x, axis=0, dtype=dtype),
+             "avg": pt.mean(x, axis=0).astype(dtype)}
+    fs = {op: synk.function([x], (exprs[op], op)) for op in ops}
+    synk.distribute()
+    rng = np.random.default_rng(1)
+    values = (rng.integers(-3, 4, size=(10, 5)) + (rng.random((10, 5)) if dtype.startswith("float")
+                                                   else 0)).astype(dtype)
+    d = synk.data(values)
+    whole = {"sum": values.sum(0, dtype=dtype), "max": values.max(0), "min": values.min(0),
+             "prod": values.prod(0, dtype=dtype), "avg": values.mean(0)}
+    for op in ops:
+        for _ in range(3):  # the first call plans; the repeats are kept
+            kept = fs[op](d)
+            general = fs[op](d, output_subset=[0])
+            assert kept.dtype == np.dtype(dtype) and kept.shape == (5,)
+            np.testing.assert_array_equal(kept, general)
+            np.testing.assert_allclose(kept, whole[op], rtol=1e-5 if dtype == "float32" else 1e-12)
+
+
+def test_small_array_outputs_fall_back_where_ranks_differ(forked):
+    forked(3)
+    x = pt.dmatrix("x")
+    per_row = synk.function([x], (x.sum(axis=1), "sum"))    # one value per row of the rank
+    cols = synk.function([x], (x.sum(axis=0), "sum"))
+    synk.distribute()
+    d = synk.data(np.ones((10, 2)))
+    with pytest.raises(ValueError, match="different shapes across ranks"):
+        per_row(d)                                           # 4, 3, 3 rows: shapes differ
+    np.testing.assert_array_equal(cols(d), [10.0, 10.0])
+    np.testing.assert_array_equal(cols(d), [10.0, 10.0])     # kept
+    two = synk.data(np.ones((2, 2)))                         # rank 2 gets no rows
+    np.testing.assert_array_equal(cols(two), [2.0, 2.0])
+    np.testing.assert_array_equal(cols(two), [2.0, 2.0])
+    np.testing.assert_array_equal(cols(d), [10.0, 10.0])

@@ -1,4 +1,8 @@
-"""DataParallelModel: a PyMC log-density and its gradient, summed over ranks, many positions a call."""
+"""DataParallelModel: a PyMC log-density and its gradient, summed over ranks, many positions a call.
+
+Over 400 lines: one class, whose public surface (evaluations at one or many
+positions, scatter, ravel and unravel, find_map, sample) is the job.
+"""
 
 import logging
 import time
