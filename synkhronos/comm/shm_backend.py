@@ -127,7 +127,7 @@ class ShmBackend(ShmReduce, Backend):
                 if (a.nbytes <= SMALL_OUTPUT_BYTES and a.dtype.char in SMALL_CODES
                         and a.flags.c_contiguous):
                     # The same bytes as slabs.pack, packed in C.
-                    lay = self.slabs.layout(arrays)
+                    lay = self.slabs.layout_of(a)
                     pack_one(self.slabs.own(lay.total).buffer, lay.head, float(weight), a,
                              lay.entries[0][1])
                     return
@@ -160,7 +160,7 @@ class ShmBackend(ShmReduce, Backend):
         scalar = self.scalar_combiner(op)
         opcode = OP_CODES[op]
         averaged = op == "avg"
-        layout = self.slabs.layout
+        layout_of = self.slabs.layout_of
 
         def combine(value, weight):
             if type(value) is not np.ndarray:
@@ -171,7 +171,7 @@ class ShmBackend(ShmReduce, Backend):
             if (value.nbytes > SMALL_OUTPUT_BYTES or char not in SMALL_CODES
                     or (averaged and char not in "fd") or not value.flags.c_contiguous):
                 return None
-            lay = layout([value])
+            lay = layout_of(value)
             out = np.empty(value.shape, value.dtype)
             me = self._slots()[0]
             bufs, gens, _ = self.mapped_slabs()

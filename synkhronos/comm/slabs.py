@@ -97,6 +97,7 @@ class Slabs:
             self.slabs[r] = [0, SharedArray(self._name(r, 0), INITIAL_SLAB)]
             mv[r * STRIDE + SIZE] = INITIAL_SLAB
         self.layouts = {}
+        self.last = None  # (shape, dtype, layout) of the last layout_of
         self.remaps = 0  # slabs replaced or attached anew here (views of old ones are stale)
 
     @property
@@ -138,6 +139,15 @@ class Slabs:
             self.remaps += 1
             self.views[q] = {}
         return entry[1]
+
+    def layout_of(self, a):
+        """``layout([a])``: one array's, with the last one's kept at hand (a loop's output)."""
+        last = self.last
+        if last is not None and a.shape == last[0] and a.dtype == last[1]:
+            return last[2]
+        lay = self.layout([a])
+        self.last = (a.shape, a.dtype, lay)
+        return lay
 
     def layout(self, arrays):
         """Return the cached header and offsets for arrays of these shapes and dtypes."""

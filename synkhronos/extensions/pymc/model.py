@@ -255,8 +255,9 @@ class DataParallelModel:
             args = self._call_args(0)
         args[1][...] = x
         out = self._fn1(*args[0])[0]
-        # A copy: a sampler keeps its gradient past the next call.
-        return out[0], out[1:].copy()
+        # The output is a fresh array at every call (combined over the ranks), so the
+        # gradient, a view of it, outlives the next call as a sampler needs.
+        return out[0], out[1:]
 
     def _evaluate(self, positions):
         """(logps, grads) at ``positions`` (k vectors or a k x size matrix).
