@@ -157,17 +157,23 @@ class ShmBackend(ShmReduce, Backend):
         return m
 
     def output_combiner(self, op):
-        scalar = self.scalar_combiner(op)
         opcode = OP_CODES[op]
         averaged = op == "avg"
         layout_of = self.slabs.layout_of
+        scalars = functools.partial(self.fast.combine_scalar_array, SCALAR_SEQ, STRIDE,
+                                    self.n_parallel)
+        ndarray, array = np.ndarray, np.array
 
         def combine(value, weight):
-            if type(value) is not np.ndarray:
+            if type(value) is not ndarray:
                 return None
+            if value.ndim == 0:
+                # float32 and float64 scalars in C; float16 through scalar_result.
+                got = scalars(self._slots()[0], self.seq, opcode, value, weight)
+                if got is not None:
+                    return array(got, value.dtype)
+                return self.scalar_result(op, value, weight)
             char = value.dtype.char
-            if value.ndim == 0 and char in SCALAR_CHARS:
-                return scalar(value, weight)
             if (value.nbytes > SMALL_OUTPUT_BYTES or char not in SMALL_CODES
                     or (averaged and char not in "fd") or not value.flags.c_contiguous):
                 return None
