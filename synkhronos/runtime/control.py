@@ -108,6 +108,9 @@ class Control:
         if kept is not None and not freed:
             data = kept.data
             if self.msg_id != kept.id:
+                # No id claims the area while it is rewritten (an exception midway, Ctrl-C,
+                # must not leave another message's bytes under a kept id).
+                self.msg_id = 0
                 self._write(rt, data)
                 mv[MSG_ID] = self.msg_id = kept.id
         else:
@@ -116,8 +119,9 @@ class Control:
             else:
                 frees = [freed.popleft() for _ in range(len(freed))] if freed else None
                 data = encode(cmd, payload, frees)
+            self.msg_id = 0
             self._write(rt, data)
-            mv[MSG_ID] = self.msg_id = 0
+            mv[MSG_ID] = 0
         self.last = data  # what a cluster's controller forwards to the other machines
         self.seq += 1
         self.current = self.seq
