@@ -82,6 +82,7 @@ def set_layout(rt, offset, n_parallel):
     place.rank_offset = offset
     place.rank = offset + place.local_index
     place.n_parallel = n_parallel
+    rt.registry.epoch += 1  # what kept calls prepared holds each rank's rows: made again
 
 
 # Each machine posts its own LAYOUT (its offset differs): never forwarded.

@@ -65,6 +65,10 @@ def start_sentinel(close_fds=()):
             close_launcher_fds()
             os.close(write_fd)
             os.close(bell_r)
+            # A process group of its own: a launcher that ends the dead node master's group
+            # (MPICH's Hydra does, at once) leaves the sentinel the moment it needs to
+            # close the connection, which names the machine before the launcher ends the job.
+            os.setpgid(0, 0)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             _sentinel_main(parent, read_fd, bell_w)
         finally:
@@ -155,7 +159,11 @@ def _sentinel_main(parent, read_fd, bell):
             return
         readable, _, _ = select.select(watch, [], [], BEAT_S)
         if len(watch) > 1 and watch[1] in readable:
-            return  # closing the connection tells the controller
+            # Closing the connection tells the controller: now, not when this process's
+            # exit gets to its files (after unmapping all it inherited, milliseconds in
+            # which MPICH's launcher may already end the job).
+            sock.close()
+            return
         if readable:
             try:
                 got = sock.recv(4096)

@@ -29,12 +29,15 @@ class KeptCall:
     shape it had (``matches``).
     """
 
-    __slots__ = ("rt", "msg", "kept", "descs", "arrays", "local", "after", "what")
+    __slots__ = ("rt", "msg", "kept", "descs", "arrays", "local", "after", "what", "epoch")
 
     def __init__(self, function, rt, msg, arrays, kept):
         self.rt = rt
         self.msg = msg
         self.kept = kept
+        # Valid while the run's ranks and Data mappings stay (a cluster that lost or gained
+        # a machine numbers its ranks anew: every rank's rows change).
+        self.epoch = rt.registry.epoch
         # Not the Data themselves, whose finalizers free their memory: their descriptors,
         # which no other Data has (describe() makes one per Data).
         self.descs = tuple(msg.descs)
@@ -52,7 +55,7 @@ class KeptCall:
 
     def matches(self, args):
         """Whether ``args`` are the kept call's Data, unchanged in memory and shape."""
-        if len(args) != len(self.descs):
+        if len(args) != len(self.descs) or self.rt.registry.epoch != self.epoch:
             return False
         for a, desc, arr in zip(args, self.descs, self.arrays):
             if type(a) is not Data or not a.unchanged(desc, arr):

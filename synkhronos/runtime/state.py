@@ -74,8 +74,9 @@ class Registry:
     distributed: bool = False
     freed: collections.deque = field(default_factory=collections.deque)  # dropped Data ids, for the ranks
     wire: dict = field(default_factory=dict)             # master: repeated commands' kept messages
-    # Bumped whenever this process's Data memory or functions change: what was prepared
-    # for a kept message (views of Data, a function) is valid for one epoch only.
+    # Bumped whenever this process's Data memory, functions or place among the ranks
+    # change: what was prepared for a kept message (views of Data and of this rank's rows,
+    # a function) is valid for one epoch only.
     epoch: int = 0
 
     def unmap(self, ids):
