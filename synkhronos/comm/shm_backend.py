@@ -27,7 +27,7 @@ from .homes import Homes
 from .reduce_ops import OP_CODES
 from .shm_reduce import ShmReduce
 from .slabs import (EPOCH, EPOCH_WAITERS, GEN, MADV_POPULATE_WRITE, SCALAR_CODE, SCALAR_SEQ,
-                    SCALAR_VALUE, SCALAR_WEIGHT, STRIDE, Slabs, _dtype, populate)
+                    SCALAR_VALUE, SCALAR_WEIGHT, STRIDE, Slabs, dtype_of, populate)
 
 # A contribution of one float scalar (a loss) travels in the control block.
 SCALAR_CHARS = "efd"
@@ -224,7 +224,7 @@ class ShmBackend(ShmReduce, Backend):
     def _contribution(self, q):
         base = q * STRIDE
         if self.mv[base + SCALAR_SEQ] == self.seq:
-            value = np.array(self.fv[base + SCALAR_VALUE], _dtype(self.mv[base + SCALAR_CODE]))
+            value = np.array(self.fv[base + SCALAR_VALUE], dtype_of(self.mv[base + SCALAR_CODE]))
             return [value], self.fv[base + SCALAR_WEIGHT]
         arrays = self.slabs.unpack(q)
         return arrays, (None if arrays is None else self.slabs.weight(q))

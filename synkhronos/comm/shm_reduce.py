@@ -18,7 +18,7 @@ from ..runtime.liveness import CHECK_NS
 from . import reduce_ops
 from . import parts
 from .base import SPLIT_BYTES, as_arrays
-from .slabs import _HEAD, EPOCH, EPOCH_WAITERS, GEN, HOMES, STRIDE
+from .slabs import EPOCH, EPOCH_WAITERS, GEN, HEAD_STRUCT, HOMES, STRIDE
 
 
 class ShmReduce:
@@ -208,7 +208,7 @@ class _SmallPlan:
         self.lay = self.header = self.spans = self.codes = self.offsets = None
         if be.n_parallel > 1 and self.takes(arrays):
             self.lay = be.slabs.layout(arrays)
-            self.header = _HEAD.pack(len(arrays), 1.0, 0) + self.lay.ints
+            self.header = HEAD_STRUCT.pack(len(arrays), 1.0, 0) + self.lay.ints
             self.spans = [(off, off + a.nbytes) for a, (_, off, _) in zip(arrays, self.lay.entries)]
             self.offsets = tuple(off for _, off, _ in self.lay.entries)
             chars = "".join(a.dtype.char for a in arrays)

@@ -31,7 +31,7 @@ FIXED = 4  # header ints per array before its shape: dtype code, ndim, offset, n
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
-_HEAD = struct.Struct("<qdq8x")  # HEAD bytes: the spare is zeroed, so equal headers compare equal
+HEAD_STRUCT = struct.Struct("<qdq8x")  # a slab's HEAD bytes: the spare zeroed, so equal ones compare equal
 _FIXED = struct.Struct("<4q")
 _STRUCTS = {}
 _DTYPES = {}
@@ -44,7 +44,7 @@ def _ints(n):
     return st
 
 
-def _dtype(code):
+def dtype_of(code):
     dt = _DTYPES.get(code)
     if dt is None:
         dt = _DTYPES[code] = np.dtype(chr(code))
@@ -74,7 +74,7 @@ class _Layout:
         self.total = total        # bytes the slab needs
         self.views = {}           # rank -> (slab generation, views)
         # The whole header of a contribution (weight 0: runtime/_block.c's pack_one sets it).
-        self.head = _HEAD.pack(len(entries), 0.0, 0) + ints
+        self.head = HEAD_STRUCT.pack(len(entries), 0.0, 0) + ints
 
 
 class Slabs:
@@ -188,12 +188,12 @@ class Slabs:
         arrays).  Returns the layout, or None.
         """
         if arrays is None:
-            _HEAD.pack_into(self.own(HEAD).buffer, 0, -1, 0.0, 0)
+            HEAD_STRUCT.pack_into(self.own(HEAD).buffer, 0, -1, 0.0, 0)
             return None
         arrays = [a if type(a) is np.ndarray else np.asarray(a) for a in arrays]
         lay = self.layout(arrays)
         buf = self.own(lay.hlen if header_only else lay.total).buffer
-        _HEAD.pack_into(buf, 0, len(arrays), weight, SPLIT if skip is not None else 0)
+        HEAD_STRUCT.pack_into(buf, 0, len(arrays), weight, SPLIT if skip is not None else 0)
         buf[HEAD:lay.hlen] = lay.ints
         if header_only:
             return lay
@@ -220,7 +220,7 @@ class Slabs:
             header += (ord(a.dtype.char), a.ndim, ref, a.nbytes)
             header += a.shape
         buf = self.own(HEAD + 8 * len(header)).buffer
-        _HEAD.pack_into(buf, 0, len(arrays), 1.0, HOMES)
+        HEAD_STRUCT.pack_into(buf, 0, len(arrays), 1.0, HOMES)
         _ints(len(header)).pack_into(buf, HEAD, *header)
 
     def alike(self, lay):
@@ -244,15 +244,15 @@ class Slabs:
         return hit[1]
 
     def weight(self, q):
-        return _HEAD.unpack_from(self.slab(q).buffer, 0)[1]
+        return HEAD_STRUCT.unpack_from(self.slab(q).buffer, 0)[1]
 
     def flag(self, q):
-        return _HEAD.unpack_from(self.slab(q).buffer, 0)[2]
+        return HEAD_STRUCT.unpack_from(self.slab(q).buffer, 0)[2]
 
     def unpack(self, q):
         """Return views of rank ``q``'s packed arrays, or None if it gave none."""
         buf = self.slab(q).buffer
-        n, _, flag = _HEAD.unpack_from(buf, 0)
+        n, _, flag = HEAD_STRUCT.unpack_from(buf, 0)
         if n < 0:
             return None
         out = []
@@ -262,7 +262,7 @@ class Slabs:
             shape = _ints(ndim).unpack_from(buf, pos + 32) if ndim else ()
             pos += 8 * (FIXED + ndim)
             if flag == HOMES:
-                out.append(self.homes.peer(q, offset, shape, _dtype(code)))
+                out.append(self.homes.peer(q, offset, shape, dtype_of(code)))
             else:
                 out.append(self.view(q, offset, code, shape))
         return out
@@ -280,7 +280,7 @@ class Slabs:
             count = 1
             for d in shape:
                 count *= d
-            v = cache[key] = np.frombuffer(self.slabs[q][1].buffer, _dtype(code), count,
+            v = cache[key] = np.frombuffer(self.slabs[q][1].buffer, dtype_of(code), count,
                                            offset).reshape(shape)
         return v
 

@@ -46,7 +46,7 @@ class Function:
         self._scratch = {}  # per input: the Data a NumPy value is copied into
         self._kept = None   # the last call with Data only and no options (KeptCall)
         self._all_inputs = spec.inputs + spec.bcast_inputs
-        self._what = f"call of {spec.fn.name or 'function'}"  # in profiles and stall errors
+        self.what = f"call of {spec.fn.name or 'function'}"  # in profiles and stall errors
         self._dtypes = [np.dtype(v.dtype) for v in self._all_inputs]
         self._ndims = [v.ndim for v in self._all_inputs]
 
@@ -99,7 +99,7 @@ class Function:
             raise SynkStateError("call distribute() before calling synkhronos functions")
         if rt.in_call or not rt.is_master:
             # Inside a graph Op of a running call: the ranks are busy in that call.
-            raise SynkStateError(f"{self._what}: no call inside a call; synkhronos functions "
+            raise SynkStateError(f"{self.what}: no call inside a call; synkhronos functions "
                                  "run from the master's program only (called in rank "
                                  f"{rt.place.rank}{' while it ran a call' if rt.in_call else ''})")
         return rt
@@ -331,7 +331,7 @@ class Function:
         prof = rt.profiler
         if prof is not None:
             # Checking the arguments is the master's control overhead too.
-            prof.begin(self._what)
+            prof.begin(self.what)
         try:
             msg, arrays = self.plan_call(args, kwargs, output_subset, batch, batch_s, num_slices)
             if then is not None:
@@ -354,7 +354,7 @@ class Function:
             share = Share(spec, rt, msg, arrays)
             return run_command(rt, Command.CALL, msg, lambda seq: own_share(share.run()),
                                lambda mine: collect(spec, rt, mine, msg.subset, self.name or "function"),
-                               what=self._what, kept=kept)
+                               what=self.what, kept=kept)
         finally:
             if prof is not None:
                 prof.end("control")

@@ -51,7 +51,7 @@ class KeptCall:
             self.local = lambda seq: own_share(run())
         name = function.name or "function"
         self.after = _combiner(spec, rt, name)
-        self.what = function._what
+        self.what = function.what
 
     def matches(self, args):
         """Whether ``args`` are the kept call's Data, unchanged in memory and shape."""

@@ -361,12 +361,19 @@ class Data:
             seg.unlink()
             seg.close()
             raise
+        self._swap_segment(seg)
+        logger.debug("data %s: allocated %d bytes", self._name or self._ID, nbytes)
+
+    def _swap_segment(self, seg):
+        """Make ``seg`` this Data's memory here: the old segment unlinked and closed.
+
+        The one place a Data's memory changes hands (``Data`` and ``PlacedData``).
+        """
         if self._seg is not None:
             self._seg.unlink()
             self._seg.close()
         self._seg = self._box[0] = seg
-        self._alloc_size = n_items
-        logger.debug("data %s: allocated %d bytes", self._name or self._ID, nbytes)
+        self._alloc_size = seg.nbytes // self._dtype.itemsize
 
     def detach(self):
         """Forget the shared memory at close(); views the user holds stay valid."""

@@ -37,13 +37,13 @@ class PlacedData(Data):
 
     placed = True
 
-    def __init__(self, ID, dtype, ndim, minibatch, name, kind, layout):
+    def __init__(self, ID, dtype, ndim, minibatch, name, kind, layout, remake=None):
         super().__init__(ID, dtype, ndim, minibatch=minibatch, name=name)
         self._kind = kind          # mappings.PLACED_ROWS, or PLACED_POSITIONS (a call's input)
         self._layout = layout      # the machines it was placed on
         self._parts = None         # machine -> (lo, hi) rows of the whole
         self._whole = None         # the whole's shape
-        self._remake = None        # how to produce it again on other machines (produce())
+        self._remake = remake      # how to produce it again on other machines (produce())
 
     @property
     def data(self):
@@ -125,7 +125,7 @@ class PlacedData(Data):
                             "of which one was lost since; make it again")
         logger.info("data %s: produced again on %d machines (the machines changed)",
                     self._name or self._ID, layout.n_machines)
-        _make(rt, self, *self._remake, None)
+        self.make(*self._remake, None)
 
     def _own_segment(self, nbytes, headroom=1.0):
         """Make this machine's memory hold ``nbytes`` (``headroom`` times more if made anew).
@@ -134,13 +134,97 @@ class PlacedData(Data):
         """
         if self._seg is not None and self._seg.nbytes >= nbytes:
             return False
-        seg = SharedArray(self._rt.segment_name(f"d{self._ID}"), max(int(nbytes * headroom), 1))
-        if self._seg is not None:
-            self._seg.unlink()
-            self._seg.close()
-        self._seg = self._box[0] = seg
-        self._alloc_size = seg.nbytes // self._dtype.itemsize
+        self._swap_segment(SharedArray(self._rt.segment_name(f"d{self._ID}"),
+                                       max(int(nbytes * headroom), 1)))
         return True
+
+    def make(self, fn, produce, force_cast, length, own):
+        """Produce this Data on the run's machines: each its part (``own``: machine 0's, if made).
+
+        ``fn`` is ``produce`` cloudpickled, for the other machines.  Returns self.
+        """
+        rt = self._rt
+        layout = self._layout = rt.peers.layout
+        parts = None if length is None else machine_rows.machine_rows(length, layout.n_local)
+        mine = (None, None) if parts is None else parts[0]
+        ID, ndim, name, dtype = self._ID, self._ndim, self._name, self._dtype
+        msg = ProduceMsg(ID, dtype.str, ndim, fn, parts, force_cast)
+
+        def local(seq):
+            arr = own if own is not None else machine_rows.check_rows(
+                produce(Part(0, layout.n_machines, *mine)), None, dtype, ndim, force_cast,
+                machine_rows.count(mine), 0)
+            self._own_segment(arr.nbytes)
+            self._data = self._seg.view(dtype, arr.shape)
+            self._data[...] = arr
+            return arr.shape
+
+        def after(shape0):
+            shapes = {0: shape0}
+            for entry in rt.backend.collect():
+                if entry is not None and entry[0]:
+                    m, shape = int(entry[0][0][0]), tuple(int(s) for s in entry[0][0][1:])
+                    shapes[m] = shape
+            return shapes
+        try:
+            shapes = run_command(rt, Command.DATA_PRODUCE, msg, local, after,
+                                 what=f"data({name or ID}): produce")
+            rests = {m: s[1:] for m, s in shapes.items()}
+            if len(set(rests.values())) > 1:
+                raise TypeError("data: produce returned rows of different shapes: " + ", ".join(
+                    f"machine {m}: {rests[m]}" for m in sorted(rests)))
+            if rt.worker_ranks:
+                run_command(rt, Command.DATA_MAP, MapMsg(ID, self._seg.name, self._seg.nbytes))
+        except BaseException as exc:
+            self._forget(exc)
+            raise
+        counts = [shapes[m][0] for m in range(layout.n_machines)]
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
+        self._parts = [(starts[m], starts[m + 1]) for m in range(layout.n_machines)]
+        self._whole = (starts[-1],) + rests[0]
+        logger.debug("data %s: produced %s on %d machines, parts %s", name or ID, self._whole,
+                     layout.n_machines, self._parts)
+        return self
+
+    def _forget(self, exc):
+        """Failed to be made: free what some machines made of it."""
+        rt = self._rt
+        if not isinstance(exc, MachineLostError) and not rt.closed:
+            try:
+                self.free_memory()
+            except Exception:  # noqa: BLE001 - the first error is the one to raise
+                logger.debug("freeing a Data that failed to be made failed too", exc_info=True)
+        if self._seg is not None:
+            self.detach()
+        rt.registry.datas.pop(self._ID, None)
+
+    def send_rows(self, arr, plans):
+        """Send each machine the rows of ``arr`` its ranks use in a call (``plans``, by machine).
+
+        Machine ``m`` is sent ``arr[plans[m].sel]`` only; this Data (a call's
+        per-machine memory, ``place_call_inputs``) then stands for ``arr`` in the call.
+        """
+        rt = self._rt
+        peers = rt.peers
+        rows = [machine_rows.gather_rows(arr, p.sel) for p in plans]
+        rows = [r if r.flags.c_contiguous else np.ascontiguousarray(r) for r in rows]
+        new = self._own_segment(rows[0].nbytes, GROW)
+        msg = SendMsg(self._ID, self._seg.name if new else None, self._seg.nbytes,
+                      tuple(r.nbytes for r in rows))
+
+        def local(seq):
+            for m in range(1, len(rows)):
+                peers.send_data(m, rows[m].reshape(-1).view(np.uint8))
+            self._data = self._seg.view(self._dtype, rows[0].shape)
+            self._data[...] = rows[0]
+        self._whole = (sum(p.n for p in plans),) + arr.shape[1:]
+        self._parts = None
+        try:
+            run_command(rt, Command.DATA_SEND, msg, local, what="call inputs: rows to each machine")
+        except MachineLostError as exc:
+            if exc.survived:
+                exc.settled(False, "the call did not start: call it again")
+            raise
 
 
 def produce(rt, produce, var, dtype, ndim, minibatch, force_cast, name, length):
@@ -161,66 +245,9 @@ def produce(rt, produce, var, dtype, ndim, minibatch, force_cast, name, length):
         own = machine_rows.check_rows(produce(Part(0, layout.n_machines, *mine)), var, dtype, ndim,
                                    force_cast, machine_rows.count(mine), 0)
         dtype, ndim = own.dtype, own.ndim
-    obj = PlacedData(new_id(rt), dtype, ndim, minibatch, name, PLACED_ROWS, layout)
-    obj._remake = (fn, produce, force_cast, length)
-    return _make(rt, obj, fn, produce, force_cast, length, own)
-
-
-def _make(rt, obj, fn, produce, force_cast, length, own):
-    """Produce ``obj`` on the run's machines (each its part; ``own``: machine 0's, made already)."""
-    layout = obj._layout = rt.peers.layout
-    parts = None if length is None else machine_rows.machine_rows(length, layout.n_local)
-    mine = (None, None) if parts is None else parts[0]
-    ID, ndim, name = obj._ID, obj._ndim, obj._name
-    msg = ProduceMsg(ID, obj._dtype.str, ndim, fn, parts, force_cast)
-
-    def local(seq):
-        arr = own if own is not None else machine_rows.check_rows(
-            produce(Part(0, layout.n_machines, *mine)), None, obj._dtype, ndim, force_cast,
-            machine_rows.count(mine), 0)
-        obj._own_segment(arr.nbytes)
-        obj._data = obj._seg.view(obj._dtype, arr.shape)
-        obj._data[...] = arr
-        return arr.shape
-
-    def after(shape0):
-        shapes = {0: shape0}
-        for entry in rt.backend.collect():
-            if entry is not None and entry[0]:
-                m, shape = int(entry[0][0][0]), tuple(int(s) for s in entry[0][0][1:])
-                shapes[m] = shape
-        return shapes
-    try:
-        shapes = run_command(rt, Command.DATA_PRODUCE, msg, local, after,
-                             what=f"data({name or ID}): produce")
-        rests = {m: s[1:] for m, s in shapes.items()}
-        if len(set(rests.values())) > 1:
-            raise TypeError("data: produce returned rows of different shapes: " + ", ".join(
-                f"machine {m}: {rests[m]}" for m in sorted(rests)))
-        if rt.worker_ranks:
-            run_command(rt, Command.DATA_MAP, MapMsg(ID, obj._seg.name, obj._seg.nbytes))
-    except BaseException as exc:
-        _forget(rt, obj, exc)
-        raise
-    counts = [shapes[m][0] for m in range(layout.n_machines)]
-    starts = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
-    obj._parts = [(starts[m], starts[m + 1]) for m in range(layout.n_machines)]
-    obj._whole = (starts[-1],) + rests[0]
-    logger.debug("data %s: produced %s on %d machines, parts %s", name or ID, obj._whole,
-                 layout.n_machines, obj._parts)
-    return obj
-
-
-def _forget(rt, obj, exc):
-    """A Data that failed to be made: free what some machines made of it."""
-    if not isinstance(exc, MachineLostError) and not rt.closed:
-        try:
-            obj.free_memory()
-        except Exception:  # noqa: BLE001 - the first error is the one to raise
-            logger.debug("freeing a Data that failed to be made failed too", exc_info=True)
-    if obj._seg is not None:
-        obj.detach()
-    rt.registry.datas.pop(obj._ID, None)
+    obj = PlacedData(new_id(rt), dtype, ndim, minibatch, name, PLACED_ROWS, layout,
+                     remake=(fn, produce, force_cast, length))
+    return obj.make(fn, produce, force_cast, length, own)
 
 
 def place_call_inputs(rt, name, datas, inputs, sel, n_rows, scratch):
@@ -248,7 +275,7 @@ def place_call_inputs(rt, name, datas, inputs, sel, n_rows, scratch):
             kept = scratch.get(i)
             if kept is None or not isinstance(kept, PlacedData) or not kept.placed_on(layout):
                 kept = scratch[i] = _scratch(rt, inputs[i])
-            send_rows(rt, kept, d.array, plans)
+            kept.send_rows(d.array, plans)
             datas[i] = kept
     return {layout.offsets[m]: p for m, p in enumerate(plans)}
 
@@ -257,31 +284,3 @@ def _scratch(rt, var):
     """A call input's per-machine memory in a cluster (its rows are sent by ``send_rows``)."""
     return PlacedData(new_id(rt), var.dtype, var.ndim, False, None, PLACED_POSITIONS,
                       rt.peers.layout)
-
-
-def send_rows(rt, obj, arr, plans):
-    """Send each machine the rows of ``arr`` its ranks use in a call (``plans``, by machine).
-
-    Machine ``m`` is sent ``arr[plans[m].sel]`` only; ``obj`` (``scratch``)
-    then stands for ``arr`` in the call.
-    """
-    peers = rt.peers
-    rows = [machine_rows.gather_rows(arr, p.sel) for p in plans]
-    rows = [r if r.flags.c_contiguous else np.ascontiguousarray(r) for r in rows]
-    new = obj._own_segment(rows[0].nbytes, GROW)
-    msg = SendMsg(obj._ID, obj._seg.name if new else None, obj._seg.nbytes,
-                  tuple(r.nbytes for r in rows))
-
-    def local(seq):
-        for m in range(1, len(rows)):
-            peers.send_data(m, rows[m].reshape(-1).view(np.uint8))
-        obj._data = obj._seg.view(obj._dtype, rows[0].shape)
-        obj._data[...] = rows[0]
-    obj._whole = (sum(p.n for p in plans),) + arr.shape[1:]
-    obj._parts = None
-    try:
-        run_command(rt, Command.DATA_SEND, msg, local, what="call inputs: rows to each machine")
-    except MachineLostError as exc:
-        if exc.survived:
-            exc.settled(False, "the call did not start: call it again")
-        raise

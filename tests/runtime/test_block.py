@@ -254,15 +254,15 @@ def test_small_reduce_refuses_what_does_not_fit():
 
 
 def test_one_output_packs_as_slabs_do_and_combines_by_rank():
-    from synkhronos.comm.slabs import _HEAD
+    from synkhronos.comm.slabs import HEAD_STRUCT
     from synkhronos.runtime._block import combine_outputs, pack_one
 
     a = [np.array([1.5, -2.0, 3.0], "float32"), np.array([0.5, 4.0, -1.0], "float32")]
     m, block, slots = _block(2 * STRIDE)
-    head = _HEAD.pack(1, 0.0, 0) + np.array([ord("f"), 1, 128, 12, 3], np.int64).tobytes()
+    head = HEAD_STRUCT.pack(1, 0.0, 0) + np.array([ord("f"), 1, 128, 12, 3], np.int64).tobytes()
     slab = bytearray(256)
     pack_one(slab, head, 3.0, a[1], 128)
-    assert _HEAD.unpack_from(slab, 0) == (1, 3.0, 0)  # the weight set, the rest as given
+    assert HEAD_STRUCT.unpack_from(slab, 0) == (1, 3.0, 0)  # the weight set, the rest as given
     assert bytes(slab[16:len(head)]) == head[16:]
     np.testing.assert_array_equal(np.frombuffer(slab, "float32", 3, 128), a[1])
     slabs = (bytearray(256), slab)
@@ -275,7 +275,7 @@ def test_one_output_packs_as_slabs_do_and_combines_by_rank():
     slots[STRIDE + GEN] = 1  # rank 1's slab is newer than the one mapped
     assert combine_outputs(block, STRIDE, GEN, gens, slabs, 0, head, a[0], 1.0, 128, 1, out) == -2
     slots[STRIDE + GEN] = 0
-    other = _HEAD.pack(1, 0.0, 0) + np.array([ord("f"), 1, 128, 12, 4], np.int64).tobytes()
+    other = HEAD_STRUCT.pack(1, 0.0, 0) + np.array([ord("f"), 1, 128, 12, 4], np.int64).tobytes()
     assert combine_outputs(block, STRIDE, GEN, gens, slabs, 0, other, a[0], 1.0, 128, 1, out) == 0
     with pytest.raises(ValueError, match="do not fit"):
         pack_one(bytearray(64), head, 1.0, a[0], 128)

@@ -150,6 +150,11 @@ class DataParallelModel:
                     [c.name for c in plan.split], self.n_rows, [c.name for c in plan.whole],
                     [t.name for t in plan.split_terms], [t.name for t in plan.whole_terms])
 
+    @property
+    def value_shapes(self):
+        """The shape of each value variable, in ``value_names`` order (the flat vector's parts)."""
+        return [tuple(s) for s in self._shapes]
+
     # -- data -------------------------------------------------------------------------------
     @staticmethod
     def _given_data(given, plan):
