@@ -1,6 +1,6 @@
 """In-graph collectives (synkhronos.ingraph) against NumPy, on 1, 2 and 3 ranks.
 
-Every rank's share of the rows is known (split.rank_range), so what each
+Every rank's share of the rows is known (rank_rows.rank_range), so what each
 rank's graph computes is written in NumPy from those shares.  Uneven splits
 and a call that leaves a rank without rows are included: that rank still
 joins every collective.
@@ -16,7 +16,7 @@ from pytensor.raise_op import Assert
 
 import synkhronos as synk
 from synkhronos import ingraph
-from synkhronos.inputs import rank_rows as split
+from synkhronos.inputs import rank_rows
 
 pytestmark = pytest.mark.timeout(100)
 
@@ -34,7 +34,7 @@ def pad_min(x):
 
 
 def shares(x, n):
-    return [x[slice(*split.rank_range(len(x), n, r))] for r in range(n)]
+    return [x[slice(*rank_rows.rank_range(len(x), n, r))] for r in range(n)]
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}ranks")
@@ -113,7 +113,7 @@ def serial_grads(n):
     totals["all_gather"] = sum((pt.sqr(x) * c).sum() * p.sum() for p in shares)
     fn = pytensor.function([x, c, bounds], [pytensor.grad(totals[k], x) for k in COLLECTIVES],
                            mode=MODE)
-    return lambda xv, cv: fn(xv, cv, [0] + [split.rank_range(len(xv), n, r)[1]
+    return lambda xv, cv: fn(xv, cv, [0] + [rank_rows.rank_range(len(xv), n, r)[1]
                                             for r in range(n)])
 
 

@@ -15,7 +15,7 @@ import pytest
 import synkhronos as synk
 from helpers import child
 from synkhronos import ingraph
-from synkhronos.inputs import rank_rows as split
+from synkhronos.inputs import rank_rows
 from synkhronos.extensions.batchnorm import SyncBatchNorm
 from test_ingraph import COLLECTIVES, every_grad_function, grad_data, serial_grads
 
@@ -85,7 +85,7 @@ def _case_every_gradient(n):
         for value in gather(x_data)[0]:
             np.testing.assert_array_equal(value, 2 * x_data)
     uneven = grad_data(2 * n + 1)[0]
-    assert len({split.rank_range(len(uneven), n, r)[1] - split.rank_range(len(uneven), n, r)[0]
+    assert len({rank_rows.rank_range(len(uneven), n, r)[1] - rank_rows.rank_range(len(uneven), n, r)[0]
                 for r in range(n)}) > 1
     with pytest.raises(Exception, match="every rank must hold the same number of rows"):
         gather(uneven)

@@ -384,12 +384,12 @@ def _case_gpu_mode_simulated(module, case, n_gpus, *args):
 
     from helpers import gpu_env
 
-    from synkhronos.runtime import devices as gpu
+    from synkhronos.runtime import devices
 
     import jax
 
     fake_cupy.install()
-    gpu.count_gpus = lambda: n_gpus
+    devices.count_gpus = lambda: n_gpus
     gpu_env.PLATFORM = "cpu"
     jax.config.update("jax_platforms", "cpu")      # a simulation, even where GPUs exist
     getattr(importlib.import_module(module), case)(*args)

@@ -174,8 +174,8 @@ def test_more_ranks_than_cores_are_not_pinned(forked):
 
 
 def test_use_gpu_true_without_gpus_raises():
-    from synkhronos.runtime import devices as gpu
-    if gpu.count_gpus():
+    from synkhronos.runtime import devices
+    if devices.count_gpus():
         pytest.skip("this machine has GPUs")
     with pytest.raises(RuntimeError, match="use_gpu"):
         synk.fork(2, use_gpu=True)
@@ -183,8 +183,8 @@ def test_use_gpu_true_without_gpus_raises():
 
 
 def test_fork_with_use_gpu_none_runs_in_cpu_mode(forked):
-    from synkhronos.runtime import devices as gpu
-    if gpu.count_gpus():
+    from synkhronos.runtime import devices
+    if devices.count_gpus():
         pytest.skip("this machine has GPUs")
     assert synk.fork(2) == 2
     assert get_runtime().config.device == "cpu"

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from helpers import fake_cupy
-from synkhronos.runtime import devices as gpu
+from synkhronos.runtime import devices
 from synkhronos.comm import choose_backend, get_backend
-from synkhronos.comm import nccl_backend as nb
+from synkhronos.comm import nccl_backend
 from synkhronos.comm.base import Wiring
 from synkhronos.errors import BackendUnavailableError
 
@@ -49,44 +49,45 @@ def _wiring(n_parallel=2):
 @pytest.mark.parametrize("op", ["avg", "sum", "prod", "max", "min"])
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
 def test_every_op_on_floats(op, dtype):
-    nop, ndt = nb.nccl_op_name(op, dtype)
+    nop, ndt = nccl_backend.nccl_op_name(op, dtype)
     assert nop == ("NCCL_SUM" if op == "avg" else f"NCCL_{op.upper()}")
     assert ndt == f"NCCL_{dtype.upper()}"
 
 
 @pytest.mark.parametrize("dtype", ["int8", "uint8", "int32", "uint32", "int64", "uint64"])
 def test_integers_reduce_but_do_not_average(dtype):
-    assert nb.nccl_op_name("sum", dtype) == ("NCCL_SUM", f"NCCL_{dtype.upper()}")
-    assert nb.nccl_op_name("max", dtype)[0] == "NCCL_MAX"
-    assert nb.nccl_op_name("avg", dtype) is None      # avg scales in place: floats only
+    assert nccl_backend.nccl_op_name("sum", dtype) == ("NCCL_SUM", f"NCCL_{dtype.upper()}")
+    assert nccl_backend.nccl_op_name("max", dtype)[0] == "NCCL_MAX"
+    assert nccl_backend.nccl_op_name("avg", dtype) is None      # avg scales in place: floats only
 
 
 @pytest.mark.parametrize("dtype", ["bool", "int16", "uint16", "complex64"])
 def test_dtypes_nccl_cannot_reduce(dtype):
     for op in ("sum", "max"):
-        assert nb.nccl_op_name(op, dtype) is None
+        assert nccl_backend.nccl_op_name(op, dtype) is None
 
 
 def test_unknown_op():
-    assert nb.nccl_op_name("mean", "float32") is None
-    assert nb.nccl_op_name(None, "float32") is None
+    assert nccl_backend.nccl_op_name("mean", "float32") is None
+    assert nccl_backend.nccl_op_name(None, "float32") is None
 
 
 def test_constant_names_exist_in_the_stand_in(cupy_stub):
     # The stand-in copies cupy.cuda.nccl's names; every name the tables use must be there.
-    for name in list(nb.NCCL_OPS.values()) + list(nb.NCCL_DTYPES.values()) + ["NCCL_UINT8"]:
+    names = list(nccl_backend.NCCL_OPS.values()) + list(nccl_backend.NCCL_DTYPES.values())
+    for name in names + ["NCCL_UINT8"]:
         assert isinstance(getattr(cupy_stub, name), int), name
 
 
 def test_header_round_trip():
     values = [np.zeros((2, 3), "float32"), np.array(1.5), np.zeros(0, "int16"),
               np.zeros((4,), "datetime64[s]")]
-    hdr = nb.header(values)
+    hdr = nccl_backend.header(values)
     assert hdr.dtype == np.int64
-    assert nb.parse_header(hdr) == [("float32", (2, 3)), ("float64", ()), ("int16", (0,)),
+    assert nccl_backend.parse_header(hdr) == [("float32", (2, 3)), ("float64", ()), ("int16", (0,)),
                                     (None, (4,))]
-    assert nb.parse_header(nb.header(None)) == []
-    assert nb.dtype_code("complex128") >= 0 and nb.dtype_code("U3") == -1
+    assert nccl_backend.parse_header(nccl_backend.header(None)) == []
+    assert nccl_backend.dtype_code("complex128") >= 0 and nccl_backend.dtype_code("U3") == -1
 
 
 def test_gpu_mode_with_a_gpu_per_rank_chooses_nccl(cupy_stub, caplog, monkeypatch):
@@ -94,7 +95,7 @@ def test_gpu_mode_with_a_gpu_per_rank_chooses_nccl(cupy_stub, caplog, monkeypatc
     with caplog.at_level(logging.WARNING, "synkhronos"):
         assert choose_backend("gpu", 2, 2) == "nccl"
     assert not caplog.records
-    assert get_backend("nccl") is nb.NcclBackend
+    assert get_backend("nccl") is nccl_backend.NcclBackend
 
 
 def test_cpu_mode_never_uses_nccl_and_says_nothing(cupy_stub, caplog, monkeypatch):
@@ -134,21 +135,21 @@ class _HostStub:
 
 def test_backend_without_cupy_raises_naming_it(no_cupy):
     with pytest.raises(BackendUnavailableError, match="cupy"):
-        nb.NcclBackend(_wiring(), host_backend=_HostStub)
+        nccl_backend.NcclBackend(_wiring(), host_backend=_HostStub)
     with pytest.raises(BackendUnavailableError, match="pip install cupy-cuda12x"):
-        gpu.import_cupy()
+        devices.import_cupy()
 
 
 def test_cupy_without_nccl_raises_naming_nccl(cupy_stub, monkeypatch):
     monkeypatch.setattr(cupy_stub, "available", False)
     with pytest.raises(BackendUnavailableError, match="NCCL"):
-        gpu.import_cupy()
-    assert "NCCL" in gpu.nccl_unavailable(2, 2)
+        devices.import_cupy()
+    assert "NCCL" in devices.nccl_unavailable(2, 2)
 
 
 def test_backend_wraps_a_host_backend_and_touches_no_device_until_used(cupy_stub):
     wiring = _wiring()
-    b = nb.NcclBackend(wiring, host_backend=_HostStub)
+    b = nccl_backend.NcclBackend(wiring, host_backend=_HostStub)
     assert isinstance(b.host, _HostStub) and b.host.made is wiring
     assert b.device_arrays and b.comm is None    # the first collective connects
     assert b._stream is None                     # no CUDA stream before fork's children use it
@@ -158,14 +159,14 @@ def test_backend_wraps_a_host_backend_and_touches_no_device_until_used(cupy_stub
 
 def test_host_arrays_stay_and_device_arrays_come_back(cupy_stub):
     a = np.arange(6.0)
-    assert gpu.to_host(a) is a
+    assert devices.to_host(a) is a
     dev = fake_cupy.asarray(a)
-    assert gpu.is_cupy_array(dev) and not gpu.is_cupy_array(a)
-    back = gpu.to_host(dev)
+    assert devices.is_cupy_array(dev) and not devices.is_cupy_array(a)
+    back = devices.to_host(dev)
     assert type(back) is np.ndarray and np.array_equal(back, a)
-    assert gpu.to_cupy(dev) is dev
-    assert gpu.is_cupy_array(gpu.to_cupy(a))
-    assert not gpu.is_jax_array(a)
+    assert devices.to_cupy(dev) is dev
+    assert devices.is_cupy_array(devices.to_cupy(a))
+    assert not devices.is_jax_array(a)
 
 
 def test_import_synkhronos_stays_light():

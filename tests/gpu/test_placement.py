@@ -10,7 +10,7 @@ import pytensor.tensor as pt
 import synkhronos as synk
 from helpers import child, gpu_env
 from helpers.gpu_env import N_GPUS, needs_gpu
-from synkhronos.runtime import devices as gpu
+from synkhronos.runtime import devices
 
 pytestmark = needs_gpu
 
@@ -36,7 +36,7 @@ def _case_mlp_step(n):
     x, y = pt.matrix("x"), pt.matrix("y")
     loss = ((pt.dot(x, W) - y) ** 2).mean()
     f = synk.function([x, y], loss, updates=[(W, W - 0.1 * pytensor.grad(loss, W))])
-    assert gpu.uses_jax(f.spec.fn)                     # GPU mode: JAX by default
+    assert devices.uses_jax(f.spec.fn)                     # GPU mode: JAX by default
     synk.distribute()
     run_all(_on_gpu, {"W"})
     X = rng.standard_normal((30, 20)).astype("float32")

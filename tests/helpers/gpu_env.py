@@ -4,9 +4,9 @@ import importlib.util
 
 import pytest
 
-from synkhronos.runtime import devices as gpu
+from synkhronos.runtime import devices
 
-N_GPUS = gpu.count_gpus()  # NVML or nvidia-smi: no CUDA context in the pytest process
+N_GPUS = devices.count_gpus()  # NVML or nvidia-smi: no CUDA context in the pytest process
 
 # Where device values must live.  test_jax_mode.py runs these cases in a GPU
 # mode simulated on the CPU (a faked GPU count, CuPy stand-in) and sets "cpu".

@@ -15,7 +15,7 @@ import pytensor
 import pytensor.tensor as pt
 import pytest
 
-from synkhronos.runtime import devices as gpu
+from synkhronos.runtime import devices
 from synkhronos.errors import BackendUnavailableError
 
 SMI_4_GPUS = """\
@@ -70,26 +70,26 @@ def _fake_nvml(count=None, init_error=None):
 
 def test_count_reads_nvidia_smi_gpu_lines(smi):
     smi()
-    assert gpu.count_gpus() == 4                    # the MIG line is not a GPU
+    assert devices.count_gpus() == 4                    # the MIG line is not a GPU
     smi("GPU 0: Tesla T4 (UUID: GPU-9)\n")
-    assert gpu.count_gpus() == 1
+    assert devices.count_gpus() == 1
 
 
 def test_count_is_zero_without_a_gpu(smi, monkeypatch):
     smi("", status=0)
-    assert gpu.count_gpus() == 0
+    assert devices.count_gpus() == 0
     smi("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n",
         status=9)
-    assert gpu.count_gpus() == 0                    # no driver: exit status != 0
+    assert devices.count_gpus() == 0                    # no driver: exit status != 0
     monkeypatch.setenv("PATH", "/nonexistent")
-    assert gpu.count_gpus() == 0                    # neither NVML nor nvidia-smi
+    assert devices.count_gpus() == 0                    # neither NVML nor nvidia-smi
 
 
 @pytest.mark.parametrize("visible", ["", "-1", "  "])
 def test_count_is_zero_when_cuda_visible_devices_hides_every_gpu(smi, monkeypatch, visible):
     smi()
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    assert gpu.count_gpus() == 0
+    assert devices.count_gpus() == 0
 
 
 @pytest.mark.parametrize("visible, want", [("2", 1), ("1,3", 2), ("0, 1, 2,", 3),
@@ -97,52 +97,52 @@ def test_count_is_zero_when_cuda_visible_devices_hides_every_gpu(smi, monkeypatc
 def test_count_is_capped_by_cuda_visible_devices(smi, monkeypatch, visible, want):
     smi()
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    assert gpu.count_gpus() == want
+    assert devices.count_gpus() == want
 
 
 def test_count_asks_nvml_first_and_shuts_it_down(smi, monkeypatch):
     smi()                                           # 4 GPUs, were nvidia-smi asked
     nvml = _fake_nvml(count=2)
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
-    assert gpu.count_gpus() == 2
+    assert devices.count_gpus() == 2
     assert nvml.calls == ["init", "shutdown"]
 
 
 def test_count_falls_back_to_nvidia_smi_when_nvml_cannot_start(smi, monkeypatch):
     smi()
     monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml(init_error=RuntimeError("no driver")))
-    assert gpu.count_gpus() == 4
+    assert devices.count_gpus() == 4
 
 
 # ---- one GPU per rank ------------------------------------------------------------------------
 
 def test_device_for_rank_is_round_robin():
-    assert [gpu.device_for_rank(r, 3) for r in range(8)] == [0, 1, 2, 0, 1, 2, 0, 1]
-    assert [gpu.device_for_rank(r, 1) for r in range(3)] == [0, 0, 0]
-    assert [gpu.device_for_rank(r, 4) for r in range(4)] == [0, 1, 2, 3]
+    assert [devices.device_for_rank(r, 3) for r in range(8)] == [0, 1, 2, 0, 1, 2, 0, 1]
+    assert [devices.device_for_rank(r, 1) for r in range(3)] == [0, 0, 0]
+    assert [devices.device_for_rank(r, 4) for r in range(4)] == [0, 1, 2, 3]
 
 
 def test_visible_ids_follow_cuda_visible_devices(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert gpu.visible_ids(3) == ["0", "1", "2"]
+    assert devices.visible_ids(3) == ["0", "1", "2"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 5,7")
-    assert gpu.visible_ids(2) == ["3", "5"]
+    assert devices.visible_ids(2) == ["3", "5"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-0a,GPU-1b")
-    assert gpu.visible_ids(2) == ["GPU-0a", "GPU-1b"]
+    assert devices.visible_ids(2) == ["GPU-0a", "GPU-1b"]
 
 
 def test_select_device_narrows_the_environment(monkeypatch):
     # Recorded, so the test's end puts back what was there.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
-    gpu.select_device("2", 1)
+    devices.select_device("2", 1)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "2"
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ    # one rank: JAX's default
-    gpu.select_device("1", 2)
+    devices.select_device("1", 2)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
     assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.35"  # 70 % shared by 2 ranks
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
-    gpu.select_device("0", 4)
+    devices.select_device("0", 4)
     assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"   # the user's own stays
 
 
@@ -179,28 +179,28 @@ def no_jax(monkeypatch):
 
 def test_cuda_in_use_names_what_started_it(monkeypatch, no_jax, no_nvml):
     monkeypatch.delitem(sys.modules, "torch", raising=False)
-    assert gpu.cuda_in_use() is None
+    assert devices.cuda_in_use() is None
     torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: False))
     monkeypatch.setitem(sys.modules, "torch", torch)
-    assert gpu.cuda_in_use() is None
+    assert devices.cuda_in_use() is None
     torch.cuda.is_initialized = lambda: True
-    assert gpu.cuda_in_use() == "torch.cuda"
+    assert devices.cuda_in_use() == "torch.cuda"
     for name, module in _fake_jax(started=True).items():
         monkeypatch.setitem(sys.modules, name, module)
-    assert gpu.jax_initialised()
-    assert gpu.cuda_in_use() == "JAX"
+    assert devices.jax_initialised()
+    assert devices.cuda_in_use() == "JAX"
 
 
 def test_jax_imported_is_not_jax_started(monkeypatch, no_jax):
-    assert not gpu.jax_initialised()
+    assert not devices.jax_initialised()
     for name, module in _fake_jax(started=False).items():
         monkeypatch.setitem(sys.modules, name, module)
-    assert not gpu.jax_initialised()
+    assert not devices.jax_initialised()
 
 
 def test_keep_jax_on_cpu_sets_and_undoes(monkeypatch, no_jax):
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
-    undo = gpu.keep_jax_on_cpu()
+    undo = devices.keep_jax_on_cpu()
     assert os.environ["JAX_PLATFORMS"] == "cpu"
     undo()
     assert "JAX_PLATFORMS" not in os.environ
@@ -208,7 +208,7 @@ def test_keep_jax_on_cpu_sets_and_undoes(monkeypatch, no_jax):
     mods = _fake_jax(started=False)
     for name, module in mods.items():
         monkeypatch.setitem(sys.modules, name, module)
-    undo = gpu.keep_jax_on_cpu()
+    undo = devices.keep_jax_on_cpu()
     assert os.environ["JAX_PLATFORMS"] == "cpu" and mods["jax"].config.jax_platforms == "cpu"
     undo()
     assert "JAX_PLATFORMS" not in os.environ and mods["jax"].config.jax_platforms == "before"
@@ -216,20 +216,20 @@ def test_keep_jax_on_cpu_sets_and_undoes(monkeypatch, no_jax):
 
 def test_keep_jax_on_cpu_leaves_the_users_choice_and_a_started_jax(monkeypatch, no_jax):
     monkeypatch.setenv("JAX_PLATFORMS", "cuda")
-    gpu.keep_jax_on_cpu()()
+    devices.keep_jax_on_cpu()()
     assert os.environ["JAX_PLATFORMS"] == "cuda"
     monkeypatch.delenv("JAX_PLATFORMS")
     mods = _fake_jax(started=True)
     for name, module in mods.items():
         monkeypatch.setitem(sys.modules, name, module)
-    gpu.keep_jax_on_cpu()()
+    devices.keep_jax_on_cpu()()
     assert "JAX_PLATFORMS" not in os.environ and mods["jax"].updates == []
 
 
 # ---- arrays and NCCL -----------------------------------------------------------------------
 
 class _CupyArray:
-    """A device array as far as gpu.py can tell: ``.get()`` copies it to the host."""
+    """A device array as far as devices.py can tell: ``.get()`` copies it to the host."""
 
     def __init__(self, host):
         self.host = host
@@ -252,42 +252,42 @@ def _fake_cupy(nccl_available=True):
 
 def test_to_host_returns_numpy_arrays_as_they_are_and_copies_device_arrays(monkeypatch, no_jax):
     a = np.arange(6.0).reshape(2, 3)
-    assert gpu.to_host(a) is a
-    np.testing.assert_array_equal(gpu.to_host([[1, 2], [3, 4]]), [[1, 2], [3, 4]])
-    assert not gpu.is_jax_array(a) and not gpu.is_cupy_array(a)
+    assert devices.to_host(a) is a
+    np.testing.assert_array_equal(devices.to_host([[1, 2], [3, 4]]), [[1, 2], [3, 4]])
+    assert not devices.is_jax_array(a) and not devices.is_cupy_array(a)
     for name, module in _fake_cupy().items():
         monkeypatch.setitem(sys.modules, name, module)
     dev = _CupyArray(a)
-    assert gpu.is_cupy_array(dev) and not gpu.is_cupy_array(a)
-    host = gpu.to_host(dev)
+    assert devices.is_cupy_array(dev) and not devices.is_cupy_array(a)
+    host = devices.to_host(dev)
     assert type(host) is np.ndarray and host is not a
     np.testing.assert_array_equal(host, a)
     assert "jax" not in sys.modules                 # asking never imports JAX
 
 
 def test_nccl_needs_one_gpu_per_rank():
-    assert gpu.nccl_unavailable(3, 2) == "3 ranks share 2 GPUs; NCCL needs one GPU per rank"
-    assert gpu.nccl_unavailable(2, 1).startswith("2 ranks share 1 GPU;")
+    assert devices.nccl_unavailable(3, 2) == "3 ranks share 2 GPUs; NCCL needs one GPU per rank"
+    assert devices.nccl_unavailable(2, 1).startswith("2 ranks share 1 GPU;")
 
 
 def test_nccl_needs_cupy_and_its_nccl(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)
     with pytest.raises(BackendUnavailableError, match="pip install cupy") as info:
-        gpu.import_cupy()
+        devices.import_cupy()
     assert isinstance(info.value, ImportError)
-    assert "pip install cupy" in gpu.nccl_unavailable(2, 2)
+    assert "pip install cupy" in devices.nccl_unavailable(2, 2)
     mods = _fake_cupy(nccl_available=False)
     for name, module in mods.items():
         monkeypatch.setitem(sys.modules, name, module)
-    assert "cupy did not find" in gpu.nccl_unavailable(2, 2)
+    assert "cupy did not find" in devices.nccl_unavailable(2, 2)
     mods["cupy.cuda.nccl"].available = True
-    assert gpu.nccl_unavailable(2, 2) == ""
-    assert gpu.import_cupy() == (mods["cupy"], mods["cupy.cuda.nccl"])
+    assert devices.nccl_unavailable(2, 2) == ""
+    assert devices.import_cupy() == (mods["cupy"], mods["cupy.cuda.nccl"])
 
 
 def test_uses_jax_reads_the_linker():
     x = pt.dvector("x")
     fn = pytensor.function([x], 2 * x, mode="FAST_COMPILE")
-    assert not gpu.uses_jax(fn)
+    assert not devices.uses_jax(fn)
     jax_linker = type("JAXLinker", (), {})()
-    assert gpu.uses_jax(types.SimpleNamespace(maker=types.SimpleNamespace(linker=jax_linker)))
+    assert devices.uses_jax(types.SimpleNamespace(maker=types.SimpleNamespace(linker=jax_linker)))
