@@ -8,7 +8,7 @@ import sys
 from typing import NamedTuple
 
 from ..errors import SynkError
-from ..runtime.liveness import proc_start_time, stop_process
+from ..runtime.liveness import proc_start_time, proc_stat, stop_process
 from .elastic_env import elastic_launch
 from .slurm import cancel_step, slurm_step, slurm_task, warn_batch_step
 
@@ -312,13 +312,8 @@ LAUNCHERS = ("mpiexec", "mpiexec.hydra", "mpirun", "prterun", "prte", "orterun")
 
 def parent_and_name(pid):
     """(parent pid, command name) of process ``pid``, from /proc; (None, None) if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None, None
-    head, tail = stat.rsplit(b")", 1)
-    return int(tail.split()[1]), head.split(b"(", 1)[1].decode(errors="replace")
+    stat = proc_stat(pid)
+    return (None, None) if stat is None else (int(stat[1][1]), stat[0])
 
 
 def launcher_pid(pid=None, depth=4):

@@ -72,21 +72,22 @@ def deadline_check(seconds, message):
     return check
 
 
-def _stat_fields(pid):
-    """The fields of /proc/<pid>/stat after the command name (state first), or None."""
+def proc_stat(pid):
+    """(command name, fields after it) of /proc/<pid>/stat, state first; None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
     # The command name may hold spaces and parentheses: the fields follow the last ")".
-    return stat[stat.rindex(b")") + 2:].split()
+    head, tail = stat.rsplit(b")", 1)
+    return head.split(b"(", 1)[1].decode(errors="replace"), tail.split()
 
 
 def proc_state(pid):
     """Return the one-letter state of process ``pid`` from /proc (``"T"``: stopped), or None."""
-    fields = _stat_fields(pid)
-    return None if fields is None else fields[0].decode()
+    stat = proc_stat(pid)
+    return None if stat is None else stat[1][0].decode()
 
 
 def proc_start_time(pid):
@@ -94,8 +95,8 @@ def proc_start_time(pid):
 
     With the pid, it names one process: pids are reused, start times are not.
     """
-    fields = _stat_fields(pid)
-    return None if fields is None else int(fields[19])
+    stat = proc_stat(pid)
+    return None if stat is None else int(stat[1][19])
 
 
 class Monitor:
