@@ -217,16 +217,18 @@ class Function:
                 beyond the master's sliceable shareds (nothing runs).
             WorkerError: a rank raised; the runtime stays usable.
         """
+        # The one rule for reuse: no call options here, and Data only (KeptCall.matches,
+        # or _run where the call is kept).
+        plain = (output_subset is None and batch is None and batch_s is None
+                 and type(num_slices) is int and num_slices == 1 and not kwargs)
         kept = self._kept
-        if (kept is not None and output_subset is None and batch is None and batch_s is None
-                and type(num_slices) is int and num_slices == 1 and not kwargs
-                and kept.matches(args)):
+        if plain and kept is not None and kept.matches(args):
             rt = kept.rt
             # What runtime() checks that can change once a call was kept (a call
             # inside a call, close(), a profile) sends the call the long way.
             if rt is self._rt and not rt.closed and not rt.in_call and rt.profiler is None:
                 return kept.run()
-        return self._run(args, kwargs, output_subset, batch, batch_s, num_slices, None)
+        return self._run(args, kwargs, output_subset, batch, batch_s, num_slices, None, plain)
 
     def then_all_reduce(self, shared_vars, op, then, dtype=None):
         """Return a callable that runs this function, an all-reduce and ``then`` as one command.
@@ -255,7 +257,7 @@ class Function:
                             f"inputs; got {then!r}")
         reduce_ops.check_op(op, "then_all_reduce: op")
         if dtype is not None:
-            compressed.check(dtype, op, [], "then_all_reduce")
+            compressed.check_16bit(dtype, op, [], "then_all_reduce")
         return FusedCall(self, shared_vars, op, then, dtype)
 
     def plan_call(self, args, kwargs=None, output_subset=None, batch=None, batch_s=None,
@@ -291,7 +293,7 @@ class Function:
                 datas.append(v)
             elif spans and i < n_scattered and not isinstance(v, Data):
                 # Each machine will be sent only the rows its ranks use.
-                datas.append(call_inputs.Rows(call_inputs.as_array(name, self._all_inputs[i],
+                datas.append(call_inputs.Rows(call_inputs.input_array(name, self._all_inputs[i],
                                                                    v)))
             else:
                 datas.append(call_inputs.as_data(name, self._all_inputs[i], v, rt, self._scratch,
@@ -300,7 +302,7 @@ class Function:
         sel = None if batch is None else rank_rows.normalize_batch(batch)
         n_rows = call_inputs.check_lengths(name, spec.inputs, scattered, sel)
         if sel is not None:
-            sel = rank_rows.resolve(sel, call_inputs.common_length(scattered))
+            sel = rank_rows.resolve_selection(sel, call_inputs.common_length(scattered))
         plan = None
         if spans and any(type(d) is not Data for d in scattered):
             plan = place_call_inputs(rt, name, scattered, spec.inputs, sel, n_rows,
@@ -320,12 +322,13 @@ class Function:
                                       n_rows, sel_s, int(num_slices), subset, None, plan))
         return msg, [d.memory() for d in datas]
 
-    def _run(self, args, kwargs, output_subset, batch, batch_s, num_slices, then):
+    def _run(self, args, kwargs, output_subset, batch, batch_s, num_slices, then, plain=False):
         """Run this function on every rank as one CALL command; return its reduced outputs.
 
-        ``then``, if given, builds the ``ThenMsg`` of a fused step.  A call
-        with Data only and no options is kept (``KeptCall``): its repeats with
-        the same Data skip the checks, the pickling and the preparation.
+        ``then``, if given, builds the ``ThenMsg`` of a fused step.  A
+        ``plain`` call (no options: ``__call__``'s rule) with Data only is
+        kept (``KeptCall``): its repeats with the same Data skip the checks,
+        the pickling and the preparation.
         """
         rt = self.runtime()
         prof = rt.profiler
@@ -338,8 +341,7 @@ class Function:
                 msg = msg._replace(then=then(rt))
             spec = self.spec
             kept = None
-            if (then is None and msg.sel is None and msg.sel_s is None and msg.subset is None
-                    and msg.num_slices == 1 and not kwargs and len(args) == len(self._all_inputs)
+            if (plain and then is None and len(args) == len(self._all_inputs)
                     and all(type(a) is Data for a in args) and Share.reusable_for(spec, msg)):
                 old = self._kept
                 kept = KeptCall(self, rt, msg, arrays,
@@ -376,7 +378,7 @@ class FusedCall:
         idx, _ = resolve(rt, self.shared_vars, "then_all_reduce")
         if self.dtype is not None:
             shareds = rt.registry.shareds
-            compressed.check(self.dtype, self.op, [(shareds[i], shareds[i].dtype) for i in idx],
+            compressed.check_16bit(self.dtype, self.op, [(shareds[i], shareds[i].dtype) for i in idx],
                              "then_all_reduce")
         return ThenMsg(idx, self.op, self.then.spec.id, self.dtype)
 

@@ -235,24 +235,7 @@ class Share:
         if prof is not None:
             prof.lap("gather")
         num_slices = msg.num_slices
-        sliceable = spec.sliceable
-        shared_sel = None
-        if sliceable and (msg.sel_s is not None or num_slices > 1):
-            shared_sel = []
-            for s in sliceable:
-                value = s.get_value(borrow=True)
-                my = None if msg.sel_s is None else msg.sel_s[rank]
-                my = rank_rows.resolve(my, len(value))
-                length = rank_rows.selection_length(my, len(value))
-                if my is not None and rank_rows.rows_needed(my, len(value)) > len(value):
-                    raise IndexError(f"batch_s selects row {rank_rows.rows_needed(my, len(value)) - 1}"
-                                     f" but shared variable {s} has {len(value)} rows in rank {rank}")
-                shared_sel.append((value, my, length))
-            if rows is None:
-                rows = shared_sel[0][2]
-        elif sliceable and rows is None:
-            # Weigh "avg" by the shared rows used, as with batch_s.
-            rows = len(sliceable[0].get_value(borrow=True))
+        shared_sel, rows = _shared_rows(spec, msg, rank, rows)
         subset = msg.subset
         whole_empty = msg.n_scattered and msg.n_rows == 0 and rt.is_master
         if spec.collective:
@@ -264,8 +247,7 @@ class Share:
         elif rows == 0 and not whole_empty:
             results = None
         else:
-            rt.in_call = True
-            try:
+            with rt.calling():
                 if shared_sel is None and (num_slices == 1 or not msg.n_scattered):
                     if _trace:
                         trace.stamp(trace.SHARE_START)
@@ -280,8 +262,6 @@ class Share:
                     num_slices = max(1, min(num_slices, rows))
                     results = run_slices(spec, rt, arrays, msg.n_scattered, shared_sel,
                                          num_slices, out_idx)
-            finally:
-                rt.in_call = False
         if (rows != 0 or spec.collective) and spec.updates:
             _wait_device(spec)
         if prof is not None:
@@ -298,10 +278,34 @@ class Share:
         return results, weight
 
 
+def _shared_rows(spec, msg, rank, rows):
+    """This rank's rows of the sliceable shared variables: ``(selection or None, rows)``.
+
+    The selection lists ``(value, rows selected, length)`` per variable where
+    ``batch_s`` or slicing applies; ``rows`` becomes their length where the call
+    scatters no input (``avg`` weighs by the shared rows used).
+    """
+    sliceable = spec.sliceable
+    if not sliceable:
+        return None, rows
+    if msg.sel_s is None and msg.num_slices <= 1:
+        return None, len(sliceable[0].get_value(borrow=True)) if rows is None else rows
+    shared_sel = []
+    for s in sliceable:
+        value = s.get_value(borrow=True)
+        my = None if msg.sel_s is None else msg.sel_s[rank]
+        my = rank_rows.resolve_selection(my, len(value))
+        length = rank_rows.selection_length(my, len(value))
+        if my is not None and rank_rows.rows_needed(my, len(value)) > len(value):
+            raise IndexError(f"batch_s selects row {rank_rows.rows_needed(my, len(value)) - 1}"
+                             f" but shared variable {s} has {len(value)} rows in rank {rank}")
+        shared_sel.append((value, my, length))
+    return shared_sel, shared_sel[0][2] if rows is None else rows
+
+
 def _run_collective(spec, rt, arrays, msg, shared_sel, subset):
     """Run a graph holding in-graph collectives once, whatever this rank's rows."""
-    rt.in_call = True
-    try:
+    with rt.calling():
         if shared_sel is None:
             results = call_subset(spec.fn, arrays, subset)
         else:
@@ -310,8 +314,6 @@ def _run_collective(spec, rt, arrays, msg, shared_sel, subset):
         # JAX dispatches asynchronously: its collectives (host callbacks)
         # must run while this rank is still inside the call.
         _wait_device(spec, results)
-    finally:
-        rt.in_call = False
     # Another rank may still read this rank's buffers from the graph's last
     # collective; meet before anyone packs its results into them.
     rt.backend.settle()
@@ -333,11 +335,8 @@ def run_then(rt, then):
         prof.lap("collective")
     follow = rt.registry.functions[then.function_id].spec
     # in_call only where it changes no in-graph collective (those act alone in a follow-up).
-    rt.in_call = not follow.collective
-    try:
+    with rt.calling(not follow.collective):
         follow.fn()
-    finally:
-        rt.in_call = False
     if follow.updates:
         _wait_device(follow)
     if prof is not None:

@@ -1,6 +1,7 @@
 """Runtime: the one process-global state of synkhronos, in typed parts, and guards on it."""
 
 import collections
+import contextlib
 import functools
 import itertools
 import os
@@ -157,6 +158,20 @@ class Runtime:
         """Local indices of this machine's workers (every rank but the leader's)."""
         leader = self.place.leader
         return [r for r in range(self.place.n_local) if r != leader]
+
+    @contextlib.contextmanager
+    def calling(self, flag=True):
+        """Mark the runtime as inside a call's graph (``in_call``) for the ``with`` block.
+
+        A collective or a call made from inside one of the graph's Ops then raises
+        at once. The per-call hot paths set the flag by hand: a generator-based
+        context manager costs about a microsecond there.
+        """
+        self.in_call = flag
+        try:
+            yield
+        finally:
+            self.in_call = False
 
     def segment_name(self, tag):
         """Return a fresh segment name: the run's prefix, rank, counter, tag."""
