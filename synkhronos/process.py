@@ -18,7 +18,7 @@ from .inputs import mappings  # noqa: F401
 from .runtime import profiling  # noqa: F401
 from .runtime import devices, process_setup, shmem, trace, worker
 from .cluster import launch as mpi_launch
-from .cluster.rendezvous import join as join_cluster
+from .cluster.rendezvous import join_cluster
 from .runtime.commands import Command, handler
 from .comm import choose_backend, get_backend
 from .comm.base import Wiring

@@ -38,7 +38,7 @@ CELL_PAD_PX = 21
 INTERNAL = ["Function.attach", "Function.plan_call", "Function.runtime", "Function.forget_run",
             "Function.spec", "Data.describe", "Data.belongs_to", "Data.ready_for", "Data.memory",
             "Data.detach", "PlacedData.check_layout", "PlacedData.placed_on", "SaveMsg",
-            "LoadMsg", "OverlapMsg", "DistributeMsg", "compressed.check", "CallMsg",
+            "LoadMsg", "OverlapMsg", "DistributeMsg", "compressed.check_16bit", "CallMsg",
             "ProfileMsg", "LayoutMsg"]
 
 

@@ -17,7 +17,6 @@ for ``SYNK_HEARTBEAT_S``) is dropped the same way, and its routing id is
 banned: if it comes back it is told GONE and ends itself.
 """
 
-import hmac
 import logging
 import os
 import pickle
@@ -36,13 +35,14 @@ from ..functions.distribute import DistributeMsg
 from ..inputs.mappings import DataAllocMsg, DataSyncMsg
 from ..runtime.commands import Command, encode
 from ..runtime.liveness import deadline_check, no_check
-from ..runtime.run import run_command
 from .controller import Controller
-from .layout import Layout, LayoutMsg, set_layout
+from .layout import Layout, take_place
 from .link import CMD, CMD_HEAD, DATA, DONE, REPORT
 from .recovery import relayout
-from .sentinel import CONNECT_TIMEOUT_S, Heartbeats, heartbeat_limit_s
-from .elastic_node import PROOF_MSG, Welcome, join_as_node, proof_mac, survives_loss, zmq_socket
+from .sentinel import CONNECT_TIMEOUT_S, Heartbeats
+from .settings import heartbeat_limit_s, join_timeout_s
+from .auth import proves
+from .elastic_node import PROOF_MSG, Welcome, join_as_node, survives_loss, zmq_socket
 from .zlink import ACK, GONE, HELLO, MEMBERS, NONCE, PROOF, TAG, WELCOME, ZmqLink
 
 
@@ -61,7 +61,7 @@ class Joiner(NamedTuple):
 
 # -- the controller ---------------------------------------------------------------------------
 
-def join(rt, launch, tell_janitor, join_workers, pin):
+def join_elastic(rt, launch, tell_janitor, join_workers, pin):
     """``fork()`` of an elastic cluster: the controller returns the run's size; a node master serves."""
     if launch.rank != 0:
         join_as_node(rt, launch, join_workers, pin)  # never returns
@@ -103,11 +103,8 @@ def _start_controller(rt, launch):
     link = ZmqLink(sock, layout, 0, rt.config.spin_s, leaders)
     leaders.lost = link.lost
     leaders.regroup(0, 1, 0, 0, no_check)
-    run_command(rt, Command.LAYOUT, LayoutMsg(0, layout.n_parallel),
-                local=lambda seq: set_layout(rt, 0, layout.n_parallel))
-    controller = rt.peers = Controller(rt, link, heartbeats, [os.getpid()])
+    controller = take_place(rt, link, lambda: Controller(rt, link, heartbeats, [os.getpid()]))
     controller.door = link.members = Door(rt, controller, listener, store, launch.secret)
-    rt.backend.attach(link, controller.contributions)
     return controller
 
 
@@ -148,7 +145,7 @@ class Door:
             body = frames[1].bytes
             if len(body) == PROOF_MSG.size:
                 mac, n_local, pid, host = PROOF_MSG.unpack(body)
-                if hmac.compare_digest(mac, proof_mac(self.secret, nonce, ident)) and n_local >= 1:
+                if proves(self.secret, nonce, ident, mac) and n_local >= 1:
                     self.ready.append(Joiner(ident, n_local, pid,
                                              host.rstrip(b"\0").decode(errors="replace")))
                     return
@@ -159,7 +156,7 @@ class Door:
 
     def wait_for(self, n_machines, timeout_s=None):
         """Admit machines until the run has ``n_machines`` (``fork()`` with ``SYNK_MACHINES``)."""
-        timeout_s = timeout_s or float(os.environ.get("SYNK_JOIN_TIMEOUT_S", "600"))
+        timeout_s = timeout_s or join_timeout_s()
         check = deadline_check(timeout_s, f"fork: {n_machines} machines were expected "
                                f"(SYNK_MACHINES) and not all joined within {timeout_s:g} s")
         while self.controller.layout.n_machines < n_machines:

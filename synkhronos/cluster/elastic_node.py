@@ -7,8 +7,6 @@ takes the controller's MEMBERS, answers, and builds the new gloo group.  The
 messages both sides share are defined here.
 """
 
-import hashlib
-import hmac
 import logging
 import os
 import pickle
@@ -23,13 +21,13 @@ import zmq
 
 from ..comm.gloo_leaders import GROUP_TIMEOUT_S, GlooLeaders, import_torch
 from ..errors import SynkError
-from ..runtime.commands import Command
 from ..runtime.liveness import deadline_check, no_check
-from ..runtime.run import run_command
-from .layout import Layout, LayoutMsg, set_layout
+from .layout import Layout, take_place
 from .node import NodeMaster, serve
 from .doorbell import Doorbell
+from .auth import mac
 from .sentinel import CONNECT_TIMEOUT_S, send_address, start_sentinel
+from .settings import ends_on_machine_loss, join_timeout_s
 from .zlink import ACK, GONE, HELLO, MEMBERS, NONCE, PROOF, TAG, WELCOME, ZmqLink
 
 logger = logging.getLogger(__name__)
@@ -50,19 +48,8 @@ class Welcome(NamedTuple):
     members: int
 
 
-class Joiner(NamedTuple):
-    ident: bytes
-    n_local: int
-    pid: int
-    host: str
-
-
-def proof_mac(secret, nonce, ident):
-    return hmac.new(secret, nonce + ident, hashlib.sha256).digest()
-
-
 def survives_loss():
-    return os.environ.get("SYNK_ON_MACHINE_LOSS", "continue") != "end"
+    return not ends_on_machine_loss()
 
 
 def zmq_socket(ctx, kind):
@@ -138,9 +125,9 @@ def join_as_node(rt, launch, join_workers, pin):
         sock.send_multipart([TAG.pack(HELLO), b""])
         nonce = _expect(sock, NONCE, CONNECT_TIMEOUT_S, "answer")
         sock.send_multipart([TAG.pack(PROOF), PROOF_MSG.pack(
-            proof_mac(launch.secret, nonce, ident), rt.place.n_local, os.getpid(),
+            mac(launch.secret, nonce, ident), rt.place.n_local, os.getpid(),
             socket.gethostname().encode()[:64])])
-        timeout_s = float(os.environ.get("SYNK_JOIN_TIMEOUT_S", "600"))
+        timeout_s = join_timeout_s()
         welcome = Welcome(*pickle.loads(_expect(sock, WELCOME, timeout_s, "admit this machine")))
         send_address(sentinel_fd, launch.host, welcome.liveness_port, welcome.member,
                      launch.secret, remote=True)
@@ -156,12 +143,7 @@ def join_as_node(rt, launch, join_workers, pin):
     except BaseException:
         rt.abandon(rt, "could not join the controller")
         raise
-    offset = layout.offsets[welcome.machine]
-    run_command(rt, Command.LAYOUT, LayoutMsg(offset, layout.n_parallel),
-                local=lambda seq: set_layout(rt, offset, layout.n_parallel))
-    node = rt.peers = NodeMaster(rt, link, sentinel, Doorbell(bell))
-    rt.registry.datas = {}  # segments mapped here, as in a worker
-    rt.backend.attach(link, None)
+    node = take_place(rt, link, lambda: NodeMaster(rt, link, sentinel, Doorbell(bell)))
     pin()
     logger.info("joined the controller at %s:%d as %s", launch.host, launch.port,
                 layout.describe(welcome.machine))

@@ -4,6 +4,7 @@ import socket
 from typing import NamedTuple
 
 from ..runtime.commands import Command, handler
+from ..runtime.run import run_command
 from ..runtime.state import require_forked, serialized
 
 
@@ -61,7 +62,13 @@ class Layout:
         raise ValueError(f"rank {rank} is not in the run's {self.n_parallel} ranks")
 
     def describe(self, machine):
-        """Return ``machine`` in words: its number, host name and ranks."""
+        """Return ``machine`` in words: its number, host name and ranks.
+
+        A machine past the layout (one that was joining when it failed) is
+        named by its number alone: this runs on error paths too.
+        """
+        if not 0 <= machine < self.n_machines:
+            return f"machine {machine} (joining)"
         r = self.ranks(machine)
         return f"machine {machine} ({self.hosts[machine]}, ranks {r.start}..{r.stop - 1})"
 
@@ -142,3 +149,25 @@ def on_machines(callback):
     if not callable(callback):
         raise TypeError(f"on_machines: callback must be callable; got {callback!r}")
     require_forked("on_machines()").peers.watch(callback)
+
+
+def take_place(rt, link, make_peers):
+    """This machine's last step of joining, on every carrier: number its ranks, set its Peers.
+
+    The same for a cluster under MPI (``join_cluster``) and for machines that
+    come and go (``elastic``, ``elastic_node``): the LAYOUT command numbers
+    the machine's ranks from ``link.layout``, ``make_peers()`` (a Controller
+    on machine 0, a NodeMaster elsewhere) becomes ``rt.peers``, and the
+    backend's leader sends through ``link``.  Returns the Peers.
+    """
+    layout = link.layout
+    offset = layout.offsets[link.node]
+    run_command(rt, Command.LAYOUT, LayoutMsg(offset, layout.n_parallel),
+                local=lambda seq: set_layout(rt, offset, layout.n_parallel))
+    peers = rt.peers = make_peers()
+    if link.node == 0:
+        rt.backend.attach(link, peers.contributions)
+    else:
+        rt.registry.datas = {}  # segments mapped here, as in a worker (Data objects live in the controller)
+        rt.backend.attach(link, None)
+    return peers

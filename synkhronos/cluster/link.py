@@ -7,7 +7,7 @@ whose machines come and go, cluster/elastic.py).
 
 Commands, reports, aborts and Data writes travel as point-to-point messages
 on the job's communicator, by tag; collectives between machines run on the
-leaders' own communicator (``comm.mpi_leaders.Leaders``), which an aborted
+leaders' own communicator (``comm.mpi_leaders.MpiLeaders``), which an aborted
 command makes every leader replace (``renew``).  Every wait here is a loop
 over ``Improbe`` or ``Test`` that keeps calling a liveness check, so none
 waits without a bound.  Messages are pickled with large buffers out of band
@@ -18,8 +18,10 @@ import os
 import pickle
 import struct
 import time
+from abc import ABC, abstractmethod
 
-from ..comm.mpi_leaders import Leaders
+from ..comm.leaders import pooled
+from ..comm.mpi_leaders import MpiLeaders
 from ..errors import MachineLostError, SynkError
 from ..runtime.liveness import CHECK_EVERY_S, spin_until, wait_until
 from . import recovery
@@ -32,20 +34,62 @@ REPORTS = (DONE, OUTPUTS, REPORT)  # what a node master sends the controller, mo
 CMD_HEAD = struct.Struct("qq")  # a forwarded command opens with (its number, the leaders' generation)
 INBAND_BYTES = 1 << 16   # smaller buffers travel inside the pickle
 POOL_BYTES = 1 << 16     # received buffers this large are reused (Link._buffer)
-POOL_MAX = 64
 YIELD_SPIN_S = 2e-3  # where cores are shared, how long a wait polls (yielding) before sleeping
 
 
-class LinkBase:
-    """What every link has: pickled messages over ``send_bytes``/``probe``/``receive``, and waits.
+class LinkBase(ABC):
+    """The link between machines: pickled messages over a carrier's bytes, and bounded waits.
 
-    A carrier defines ``send_bytes``, ``probe``, ``receive``, ``complete_sends``,
-    ``retire_sends``, ``begin``, ``renew``, ``lost``, ``survives``, ``shrink``
-    and ``finish``; ``layout``, ``node``, ``others``, ``seq``, ``spin_s`` and
-    ``leaders`` (the leaders' collectives) are its attributes.
+    A carrier (``Link`` over MPI, ``zlink.ZmqLink`` over ZeroMQ) implements the
+    abstract methods below; ``layout``, ``node``, ``others``, ``seq``, ``spin_s``
+    and ``leaders`` (its ``comm.leaders.Leaders``) are its attributes.
     """
 
     pool: dict
+
+    @abstractmethod
+    def send_bytes(self, dest, tag, buf):
+        """Send ``buf`` to machine ``dest`` under ``tag`` (completed by ``complete_sends``)."""
+
+    @abstractmethod
+    def probe(self, src, tag):
+        """``(message, size in bytes)`` of a message from ``src`` with ``tag`` that arrived, or None."""
+
+    @abstractmethod
+    def receive(self, message, buf, src):
+        """Receive a probed ``message`` from ``src`` into ``buf`` (its size)."""
+
+    @abstractmethod
+    def complete_sends(self, check):
+        """Return once every send so far has left this process (``check`` while waiting)."""
+
+    @abstractmethod
+    def retire_sends(self):
+        """Forget the sends that completed."""
+
+    @abstractmethod
+    def begin(self, seq):
+        """Command ``seq`` starts."""
+
+    @abstractmethod
+    def renew(self, gen):
+        """Every leader leaves the leaders' collectives' current generation for ``gen``."""
+
+    @abstractmethod
+    def lost(self, exc, machine=None):
+        """The error to raise for a carrier failure ``exc`` (a machine lost)."""
+
+    @abstractmethod
+    def survives(self):
+        """Whether the carrier lets the run go on after a machine is lost."""
+
+    @abstractmethod
+    def shrink(self, done_seq, lost=None):
+        """Go on with the machines left after a loss; ``done_seq``: the last command finished."""
+
+    @abstractmethod
+    def finish(self):
+        """At the run's end: release the carrier."""
 
     def send(self, dest, tag, obj):
         """Send ``obj`` (pickled; large buffers out of band, not copied) to machine ``dest``."""
@@ -80,39 +124,8 @@ class LinkBase:
         return box[0]
 
     def wait(self, pred, check, doorbell=None):
-        """Return once ``pred()`` is true, calling ``check``.
-
-        Where cores are shared (``spin_s`` 0) a wait sleeps between polls, and
-        each sleep delays the peer's next message by as much: first poll for
-        a while, yielding the core to whoever runs beside this process.  With
-        a ``doorbell`` (doorbell.Doorbell, a node master between commands), a
-        wait that spun in vain blocks on it instead of sleeping: the
-        controller rings it before the message comes.
-        """
-        spin = pred
-        if self.spin_s == 0:
-            def spin():
-                os.sched_yield()
-                return pred()
-            if spin_until(spin, check, YIELD_SPIN_S):
-                return
-        if doorbell is None:
-            wait_until(pred, check, self.spin_s)
-            return
-        if spin_until(pred, check, self.spin_s):
-            return
-        next_check = time.perf_counter() + CHECK_EVERY_S
-        while True:
-            if doorbell.wait(CHECK_EVERY_S):
-                # Rung: the message follows within microseconds.
-                if spin_until(spin, check, YIELD_SPIN_S):
-                    return
-            elif pred():
-                return
-            now = time.perf_counter()
-            if now > next_check:
-                check()
-                next_check = now + CHECK_EVERY_S
+        """Return once ``pred()`` is true, calling ``check`` (``wait_for`` at this link's spin)."""
+        wait_for(pred, check, self.spin_s, doorbell)
 
     def recv_bytes(self, src, tag, check, slot=None, doorbell=None):
         """Receive one message's bytes (into a kept buffer when ``slot`` is given).
@@ -133,13 +146,7 @@ class LinkBase:
         """
         if slot is None or n < POOL_BYTES:
             return bytearray(n)
-        key = (src, slot, n)
-        buf = self.pool.get(key)
-        if buf is None:
-            if len(self.pool) >= POOL_MAX:
-                self.pool.clear()
-            buf = self.pool[key] = bytearray(n)
-        return buf
+        return pooled(self.pool, (src, slot), n)
 
     def recv_into(self, src, tag, buf, check):
         """Receive raw bytes from machine ``src`` into ``buf`` (a writable buffer of their size)."""
@@ -182,7 +189,7 @@ class Link(LinkBase):
         self.orphans = []      # (request, buffer) of sends an aborted command left behind
         self.pool = {}         # reused receive buffers
         self.graveyard = []    # (communicator, sends) given up after a machine was lost
-        self.leaders = Leaders(mpi, comm, spin_s, self.lost)
+        self.leaders = MpiLeaders(mpi, comm, spin_s, self.lost)
         self.status = mpi.Status()  # reused by probes: a message's size and tag
 
     def begin(self, seq):
@@ -329,3 +336,39 @@ def _inband(buf, out):
         return True
     out.append(buf)
     return False
+
+
+def wait_for(pred, check, spin_s, doorbell=None):
+    """Return once ``pred()`` is true, calling ``check``: every link's wait for a message.
+
+    Where cores are shared (``spin_s`` 0) a wait sleeps between polls, and
+    each sleep delays the peer's next message by as much: first poll for
+    a while, yielding the core to whoever runs beside this process.  With
+    a ``doorbell`` (doorbell.Doorbell, a node master between commands), a
+    wait that spun in vain blocks on it instead of sleeping: the
+    controller rings it before the message comes.
+    """
+    spin = pred
+    if spin_s == 0:
+        def spin():
+            os.sched_yield()
+            return pred()
+        if spin_until(spin, check, YIELD_SPIN_S):
+            return
+    if doorbell is None:
+        wait_until(pred, check, spin_s)
+        return
+    if spin_until(pred, check, spin_s):
+        return
+    next_check = time.perf_counter() + CHECK_EVERY_S
+    while True:
+        if doorbell.wait(CHECK_EVERY_S):
+            # Rung: the message follows within microseconds.
+            if spin_until(spin, check, YIELD_SPIN_S):
+                return
+        elif pred():
+            return
+        now = time.perf_counter()
+        if now > next_check:
+            check()
+            next_check = now + CHECK_EVERY_S

@@ -12,6 +12,7 @@ import os
 import signal
 import struct
 
+from ..runtime.control import DECODE_CACHE_BYTES, DECODE_CACHE_SIZE
 from ..runtime.commands import COMMANDS, decode
 from ..runtime.run import run_command
 from ..errors import rank_header
@@ -28,8 +29,6 @@ from .reports import NodeReport, pack_outputs
 logger = logging.getLogger(__name__)
 
 FINALIZE_S = 10
-DECODE_CACHE_BYTES = 1024  # commands this short are kept decoded (keyed by their bytes)
-DECODE_CACHE_SIZE = 256
 ENDED_FINALIZE_S = 2.0  # after the sentinel ended this machine (its grace is END_GRACE_S, 3 s)
 
 

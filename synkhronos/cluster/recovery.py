@@ -27,6 +27,7 @@ from ..errors import SynkError
 from ..runtime.liveness import wait_until
 from .launch import lost_a_process
 from .layout import Layout, LayoutMsg, set_layout
+from .settings import ends_on_machine_loss
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def ulfm_enabled(mpi):
 
 def going_on(mpi):
     """Whether this run goes on after losing a machine (ULFM, and not SYNK_ON_MACHINE_LOSS=end)."""
-    return os.environ.get("SYNK_ON_MACHINE_LOSS", "continue") != "end" and ulfm_enabled(mpi)
+    return not ends_on_machine_loss() and ulfm_enabled(mpi)
 
 
 def shrink(link, done_seq):

@@ -11,23 +11,23 @@ import struct
 
 import numpy as np
 
-from ..runtime.commands import Command
-from ..runtime.run import run_command
 from ..errors import SynkError
 from ..runtime.liveness import deadline_check, wait_until
 from .controller import Controller
 from .elastic_env import Elastic
 from .launch import init_mpi, mpi_segments, placement_problem
-from .layout import Layout, LayoutMsg, set_layout
+from .layout import Layout, take_place
 from .link import Link
 from .node import NodeMaster, serve
 from .doorbell import Doorbell
-from .sentinel import CONNECT_TIMEOUT_S, Heartbeats, new_secret, send_address, start_sentinel
+from .auth import new_secret
+from .settings import controller_host
+from .sentinel import CONNECT_TIMEOUT_S, Heartbeats, send_address, start_sentinel
 
 logger = logging.getLogger(__name__)
 
 
-def join(rt, launch, tell_janitor, join_workers, pin):
+def join_cluster(rt, launch, tell_janitor, join_workers, pin):
     """Start MPI and join the other machines; return the run's size (controller only).
 
     Args:
@@ -39,7 +39,7 @@ def join(rt, launch, tell_janitor, join_workers, pin):
     """
     if isinstance(launch, Elastic):
         from . import elastic  # ZeroMQ and torch: only where machines come and go
-        return elastic.join(rt, launch, tell_janitor, join_workers, pin)
+        return elastic.join_elastic(rt, launch, tell_janitor, join_workers, pin)
     sentinel, sentinel_fd, bell = None, None, None
     if launch.rank != 0:
         sentinel, sentinel_fd, bell = start_sentinel(close_fds=[rt.processes.janitor.fd])
@@ -53,16 +53,10 @@ def join(rt, launch, tell_janitor, join_workers, pin):
         rt.abandon(rt, "the cluster could not be set up")
         raise
     layout = link.layout
-    offset = layout.offsets[link.node]
-    run_command(rt, Command.LAYOUT, LayoutMsg(offset, layout.n_parallel),
-                local=lambda seq: set_layout(rt, offset, layout.n_parallel))
     if link.node == 0:
-        rt.peers = Controller(rt, link, heartbeats, pids)
-        rt.backend.attach(link, rt.peers.contributions)
+        take_place(rt, link, lambda: Controller(rt, link, heartbeats, pids))
     else:
-        node = rt.peers = NodeMaster(rt, link, sentinel, Doorbell(bell))
-        rt.registry.datas = {}  # segments mapped here, as in a worker (Data objects live in the controller)
-        rt.backend.attach(link, None)
+        node = take_place(rt, link, lambda: NodeMaster(rt, link, sentinel, Doorbell(bell)))
     pin()
     if link.node != 0:
         serve(rt, node, join_workers)  # never returns
@@ -140,7 +134,7 @@ def _listen_address(hosts):
     port listen on every interface; it admits only sentinels that prove the
     job's secret in any case.
     """
-    named = os.environ.get("SYNK_CONTROLLER_HOST")
+    named = controller_host()
     if not named and all(h == hosts[0] for h in hosts):
         return "127.0.0.1", "127.0.0.1"
     name = named or socket.gethostname()

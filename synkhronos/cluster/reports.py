@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-HEAD = struct.Struct("qq")         # the command's number, the entries
+REPORT_HEAD = struct.Struct("qq")         # the command's number, the entries
 ENTRY = struct.Struct("qdq")       # global rank, weight, arrays
 ARRAY = struct.Struct("8sqq")      # dtype.str, ndim, bytes (each array's data padded to 8)
 PACKED_MAX_BYTES = 1 << 16         # contributions larger than this travel pickled
@@ -47,7 +47,7 @@ def pack_outputs(seq, contributions):
     Packs plain arrays of fixed-size dtypes whose data add up to at most
     ``PACKED_MAX_BYTES``; weights travel as float64.
     """
-    parts = [HEAD.pack(seq, len(contributions))]
+    parts = [REPORT_HEAD.pack(seq, len(contributions))]
     total = 0
     for entry in contributions:
         rank, arrays, weight = entry
@@ -73,8 +73,8 @@ def pack_outputs(seq, contributions):
 
 def unpack_outputs(buf):
     """The ``NodeReport`` of success that ``pack_outputs`` made; arrays are views of ``buf``."""
-    seq, n_entries = HEAD.unpack_from(buf, 0)
-    at = HEAD.size
+    seq, n_entries = REPORT_HEAD.unpack_from(buf, 0)
+    at = REPORT_HEAD.size
     contributions = []
     for _ in range(n_entries):
         rank, weight, n_arrays = ENTRY.unpack_from(buf, at)

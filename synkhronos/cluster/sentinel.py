@@ -11,8 +11,6 @@ ends every machine. The same connection rings an idle node master's doorbell (do
 ends of this one connection live here, hence over 400 lines.
 """
 
-import hashlib
-import hmac
 import logging
 import os
 import pickle
@@ -26,23 +24,18 @@ import time
 
 from ..errors import MachineLostError, SynkError, WorkerStalledError
 from ..runtime.liveness import proc_start_time, proc_state, stop_process
+from .auth import NONCE_BYTES, mac, proves, recv_exact
 from .doorbell import RING, make_pipe, ring
 from .launch import close_launcher_fds, parent_and_name
+from .settings import heartbeat_limit_s
 
 logger = logging.getLogger(__name__)
 
 BEAT_S = 0.2
-NONCE_BYTES = 32
-SECRET_BYTES = 32
 _ANSWER = struct.Struct("q32s")  # machine, HMAC-SHA256(secret, nonce + machine)
 CONNECT_TIMEOUT_S = 60.0
 END_GRACE_S = 3.0
 SENTINEL_LIMIT = 1.5  # a sentinel ends its machine after this many SYNK_HEARTBEAT_S of silence
-
-
-def heartbeat_limit_s():
-    """Seconds of silence after which a node master counts as stopped (``SYNK_HEARTBEAT_S``)."""
-    return float(os.environ.get("SYNK_HEARTBEAT_S", "5"))
 
 
 def start_sentinel(close_fds=()):
@@ -78,11 +71,6 @@ def start_sentinel(close_fds=()):
     return pid, write_fd, bell_r
 
 
-def new_secret():
-    """A fresh per-job secret: sent to the node masters over MPI, never over the liveness port."""
-    return secrets.token_bytes(SECRET_BYTES)
-
-
 def send_address(fd, host, port, node, secret, remote):
     """Node master: tell its sentinel where the controller listens, which machine it is,
     the job's secret, and whether the controller runs on another host (through a pipe
@@ -113,18 +101,14 @@ def launcher_daemon(pid):
     return ppid, proc_start_time(ppid)
 
 
-def _mac(secret, nonce, node):
-    return hmac.new(secret, nonce + struct.pack("q", node), hashlib.sha256).digest()
-
-
 def prove(sock, node, secret):
     """Sentinel: answer the controller's challenge, proving it belongs to this job.
 
     The controller sends a fresh nonce; the answer is the machine's number and an HMAC of the
     nonce under the job's secret (the secret never crosses the socket; a replay fails).
     """
-    nonce = _recv_exact(sock, NONCE_BYTES)
-    sock.sendall(_ANSWER.pack(node, _mac(secret, nonce, node)))
+    nonce = recv_exact(sock, NONCE_BYTES)
+    sock.sendall(_ANSWER.pack(node, mac(secret, nonce, struct.pack("q", node))))
 
 
 def _sentinel_main(parent, read_fd, bell):
@@ -293,10 +277,10 @@ class Heartbeats:
             pending[sock] = (nonce, got)
             return
         del pending[sock]
-        node, mac = _ANSWER.unpack(got) if len(got) == _ANSWER.size else (None, None)
+        node, answer = _ANSWER.unpack(got) if len(got) == _ANSWER.size else (None, None)
         machine = expected.get(node)
         if machine is None or machine in self.socks \
-                or not hmac.compare_digest(mac, _mac(self.secret, nonce, node)):
+                or not proves(self.secret, nonce, struct.pack("q", node), answer):
             logger.warning("liveness port: dropped a connection that did not prove it "
                            "belongs to this job")
             sock.close()
@@ -415,13 +399,3 @@ class Heartbeats:
                 sock.close()
             self.socks = {}
             self.last_beat = {}
-
-
-def _recv_exact(sock, n):
-    out = b""
-    while len(out) < n:
-        got = sock.recv(n - len(out))
-        if not got:
-            raise OSError("connection closed")
-        out += got
-    return out

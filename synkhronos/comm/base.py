@@ -270,7 +270,7 @@ class Backend(ABC):
                 or any(reduce_ops.result_dtype(o, a.dtype) != a.dtype
                        for o, a in zip(ops, arrays))):
             return None
-        return parts.plan(arrays, self.n_parallel)
+        return parts.byte_parts(arrays, self.n_parallel)
 
     def _check_scatter(self, per_rank):
         """Raise ValueError unless ``per_rank`` has one equally long list per rank."""

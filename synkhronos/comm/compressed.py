@@ -2,7 +2,7 @@
 
 Built on any backend's ``all_to_all`` and ``all_gather``, so every host
 backend gets it.  The arrays' elements are split into one part per rank
-(``parts.plan``), then:
+(``parts.byte_parts``), then:
 
 1. reduce-scatter: every rank casts its values down once and sends each
    other rank only that rank's part (``all_to_all``), 2 bytes a value, after
@@ -51,7 +51,7 @@ def small_dtype(name):
     return np.dtype(ml_dtypes.bfloat16)
 
 
-def check(dtype, op, arrays_dtypes, where):
+def check_16bit(dtype, op, arrays_dtypes, where):
     """Raise ValueError or TypeError unless a compressed all-reduce can do this."""
     if dtype not in DTYPES:
         raise ValueError(f"{where}: dtype must be None, 'bfloat16' or 'float16'; got {dtype!r}")
@@ -62,7 +62,7 @@ def check(dtype, op, arrays_dtypes, where):
             raise TypeError(f"{where}: dtype={dtype!r} compresses floats; {name} is {dt}")
 
 
-def all_reduce(backend, arrays, op, dtype, out=None):
+def all_reduce_16bit(backend, arrays, op, dtype, out=None):
     """Sum (``op`` "sum") or average ("avg") ``arrays`` over the ranks in 16-bit transport.
 
     Every rank calls it, inside a command, with arrays of the same shapes.
@@ -85,7 +85,7 @@ def all_reduce(backend, arrays, op, dtype, out=None):
     scales = _scales(backend, k, flats, dtype)
     sent = [k.down(f, np.float32(s), _buffer("sent", i, f.size))
             for i, (f, s) in enumerate(zip(flats, scales))]
-    plan = parts.plan(sent, n)
+    plan = parts.byte_parts(sent, n)
     # 1. Reduce-scatter: each rank gets only its part of every rank's values,
     # after the shapes they belong to (checked before any part is read).
     shapes = np.array([len(arrays)] + [d for a in arrays for d in (a.ndim, *a.shape)], np.int64)

@@ -1,6 +1,6 @@
 """The leaders' collectives over gloo (``torch.distributed``): the carrier that outlives a lost machine.
 
-Same interface as ``mpi_leaders.Leaders`` (the MPI carrier), so the backend
+The same contract as ``mpi_leaders.MpiLeaders`` (``leaders.Leaders``), so the backend
 (mpi_backend.py) and the reductions (mpi_reduce.py) run on either.  gloo's
 collectives run on its own threads; every wait here polls the work and
 calls the liveness check, so none is unbounded.  A pending collective whose
@@ -26,7 +26,7 @@ import numpy as np
 
 from ..errors import BackendUnavailableError, SynkError
 from ..runtime.liveness import spin_until, wait_until
-from .mpi_leaders import HEAD, c_order, dump, load, nbytes_of, pooled
+from .leaders import BROADCAST_HEAD, Leaders, c_order, dumps, loads, nbytes_of, pooled
 
 GLOO_TIMEOUT_S = 60.0   # frees gloo's threads from a collective whose peer went silent
 GROUP_TIMEOUT_S = 60.0  # every member builds the new group within this
@@ -51,7 +51,7 @@ def import_torch():
     return torch, dist
 
 
-class GlooLeaders:
+class GlooLeaders(Leaders):
     """This leader's collectives with the other machines' leaders, over a gloo process group.
 
     Args:
@@ -227,13 +227,13 @@ class GlooLeaders:
 
     def broadcast(self, arrays, root, check):
         """The ``root`` machine's arrays on every leader (views of kept buffers off the root)."""
-        head = self.buffer("bh", HEAD)
+        head = self.buffer("bh", BROADCAST_HEAD)
         if self.rank == root:
             arrays = [c_order(a) for a in arrays]
             meta = pickle.dumps([(a.dtype.str, a.shape) for a in arrays], protocol=5)
             blob = np.frombuffer(meta, np.uint8)
             struct.pack_into("q", head, 0, len(meta))
-            fits = 8 + len(meta) <= HEAD
+            fits = 8 + len(meta) <= BROADCAST_HEAD
             if fits:
                 head[8:8 + len(meta)] = blob
             self._bcast(head, root, check)
@@ -246,7 +246,7 @@ class GlooLeaders:
             return arrays
         self._bcast(head, root, check)
         n_meta = struct.unpack_from("q", head)[0]
-        if 8 + n_meta <= HEAD:
+        if 8 + n_meta <= BROADCAST_HEAD:
             meta = bytes(head[8:8 + n_meta])
         else:
             buf = self.buffer("bm", n_meta)
@@ -262,13 +262,13 @@ class GlooLeaders:
 
     def all_gather(self, obj, check):
         """Every leader's ``obj`` (arrays, lists, None...), in machine order."""
-        mine = dump(obj)
+        mine = dumps(obj)
         sizes = self.all_gather_fixed(np.array([mine.nbytes], np.int64).view(np.uint8), check)
         counts = [int(c) for c in sizes.copy().view(np.int64).reshape(-1)]
         padded = np.zeros(max(counts), np.uint8)
         padded[:mine.nbytes] = mine
         every = self.all_gather_fixed(padded, check)
-        return [load(every[m, :c]) for m, c in enumerate(counts)]
+        return [loads(every[m, :c]) for m, c in enumerate(counts)]
 
     def gather(self, obj, root, check):
         """Every leader's ``obj`` at the ``root`` machine (None elsewhere); gloo's all-gather."""
@@ -277,8 +277,8 @@ class GlooLeaders:
 
     def scatter(self, objs, root, check):
         """Machine m's entry of the root's ``objs`` (one per machine), on every leader."""
-        got = self.broadcast([dump(objs)] if self.rank == root else None, root, check)
-        return load(got[0])[self.rank]
+        got = self.broadcast([dumps(objs)] if self.rank == root else None, root, check)
+        return loads(got[0])[self.rank]
 
 
 def _no_check():

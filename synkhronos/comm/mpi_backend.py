@@ -18,7 +18,7 @@ from . import reduce_ops
 from ..errors import SynkError
 from . import parts
 from .base import Backend, as_arrays
-from .mpi_leaders import PACK_BYTES
+from .leaders import PACK_BYTES
 from .mpi_reduce import reduce_across
 from .mpi_small import Ballot, SmallPlan, eligible
 from .mpi_small import voters as ballot_voters

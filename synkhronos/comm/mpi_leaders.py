@@ -30,10 +30,8 @@ import numpy as np
 
 from ..errors import SynkError
 from ..runtime.liveness import deadline_check, spin_until, wait_until
+from .leaders import BROADCAST_HEAD, Leaders, c_order, dumps, loads, nbytes_of, pooled
 
-HEAD = 512          # a broadcast's first message: its arrays' layout, and the arrays if they fit
-PACK_BYTES = 1 << 16  # smaller arrays of one (op, dtype) travel packed in one collective
-POOL_MAX = 64
 START_TIMEOUT_S = 60.0
 MPI_SPIN_S = 1.0    # how long a leader polls a collective without sleeping
 # Dtype kinds MPI reduces exactly as NumPy does, per op.  Float max/min are left to
@@ -51,21 +49,7 @@ def mpi_reduces(op, dtype):
 
 
 
-def pooled(pool, slot, nbytes):
-    """The byte buffer kept in ``pool`` (a dict) for ``(slot, nbytes)``; made if missing.
-
-    A leaders' carrier keeps its buffers across collectives; at ``POOL_MAX``
-    the pool starts afresh (buffers of pending collectives are held by them).
-    """
-    key = (slot, nbytes)
-    buf = pool.get(key)
-    if buf is None:
-        if len(pool) >= POOL_MAX:
-            pool.clear()
-        buf = pool[key] = np.empty(nbytes, np.uint8)
-    return buf
-
-class Leaders:
+class MpiLeaders(Leaders):
     """This leader's collectives with the other machines' leaders.
 
     Args:
@@ -225,22 +209,22 @@ class Leaders:
 
     def broadcast(self, arrays, root, check):
         """The ``root`` machine's arrays on every leader (views of kept buffers off the root)."""
-        head = self.buffer("bh", HEAD)
+        head = self.buffer("bh", BROADCAST_HEAD)
         me = self.rank
         if me == root:
             arrays = [c_order(a) for a in arrays]
             meta = pickle.dumps([(a.dtype.str, a.shape) for a in arrays], protocol=5)
             total = sum(a.nbytes for a in arrays)
-            inline = 16 + len(meta) + total <= HEAD
+            inline = 16 + len(meta) + total <= BROADCAST_HEAD
             struct.pack_into("qq", head, 0, len(meta), inline)
-            if 16 + len(meta) <= HEAD:
+            if 16 + len(meta) <= BROADCAST_HEAD:
                 head[16:16 + len(meta)] = np.frombuffer(meta, np.uint8)
             if inline:
                 _pack_into(head, 16 + len(meta), arrays)
 
             def start(comm):
                 reqs = [comm.Ibcast(head, root)]
-                if 16 + len(meta) > HEAD:
+                if 16 + len(meta) > BROADCAST_HEAD:
                     reqs.append(comm.Ibcast(np.frombuffer(meta, np.uint8), root))
                 if not inline:
                     reqs += [comm.Ibcast(a.reshape(-1).view(np.uint8), root)
@@ -250,7 +234,7 @@ class Leaders:
             return arrays
         self._run(check, lambda comm: ([comm.Ibcast(head, root)], [head]))
         n_meta, inline = struct.unpack_from("qq", head)
-        if 16 + n_meta <= HEAD:
+        if 16 + n_meta <= BROADCAST_HEAD:
             meta = bytes(head[16:16 + n_meta])
         else:
             buf = self.buffer("bm", n_meta)
@@ -266,7 +250,7 @@ class Leaders:
 
     def all_gather(self, obj, check):
         """Every leader's ``obj`` (arrays, lists, None...), in machine order."""
-        mine = dump(obj)
+        mine = dumps(obj)
         sizes = self.buffer("as", 8 * self.size).view(np.int64)
         self._run(check, lambda comm: (
             [comm.Iallgather(np.array([mine.nbytes], np.int64), sizes)], [sizes]))
@@ -275,12 +259,12 @@ class Leaders:
         displs = np.cumsum([0] + counts[:-1]).tolist()
         self._run(check, lambda comm: (
             [comm.Iallgatherv(mine, [got, counts, displs, self.MPI.BYTE])], [mine, got]))
-        return [load(got[d:d + c]) for d, c in zip(displs, counts)]
+        return [loads(got[d:d + c]) for d, c in zip(displs, counts)]
 
     def gather(self, obj, root, check):
         """Every leader's ``obj`` at the ``root`` machine (None elsewhere)."""
         MPI = self.MPI
-        mine = dump(obj)
+        mine = dumps(obj)
         me_root = self.rank == root
         sizes = self.buffer("gs", 8 * self.size).view(np.int64)
         self._run(check, lambda comm: (
@@ -294,7 +278,7 @@ class Leaders:
         displs = np.cumsum([0] + counts[:-1]).tolist()
         self._run(check, lambda comm: (
             [comm.Igatherv(mine, [got, counts, displs, MPI.BYTE], root)], [mine, got]))
-        return [load(got[d:d + c]) for d, c in zip(displs, counts)]
+        return [loads(got[d:d + c]) for d, c in zip(displs, counts)]
 
     def scatter(self, objs, root, check):
         """Machine m's entry of the root's ``objs`` (one per machine), on every leader."""
@@ -302,7 +286,7 @@ class Leaders:
         me_root = self.rank == root
         size = self.buffer("ss", 8).view(np.int64)
         if me_root:
-            msgs = [dump(o) for o in objs]
+            msgs = [dumps(o) for o in objs]
             counts = [m.nbytes for m in msgs]
             whole = np.concatenate(msgs) if msgs else np.empty(0, np.uint8)
             displs = np.cumsum([0] + counts[:-1]).tolist()
@@ -316,17 +300,13 @@ class Leaders:
                 [comm.Iscatterv([whole, counts, displs, MPI.BYTE], got, root)], [whole, got]))
         else:
             self._run(check, lambda comm: ([comm.Iscatterv(None, got, root)], [got]))
-        return load(got)
+        return loads(got)
 
 
 def _owned(a, buf):
     """Whether ``a`` is ``buf``'s memory (then it is reduced in place)."""
     return a.base is buf or (a.nbytes > 0 and a.ctypes.data == buf.ctypes.data
                              and a.nbytes == buf.nbytes)
-
-
-def nbytes_of(dtype, shape):
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
 def _pack_into(buf, at, arrays):
@@ -342,40 +322,3 @@ def _unpack(buf, at, layout):
         out.append(buf[at:at + n].view(np.dtype(d)).reshape(s))
         at += n
     return out
-
-
-def dump(obj):
-    """``obj`` as one uint8 array: the pickle's length, its buffers' lengths, the pickle, the buffers."""
-    bufs = []
-    head = pickle.dumps(obj, protocol=5, buffer_callback=bufs.append)
-    raws = [b.raw() for b in bufs]
-    lens = [len(head)] + [r.nbytes for r in raws]
-    top = 8 * (1 + len(lens))
-    out = np.empty(top + sum(lens), np.uint8)
-    struct.pack_into(f"{1 + len(lens)}q", out, 0, len(raws), *lens)
-    at = top
-    for part in [head] + raws:
-        n = len(part) if isinstance(part, bytes) else part.nbytes
-        out[at:at + n] = np.frombuffer(part, np.uint8)
-        at += n
-    return out
-
-
-def load(buf):
-    """The object ``dump`` made; its large arrays are views of ``buf``."""
-    n = struct.unpack_from("q", buf)[0]
-    lens = struct.unpack_from(f"{n + 1}q", buf, 8)
-    at = 8 * (2 + n)
-    head = bytes(buf[at:at + lens[0]])
-    at += lens[0]
-    views = []
-    for k in lens[1:]:
-        views.append(buf[at:at + k])
-        at += k
-    return pickle.loads(head, buffers=views)
-
-
-def c_order(a):
-    """``a`` in C order (np.ascontiguousarray would make a 0-d array 1-d)."""
-    a = np.asarray(a)
-    return a if a.flags.c_contiguous else np.array(a, order="C")

@@ -16,14 +16,14 @@ import numpy as np
 
 from . import reduce_ops
 from . import parts
-from .mpi_leaders import PACK_BYTES, c_order
+from .leaders import PACK_BYTES, c_order
 
 
 def reduce_across(leaders, partials, ops, mass, out, check, into=None, ballot=None):
     """Reduce this machine's partials with every other machine's; the same result on every leader.
 
     Args:
-        leaders: the leaders' collectives (``mpi_leaders.Leaders`` or ``gloo_leaders.GlooLeaders``).
+        leaders: the leaders' collectives (a ``leaders.Leaders``: MPI's or gloo's).
         partials: per array, this machine's reduction of it (for ``avg``, the
             weighted mean of its contributors).
         ops: one op per array.

@@ -30,7 +30,7 @@ sizes, op, the layout), never from one process's arrays.
 import numpy as np
 
 from . import reduce_ops
-from .mpi_leaders import PACK_BYTES
+from .leaders import PACK_BYTES
 
 MAX_VOTERS = 127   # a vote is summed in the arrays' dtype: int8 counts this many exactly
 # Per op, the vote for yes and for no, chosen so that the reduced vote is ``unanimous``
@@ -94,7 +94,7 @@ class SmallPlan:
     """How one (arrays, op) is all-reduced in place; ``ok`` is False where the path never applies.
 
     Args:
-        leaders: the leaders' collectives (``mpi_leaders.Leaders``).
+        leaders: the leaders' collectives (``leaders.Leaders``).
         arrays: the variables' own host arrays (the results are written into them).
         op: the reduce op, one name for every array.
         voters: the machines when a ballot rides along (``voters``), else 0.

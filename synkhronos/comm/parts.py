@@ -14,7 +14,7 @@ def out_entry(out, i):
     return None if out is None else out[i]
 
 
-def plan(arrays, n):
+def byte_parts(arrays, n):
     """Split all arrays' bytes into n parts; return per rank a list of (array, lo, hi).
 
     Parts follow byte counts, so many small arrays cost one ufunc call each on
@@ -103,7 +103,7 @@ def reduce_to_all(op, srcs, outs, scale=None):
             np.copyto(other[lo:hi], o)
 
 
-def combine(op, parts, weights, out):
+def combine_whole(op, parts, weights, out):
     """Reduce whole arrays (the small-message path), into ``out`` when it fits.
 
     ``out`` may be one of ``parts`` (this rank's own array), not a partial

@@ -88,7 +88,7 @@ class ShmReduce:
             first = got[ranks[0]]
             ops = parts.op_list(op, len(first))
             w = None if weight is None else [self.slabs.weight(q) for q in ranks]
-            return [parts.combine(ops[i], [got[q][i] for q in ranks], w, parts.out_entry(out, i))
+            return [parts.combine_whole(ops[i], [got[q][i] for q in ranks], w, parts.out_entry(out, i))
                     for i in range(len(first))], mass
         # Reduce-scatter: this rank reduces its part of every array into its slab,
         # reading its own contribution from its own array (never packed).

@@ -221,7 +221,7 @@ class ZmqBackend(Backend):
         first = arrays[ranks[0]]
         ops = parts.op_list(op, len(first))
         w = None if weight is None else [got[q][1] for q in ranks]
-        return [parts.combine(ops[i], [arrays[q][i] for q in ranks], w, parts.out_entry(out, i))
+        return [parts.combine_whole(ops[i], [arrays[q][i] for q in ranks], w, parts.out_entry(out, i))
                 for i in range(len(first))]
 
     def _split_finish(self, arrays, ops, out, plan, received):

@@ -180,7 +180,7 @@ def make_train_function(loss, params, x, y, update_rule="sgd", update_kwargs=Non
     """
     _check_options("make_train_function", all_reduce_op, weighted, overlap)
     if all_reduce_dtype is not None:
-        compressed.check(all_reduce_dtype, all_reduce_op, [], "make_train_function")
+        compressed.check_16bit(all_reduce_dtype, all_reduce_op, [], "make_train_function")
     apply = _rule(update_rule)
     inputs, shared = _data_vars(x, y)
     params = _updates.check_params(params, "make_train_function")

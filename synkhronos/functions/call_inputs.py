@@ -36,7 +36,7 @@ def as_data(name, var, value, rt, scratch, key, placed_ok):
     if isinstance(value, Data):
         check_data(value, rt, var.dtype, var.ndim, name, what, placed_ok=placed_ok)
         return value
-    arr = as_array(name, var, value)
+    arr = input_array(name, var, value)
     kept = scratch.get(key)
     if kept is None or not kept.belongs_to(rt) or kept.placed:
         kept = scratch[key] = new_data(value=arr, var=var, oversize=1.5)
@@ -45,7 +45,7 @@ def as_data(name, var, value, rt, scratch, key, placed_ok):
     return kept
 
 
-def as_array(name, var, value):
+def input_array(name, var, value):
     """A NumPy input ``value`` for ``var``, conditioned, or raise naming it."""
     if isinstance(value, np.ndarray) or np.isscalar(value) or isinstance(value, (list, tuple)):
         # A call has no force_cast (its keywords name inputs): say what casts instead.
@@ -132,7 +132,7 @@ def check_batch_s(name, spec, batch_s, rank, n_parallel):
         if not np.ndim(value):
             continue
         n = len(value)
-        need = rank_rows.rows_needed(rank_rows.resolve(sel_s[rank], n), n)
+        need = rank_rows.rows_needed(rank_rows.resolve_selection(sel_s[rank], n), n)
         if need > n:
             raise IndexError(f"{name}: batch_s selects row {need - 1} but shared variable {s} "
                              f"has {n} rows in rank {rank}")

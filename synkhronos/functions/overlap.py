@@ -98,7 +98,7 @@ def _reduce(rt, arr, msg):
     be = rt.backend.host
     if msg.dtype is None:
         return be.all_reduce([arr], msg.op, out=[arr])[0]
-    return compressed.all_reduce(be, [arr], msg.op, msg.dtype, out=[arr])[0]
+    return compressed.all_reduce_16bit(be, [arr], msg.op, msg.dtype, out=[arr])[0]
 
 
 def _local(rt, msg, arrays=None):

@@ -73,7 +73,7 @@ def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=Fals
     force_cast = conditioning.check_bool(force_cast, "data: force_cast")
     if rt.peers.layout is None:
         rows = produce(Part(0, 1, 0 if length is not None else None, length))
-        rows = machine_rows.check_rows(rows, var, dtype, ndim, force_cast, length, 0)
+        rows = machine_rows.check_produced_rows(rows, var, dtype, ndim, force_cast, length, 0)
         return replicated(rt, rows, var, rows.dtype, rows.ndim, None, minibatch, False, oversize,
                            name)
     return produced.produce(rt, produce, var, dtype, ndim, minibatch, force_cast, name, length)

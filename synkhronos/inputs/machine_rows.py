@@ -177,7 +177,7 @@ def count(span):
     return None if span[0] is None else span[1] - span[0]
 
 
-def check_rows(rows, var, dtype, ndim, force_cast, n, machine):
+def check_produced_rows(rows, var, dtype, ndim, force_cast, n, machine):
     """What ``produce`` returned on ``machine``, as an array of the Data's dtype and ndim."""
     if var is not None:
         dtype, ndim = var.dtype, var.ndim

@@ -132,7 +132,7 @@ def _produce_on_machine(machine, msg):
     m, n_machines = machine.node, machine.layout.n_machines
     span = (None, None) if msg.parts is None else tuple(msg.parts[m])
     produce = pickle.loads(msg.produce)
-    arr = machine_rows.check_rows(produce(machine_rows.Part(m, n_machines, *span)), None,
+    arr = machine_rows.check_produced_rows(produce(machine_rows.Part(m, n_machines, *span)), None,
                                np.dtype(msg.dtype), msg.ndim, msg.force_cast,
                                machine_rows.count(span), m)
     name = machine.make_segment(msg.data_id, max(arr.nbytes, 1))

@@ -151,7 +151,7 @@ class PlacedData(Data):
         msg = ProduceMsg(ID, dtype.str, ndim, fn, parts, force_cast)
 
         def local(seq):
-            arr = own if own is not None else machine_rows.check_rows(
+            arr = own if own is not None else machine_rows.check_produced_rows(
                 produce(Part(0, layout.n_machines, *mine)), None, dtype, ndim, force_cast,
                 machine_rows.count(mine), 0)
             self._own_segment(arr.nbytes)
@@ -242,7 +242,7 @@ def produce(rt, produce, var, dtype, ndim, minibatch, force_cast, name, length):
         dtype, ndim = var.dtype, var.ndim
     elif dtype is None or ndim is None:
         # The dtype and ndim the machines cast to come from machine 0's rows.
-        own = machine_rows.check_rows(produce(Part(0, layout.n_machines, *mine)), var, dtype, ndim,
+        own = machine_rows.check_produced_rows(produce(Part(0, layout.n_machines, *mine)), var, dtype, ndim,
                                    force_cast, machine_rows.count(mine), 0)
         dtype, ndim = own.dtype, own.ndim
     obj = PlacedData(new_id(rt), dtype, ndim, minibatch, name, PLACED_ROWS, layout,

@@ -101,7 +101,7 @@ def rows_needed(sel, length):
     return int(sel[1].max()) + 1 if len(sel[1]) else 0
 
 
-def resolve(sel, length):
+def resolve_selection(sel, length):
     """Fix an open-ended range against ``length``; index selections pass through."""
     if sel is not None and sel[0] == "range" and sel[2] is None:
         return ("range", sel[1], length)

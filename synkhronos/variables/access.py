@@ -101,7 +101,7 @@ def value_list(values, n, single, where):
     return list(values)
 
 
-def condition(rt, var, value, where, whole=True):
+def condition_value(rt, var, value, where, whole=True):
     """Check one value for ``var``; return a NumPy array or a Data object.
 
     Arrays and Python values follow ``conditioning.condition`` (lossless
@@ -279,7 +279,7 @@ def descs(items):
 
 def select(sel, length, var, where):
     """Resolve ``sel`` against a value of ``length`` rows; raise if it reaches past them."""
-    s = rank_rows.resolve(sel, length)
+    s = rank_rows.resolve_selection(sel, length)
     need = rank_rows.rows_needed(s, length)
     if need > length:
         raise ValueError(f"{where}: batch selects row {need - 1} but the value for {var} "

@@ -87,7 +87,7 @@ def read(path):
         ValueError: the file is not a complete synkhronos checkpoint (empty,
             truncated, corrupt, another format, or an entry missing).
     """
-    return cf.read(path, "read")
+    return cf.read_checkpoint(path, "read")
 
 
 def load(path, shared_vars=None):
@@ -121,7 +121,7 @@ def load(path, shared_vars=None):
     """
     rt = _run()
     shareds = _variables(rt, shared_vars, "load")
-    manifest, arrays = cf.read(path, "load")
+    manifest, arrays = cf.read_checkpoint(path, "load")
     entries = _entries_for(manifest["variables"], shareds, shared_vars is not None, path)
     n = 1 if rt is None else rt.place.n_parallel
     shapes = _current_shapes(rt, shareds)

@@ -86,7 +86,7 @@ def from_json_state(state):
     return state
 
 
-def read(path, where):
+def read_checkpoint(path, where):
     """Return ``(manifest, arrays)`` of a complete checkpoint at ``path``.
 
     Raises:

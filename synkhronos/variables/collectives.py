@@ -66,7 +66,8 @@ def broadcast(shared_vars, values=None, nccl=True):
     items = None
     if values is not None:
         values = access.value_list(values, len(idx), single, "broadcast")
-        items = [access.condition(rt, rt.registry.shareds[i], v, "broadcast") for i, v in zip(idx, values)]
+        items = [access.condition_value(rt, rt.registry.shareds[i], v, "broadcast")
+                 for i, v in zip(idx, values)]
     # Given values are host data: only the variables' own values go through NCCL.
     msg = BroadcastMsg(idx, None if items is None else access.descs(items),
                        items is None and bool(nccl))
@@ -148,7 +149,7 @@ def scatter(shared_vars, values, batch=None):
     per_rank = [[] for _ in range(n)]
     for i, value in zip(idx, values):
         var = rt.registry.shareds[i]
-        item = access.condition(rt, var, value, "scatter", whole=False)
+        item = access.condition_value(rt, var, value, "scatter", whole=False)
         arr = item.data if isinstance(item, Data) else item
         if arr.ndim == 0:
             raise ValueError(f"scatter: {var} is 0-d; scatter splits values along axis 0")

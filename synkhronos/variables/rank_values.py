@@ -43,7 +43,7 @@ def set_value(rank, shared_vars, values, batch=None):
     items, sels = [], []
     for i, value in zip(idx, values):
         var = rt.registry.shareds[i]
-        item = access.condition(rt, var, value, "set_value", whole=sel is None)
+        item = access.condition_value(rt, var, value, "set_value", whole=sel is None)
         arr = item.data if isinstance(item, Data) else item
         s = None
         if sel is not None:

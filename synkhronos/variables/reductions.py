@@ -171,8 +171,9 @@ def all_reduce(shared_vars, op="avg", nccl=True, dtype=None):
     check_flags("all_reduce", nccl=nccl)
     idx, _ = _check_reduce(rt, shared_vars, op, True, "all_reduce")
     if dtype is not None:
-        compressed.check(dtype, op, [(rt.registry.shareds[i], rt.registry.shareds[i].dtype) for i in idx],
-                         "all_reduce")
+        shareds = rt.registry.shareds
+        compressed.check_16bit(dtype, op, [(shareds[i], shareds[i].dtype) for i in idx],
+                               "all_reduce")
     msg = AllReduceMsg(idx, op, bool(nccl), dtype)
     if key is None:
         run_command(rt, Command.ALL_REDUCE, msg, lambda seq: all_reduce_local(rt, msg))
@@ -216,7 +217,7 @@ def all_reduce_local(rt, msg):
     if msg.dtype is not None:
         host = rt.backend.host
         arrays = backend_values(host, shareds)
-        result = compressed.all_reduce(host, arrays, msg.op, msg.dtype,
+        result = compressed.all_reduce_16bit(host, arrays, msg.op, msg.dtype,
                                        out=[access.out_of(a) for a in arrays])
         for var, value in zip(shareds, result):
             access.adopt(rt, var, value)

@@ -4,7 +4,7 @@ import os
 import threading
 
 from synkhronos.cluster import doorbell
-from synkhronos.cluster.link import LinkBase
+from synkhronos.cluster.link import wait_for
 
 
 def test_a_ring_wakes_the_doorbell_and_is_read_once():
@@ -41,10 +41,6 @@ def test_a_gone_sentinel_leaves_a_doorbell_that_only_times_out():
     assert not bell.wait(0.001)
 
 
-class _Waiter(LinkBase):
-    spin_s = 0.0
-
-
 def test_a_wait_with_a_doorbell_returns_once_the_awaited_message_comes():
     r, w = doorbell.make_pipe()
     came, checks = threading.Event(), []
@@ -55,7 +51,7 @@ def test_a_wait_with_a_doorbell_returns_once_the_awaited_message_comes():
     timer = threading.Timer(0.1, send)
     timer.start()
     try:
-        _Waiter().wait(came.is_set, lambda: checks.append(1), doorbell.Doorbell(r))
+        wait_for(came.is_set, lambda: checks.append(1), 0.0, doorbell.Doorbell(r))
         assert came.is_set() and checks  # the liveness check ran while it waited
     finally:
         timer.join()

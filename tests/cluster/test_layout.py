@@ -11,6 +11,8 @@ def test_layout_numbers_ranks_machine_by_machine():
     assert list(lay.ranks(1)) == [2, 3, 4]
     assert [lay.machine_of(r) for r in range(6)] == [0, 0, 1, 1, 1, 2]
     assert "machine 1 (b, ranks 2..4)" == lay.describe(1)
+    # An error path may name a machine that was still joining (past the layout).
+    assert lay.describe(3) == "machine 3 (joining)"
     with pytest.raises(ValueError):
         lay.machine_of(6)
 

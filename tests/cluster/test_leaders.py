@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from synkhronos.comm import reduce_ops as reducers
-from synkhronos.comm import mpi_leaders, mpi_reduce, mpi_small
+from synkhronos.comm import reduce_ops
+from synkhronos.comm import leaders, mpi_leaders, mpi_reduce, mpi_small
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "leaders_reset_job.py")
@@ -28,7 +28,7 @@ class OneLeader:
         self.pool = {}
         self.calls = []
 
-    buffer = mpi_leaders.Leaders.buffer
+    buffer = mpi_leaders.MpiLeaders.buffer
     reduces = staticmethod(mpi_leaders.mpi_reduces)
 
     def all_reduce(self, sends, check):
@@ -61,11 +61,11 @@ def test_reduce_across_one_machine_is_numpys(dtype, op, weighted):
     weights = [1.0, 3.0, 2.0] if weighted else None
     leaders = OneLeader()
     # The machine's partial (its shared-memory stage's result) and its mass.
-    partials = [reducers.combine(op, [v[i] for v in vals], weights) for i in range(3)]
+    partials = [reduce_ops.combine(op, [v[i] for v in vals], weights) for i in range(3)]
     mass = float(sum(weights)) if weighted else 3.0
     got = mpi_reduce.reduce_across(leaders, partials, [op] * 3, mass, None, lambda: None)
     for i in range(3):
-        exp = reducers.combine(op, [v[i] for v in vals], weights)
+        exp = reduce_ops.combine(op, [v[i] for v in vals], weights)
         assert got[i].dtype == exp.dtype and got[i].shape == exp.shape
         if op == "avg":
             # Sums of terms of size ~10 in the partial's precision (float32: ~1e-6 * 10).
@@ -74,7 +74,7 @@ def test_reduce_across_one_machine_is_numpys(dtype, op, weighted):
         else:
             assert np.array_equal(got[i], exp)
     kinds = {c[0] for c in leaders.calls}
-    assert ("all_reduce" in kinds) == mpi_leaders.mpi_reduces(op, reducers.result_dtype(op, dtype))
+    assert ("all_reduce" in kinds) == mpi_leaders.mpi_reduces(op, reduce_ops.result_dtype(op, dtype))
 
 
 def test_small_arrays_of_one_op_and_dtype_travel_in_one_message():
@@ -112,7 +112,7 @@ def test_mpi_reduces_only_what_gives_numpys_bytes():
 def test_messages_round_trip():
     obj = [[np.arange(100000.0), np.array(3, np.int8)], None, [np.zeros((0, 4), np.float16)],
            [np.arange(12.0).reshape(3, 4)[:, 1]]]
-    got = mpi_leaders.load(mpi_leaders.dump(obj))
+    got = leaders.loads(leaders.dumps(obj))
     assert got[1] is None
     for a, b in zip([obj[0][0], obj[0][1], obj[2][0], obj[3][0]],
                     [got[0][0], got[0][1], got[2][0], got[3][0]]):
@@ -129,7 +129,7 @@ class TwinLeaders:
     size = 2
     epoch = 0
     reduces = staticmethod(mpi_leaders.mpi_reduces)
-    buffer = mpi_leaders.Leaders.buffer
+    buffer = mpi_leaders.MpiLeaders.buffer
 
     def __init__(self):
         self.pool = {}
@@ -137,7 +137,7 @@ class TwinLeaders:
 
     @staticmethod
     def _twice(buf, op):
-        reducers.UFUNCS[op](buf, buf, out=buf)
+        reduce_ops.UFUNCS[op](buf, buf, out=buf)
 
     def all_reduce(self, sends, check):
         out = []
@@ -196,14 +196,14 @@ def test_small_all_reduce_makes_the_general_paths_calls_and_bytes(op, dtypes, vo
 @pytest.mark.parametrize("op", ["avg", "sum", "prod", "max", "min"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int8, np.uint8, np.int64])
 def test_a_ballot_passes_only_when_every_leader_votes_yes(op, dtype):
-    if not mpi_leaders.mpi_reduces(op, dtype) or reducers.result_dtype(op, dtype) != dtype:
+    if not mpi_leaders.mpi_reduces(op, dtype) or reduce_ops.result_dtype(op, dtype) != dtype:
         pytest.skip("no small path for this op and dtype")
     n = mpi_small.MAX_VOTERS if np.dtype(dtype).itemsize == 1 else 5
     for yes in ([True] * n, [True] * (n - 1) + [False], [False] * n):
         ballots = [mpi_small.Ballot(op, n, y) for y in yes]
         reduced = np.array(ballots[0].vote, dtype)
         for b in ballots[1:]:
-            reducers.UFUNCS[op](reduced, np.array(b.vote, dtype), out=reduced)
+            reduce_ops.UFUNCS[op](reduced, np.array(b.vote, dtype), out=reduced)
         ballots[0].count(reduced)
         assert ballots[0].passed == all(yes), (op, dtype, yes)
 
@@ -211,7 +211,7 @@ def test_a_ballot_passes_only_when_every_leader_votes_yes(op, dtype):
 @pytest.mark.parametrize("why,arrays,op", [
     ("float max: MPI's NaN differs", [np.ones(2, np.float32)], "max"),
     ("int avg gives float64", [np.ones(2, np.int32)], "avg"),
-    ("large: its own message", [np.ones(mpi_leaders.PACK_BYTES // 4, np.float32)], "sum"),
+    ("large: its own message", [np.ones(leaders.PACK_BYTES // 4, np.float32)], "sum"),
     ("float16", [np.ones(2, np.float16)], "sum"),
 ])
 def test_small_all_reduce_declines_what_the_general_path_does_differently(why, arrays, op):
@@ -284,3 +284,18 @@ def test_small_all_reduces_on_machines_of_one_rank(n_machines):
         assert rc == 0 and "ALL OK" in out, out
         assert sum(line.startswith("OK ") for line in out.splitlines()) == 5, out
         assert_nothing_left(m, out, "small_reduce_job.py")
+
+
+def test_every_carrier_keeps_its_contract():
+    """The leaders' collectives and the link between machines are abstract classes: every
+    carrier implements each of their methods (MPI's and gloo's, MPI's and ZeroMQ's)."""
+    import inspect
+
+    from synkhronos.cluster import link, zlink
+    from synkhronos.comm import gloo_leaders
+
+    for cls, contract in ((mpi_leaders.MpiLeaders, leaders.Leaders),
+                          (gloo_leaders.GlooLeaders, leaders.Leaders),
+                          (link.Link, link.LinkBase), (zlink.ZmqLink, link.LinkBase)):
+        assert issubclass(cls, contract) and not inspect.isabstract(cls), (cls, contract)
+    assert inspect.isabstract(leaders.Leaders) and inspect.isabstract(link.LinkBase)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from synkhronos.cluster import sentinel
+from synkhronos.cluster import auth, sentinel
 from synkhronos.cluster.layout import Layout
 from synkhronos.errors import MachineLostError, SynkError, WorkerStalledError
 
@@ -48,7 +48,7 @@ def _accept_in_thread(beats, listener, n, timeout_s=10):
 
 
 def test_proven_sentinels_are_admitted_and_strangers_dropped(port):
-    secret = sentinel.new_secret()
+    secret = auth.new_secret()
     beats = sentinel.Heartbeats(Layout([1, 1, 1], ["a", "b", "c"]), secret)
     t, box = _accept_in_thread(beats, port, 3)
     keep = []
@@ -56,16 +56,16 @@ def test_proven_sentinels_are_admitted_and_strangers_dropped(port):
     # one that replays what a real sentinel sent on another connection.
     silent = _connect(port)
     garbage = _connect(port)
-    garbage.recv(sentinel.NONCE_BYTES)
+    garbage.recv(auth.NONCE_BYTES)
     garbage.sendall(b"x" * 100)
     wrong = _connect(port)
-    sentinel.prove(wrong, 1, sentinel.new_secret())
+    sentinel.prove(wrong, 1, auth.new_secret())
     recorder = _connect(port)
-    nonce = recorder.recv(sentinel.NONCE_BYTES)
-    answer = struct.pack("q", 1) + sentinel._mac(secret, nonce, 1)
+    nonce = recorder.recv(auth.NONCE_BYTES)
+    answer = struct.pack("q", 1) + auth.mac(secret, nonce, struct.pack("q", 1))
     recorder.close()
     replay = _connect(port)
-    replay.recv(sentinel.NONCE_BYTES)
+    replay.recv(auth.NONCE_BYTES)
     replay.sendall(answer)
     # Then the job's two sentinels.
     _sentinel(port, 1, secret, keep)
@@ -85,7 +85,7 @@ def test_proven_sentinels_are_admitted_and_strangers_dropped(port):
 
 
 def test_a_machine_cannot_connect_twice(port):
-    secret = sentinel.new_secret()
+    secret = auth.new_secret()
     beats = sentinel.Heartbeats(Layout([1, 1, 1], ["a", "b", "c"]), secret)
     t, box = _accept_in_thread(beats, port, 3, timeout_s=2)
     keep = []
@@ -100,7 +100,7 @@ def test_a_machine_cannot_connect_twice(port):
 
 
 def test_nothing_proven_in_time_is_an_error_naming_the_count(port):
-    beats = sentinel.Heartbeats(Layout([1, 1], ["a", "b"]), sentinel.new_secret())
+    beats = sentinel.Heartbeats(Layout([1, 1], ["a", "b"]), auth.new_secret())
     silent = _connect(port)
     with pytest.raises(SynkError, match="0 of 1 within 0.5 s"):
         beats.accept(port, 2, timeout_s=0.5)
@@ -109,7 +109,7 @@ def test_nothing_proven_in_time_is_an_error_naming_the_count(port):
 
 def _three_machines(port, monkeypatch, limit_s="30"):
     monkeypatch.setenv("SYNK_HEARTBEAT_S", limit_s)
-    secret = sentinel.new_secret()
+    secret = auth.new_secret()
     beats = sentinel.Heartbeats(Layout([2, 1, 3], ["a", "b", "c"]), secret)
     t, box = _accept_in_thread(beats, port, 3)
     keep = []

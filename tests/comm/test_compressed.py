@@ -138,7 +138,7 @@ def _exact_and_counted(rt, dtype, op):
     mine = [a.copy() for a in inputs[me]]
     counter = _Counter(be)
     try:
-        got = compressed.all_reduce(be, mine, op, dtype, out=mine)
+        got = compressed.all_reduce_16bit(be, mine, op, dtype, out=mine)
     finally:
         counter.close()
     for g, w, a in zip(got, _model(inputs, op, dtype), mine):
@@ -150,7 +150,7 @@ def _exact_and_counted(rt, dtype, op):
     # A float32 reduce-scatter and all-gather sends 4(N - E) + 4E(n - 1).
     sizes = [int(np.prod(s)) for s in SHAPES]
     total = sum(sizes)
-    e_me = sum(hi - lo for _, lo, hi in parts.plan([np.empty(s, np.uint16) for s in sizes],
+    e_me = sum(hi - lo for _, lo, hi in parts.byte_parts([np.empty(s, np.uint16) for s in sizes],
                                                    n)[me])
     data = counter.sent["all_to_all"] + counter.sent["all_gather"]
     assert data == 2 * (total - e_me) + 2 * e_me * (n - 1)
@@ -181,7 +181,7 @@ def _float32_sum_would_differ(rt, dtype):
     n = rt.place.n_parallel
     x = 1.0 + (2.0 ** -9 if dtype == "bfloat16" else 2.0 ** -12)
     a = np.full(100_003, x, np.float32)
-    got = compressed.all_reduce(rt.backend.host, [a], "sum", dtype)[0]
+    got = compressed.all_reduce_16bit(rt.backend.host, [a], "sum", dtype)[0]
     assert np.float32(x) * n != n  # the float32 sum
     np.testing.assert_array_equal(got, np.full(a.size, n, np.float32))
 
@@ -199,7 +199,7 @@ def _all_to_all(rt):
 
 def _shapes_differ(rt, dtype):
     a = np.ones((4, 3) if rt.place.rank == 1 else (3, 4), np.float32)
-    compressed.all_reduce(rt.backend.host, [a], "sum", dtype)
+    compressed.all_reduce_16bit(rt.backend.host, [a], "sum", dtype)
 
 
 @pytest.fixture

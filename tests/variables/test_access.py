@@ -12,7 +12,7 @@ import numpy as np
 import pytensor
 import pytest
 
-from synkhronos.variables import access as sharedvars
+from synkhronos.variables import access
 from synkhronos.runtime.state import Config, Placement, Runtime
 
 
@@ -41,185 +41,185 @@ def vs():
 
 def test_resolve_by_variable_and_name(vs):
     rt = vs.rt
-    assert sharedvars.resolve(rt, vs.a, "all_reduce") == ([0], True)
-    assert sharedvars.resolve(rt, "a", "all_reduce") == ([0], True)
-    assert sharedvars.resolve(rt, [vs.b2, "a"], "all_reduce") == ([2, 0], False)
-    assert sharedvars.resolve(rt, (vs.b1,), "all_reduce") == ([1], False)   # a tuple is a list
+    assert access.resolve(rt, vs.a, "all_reduce") == ([0], True)
+    assert access.resolve(rt, "a", "all_reduce") == ([0], True)
+    assert access.resolve(rt, [vs.b2, "a"], "all_reduce") == ([2, 0], False)
+    assert access.resolve(rt, (vs.b1,), "all_reduce") == ([1], False)   # a tuple is a list
 
 
 def test_resolve_refuses_what_it_cannot_name_exactly(vs):
     rt = vs.rt
     with pytest.raises(ValueError, match="all_reduce: shared_vars is empty"):
-        sharedvars.resolve(rt, [], "all_reduce")
+        access.resolve(rt, [], "all_reduce")
     with pytest.raises(ValueError, match="not used by any function given to distribute"):
-        sharedvars.resolve(rt, vs.stranger, "all_reduce")
+        access.resolve(rt, vs.stranger, "all_reduce")
     with pytest.raises(ValueError, match="no shared variable named 'zz'"):
-        sharedvars.resolve(rt, "zz", "all_reduce")
+        access.resolve(rt, "zz", "all_reduce")
     with pytest.raises(ValueError, match="2 shared variables are named 'b'; pass the variable"):
-        sharedvars.resolve(rt, "b", "all_reduce")
+        access.resolve(rt, "b", "all_reduce")
     with pytest.raises(TypeError, match="got ndarray"):
-        sharedvars.resolve(rt, np.zeros(3), "broadcast")
+        access.resolve(rt, np.zeros(3), "broadcast")
     with pytest.raises(TypeError, match="got int"):
-        sharedvars.resolve(rt, [vs.a, 3], "broadcast")
+        access.resolve(rt, [vs.a, 3], "broadcast")
 
 
 def test_resolve_refuses_a_variable_twice_unless_allowed(vs):
     with pytest.raises(ValueError, match="appears twice"):
-        sharedvars.resolve(vs.rt, [vs.a, "a"], "broadcast")
-    assert sharedvars.resolve(vs.rt, [vs.a, "a"], "gather", unique=False) == ([0, 0], False)
+        access.resolve(vs.rt, [vs.a, "a"], "broadcast")
+    assert access.resolve(vs.rt, [vs.a, "a"], "gather", unique=False) == ([0, 0], False)
 
 
 def test_resolve_names_max_n_var(vs):
     rt = _runtime([vs.a, vs.b1, vs.b2], max_n_var=2)
     with pytest.raises(ValueError, match="3 shared variables exceed max_n_var=2"):
-        sharedvars.resolve(rt, [vs.a, vs.b1, vs.b2], "all_reduce")
-    assert sharedvars.resolve(rt, [vs.a, vs.b1], "all_reduce") == ([0, 1], False)
+        access.resolve(rt, [vs.a, vs.b1, vs.b2], "all_reduce")
+    assert access.resolve(rt, [vs.a, vs.b1], "all_reduce") == ([0, 1], False)
 
 
 def test_resolve_refuses_a_shared_variable_that_is_not_a_tensor():
     gen = pytensor.shared(np.random.default_rng(0), name="gen")
     rt = _runtime([gen])
     with pytest.raises(TypeError, match="not a tensor shared variable"):
-        sharedvars.resolve(rt, gen, "broadcast")
+        access.resolve(rt, gen, "broadcast")
     with pytest.raises(TypeError, match="not a tensor shared variable"):
-        sharedvars.resolve(rt, "gen", "broadcast")
+        access.resolve(rt, "gen", "broadcast")
 
 
 # ---- ranks and values ----------------------------------------------------------------------
 
 def test_check_rank(vs):
     for rank in (0, 2, np.int64(1), np.uint8(2)):
-        got = sharedvars.check_rank(vs.rt, rank, "get_value")
+        got = access.check_rank(vs.rt, rank, "get_value")
         assert got == int(rank) and type(got) is int
     for bad in (True, np.bool_(False), 1.0, "1", None):
         with pytest.raises(TypeError, match="get_value: rank must be an int"):
-            sharedvars.check_rank(vs.rt, bad, "get_value")
+            access.check_rank(vs.rt, bad, "get_value")
     for bad in (-1, 3):
         with pytest.raises(ValueError, match=r"range\(n_parallel=3\); got"):
-            sharedvars.check_rank(vs.rt, bad, "get_value")
+            access.check_rank(vs.rt, bad, "get_value")
 
 
 def test_value_list():
-    assert sharedvars.value_list(7, 1, True, "broadcast") == [7]
-    assert sharedvars.value_list((1, 2), 2, False, "broadcast") == [1, 2]
+    assert access.value_list(7, 1, True, "broadcast") == [7]
+    assert access.value_list((1, 2), 2, False, "broadcast") == [1, 2]
     with pytest.raises(ValueError, match=r"one value per shared variable \(2\); got 3"):
-        sharedvars.value_list([1, 2, 3], 2, False, "broadcast")
+        access.value_list([1, 2, 3], 2, False, "broadcast")
     with pytest.raises(ValueError, match=r"\(2\); got ndarray"):
-        sharedvars.value_list(np.zeros(2), 2, False, "broadcast")
+        access.value_list(np.zeros(2), 2, False, "broadcast")
 
 
 def test_condition_casts_only_without_loss(vs):
-    got = sharedvars.condition(vs.rt, vs.a, np.array([1, 2, 3], dtype=np.int32), "broadcast")
+    got = access.condition_value(vs.rt, vs.a, np.array([1, 2, 3], dtype=np.int32), "broadcast")
     assert got.dtype == np.float64
     np.testing.assert_array_equal(got, [1.0, 2.0, 3.0])
     with pytest.raises(TypeError, match="needs dtype float32; got float64"):
-        sharedvars.condition(vs.rt, vs.b2, np.zeros(4), "broadcast")
+        access.condition_value(vs.rt, vs.b2, np.zeros(4), "broadcast")
     with pytest.raises(TypeError, match="needs ndim 1"):
-        sharedvars.condition(vs.rt, vs.a, np.zeros((3, 1)), "broadcast")
+        access.condition_value(vs.rt, vs.a, np.zeros((3, 1)), "broadcast")
 
 
 def test_a_fixed_length_is_checked_for_whole_values_only():
     w = pytensor.shared(np.zeros((2, 3)), shape=(2, None), name="w")
     rt = _runtime([w])
-    got = sharedvars.condition(rt, w, np.ones((2, 5)), "set_value")
+    got = access.condition_value(rt, w, np.ones((2, 5)), "set_value")
     np.testing.assert_array_equal(got, np.ones((2, 5)))
     with pytest.raises(ValueError, match="fixed length 2 on axis 0; got shape \\(3, 3\\)"):
-        sharedvars.condition(rt, w, np.ones((3, 3)), "set_value")
+        access.condition_value(rt, w, np.ones((3, 3)), "set_value")
     # Rows of a value (scatter): the caller checks the rows it takes.
-    assert sharedvars.condition(rt, w, np.ones((3, 3)), "scatter", whole=False).shape == (3, 3)
+    assert access.condition_value(rt, w, np.ones((3, 3)), "scatter", whole=False).shape == (3, 3)
 
 
 def test_select_resolves_and_checks_the_rows():
     v = pytensor.shared(np.zeros((10, 2)), name="v")
-    assert sharedvars.select(("range", 2, None), 10, v, "gather") == ("range", 2, 10)
-    assert sharedvars.select(None, 10, v, "gather") is None
+    assert access.select(("range", 2, None), 10, v, "gather") == ("range", 2, 10)
+    assert access.select(None, 10, v, "gather") is None
     sel = ("index", np.array([9, 0, 3]))
-    assert sharedvars.select(sel, 10, v, "gather") is sel
+    assert access.select(sel, 10, v, "gather") is sel
     with pytest.raises(ValueError, match="batch selects row 11 but the value for v has 10 rows"):
-        sharedvars.select(("range", 0, 12), 10, v, "gather")
+        access.select(("range", 0, 12), 10, v, "gather")
     with pytest.raises(ValueError, match="selects row 10"):
-        sharedvars.select(("index", np.array([1, 10])), 10, v, "gather")
+        access.select(("index", np.array([1, 10])), 10, v, "gather")
 
 
 # ---- writing values ------------------------------------------------------------------------
 
 def test_writable_out_only_for_plain_host_storage(vs):
     rt, a = vs.rt, vs.a
-    arr = sharedvars.raw(a)
-    assert sharedvars.writable_out(rt, a) is arr
-    assert sharedvars.writable_out(rt, a, np.float64) is arr
-    assert sharedvars.writable_out(rt, a, np.float32) is None          # another dtype
+    arr = access.raw(a)
+    assert access.writable_out(rt, a) is arr
+    assert access.writable_out(rt, a, np.float64) is arr
+    assert access.writable_out(rt, a, np.float32) is None          # another dtype
     a.set_value(np.zeros((3, 2))[:, 0], borrow=True)                   # not contiguous
-    assert sharedvars.writable_out(rt, a) is None
+    assert access.writable_out(rt, a) is None
     frozen = np.zeros(3)
     frozen.flags.writeable = False
     a.set_value(frozen, borrow=True)
-    assert sharedvars.writable_out(rt, a) is None
+    assert access.writable_out(rt, a) is None
     a.set_value(np.zeros(3))
     rt.registry.device_shareds.add(id(a))                                       # values on the device
-    assert sharedvars.on_device(rt, a) and sharedvars.writable_out(rt, a) is None
+    assert access.on_device(rt, a) and access.writable_out(rt, a) is None
 
 
 def test_store_copies_into_the_variable_and_never_aliases_the_result(vs):
     rt, a = vs.rt, vs.a
-    before = sharedvars.raw(a)
+    before = access.raw(a)
     result = np.array([1.0, 2.0, 3.0])
-    sharedvars.store(rt, a, result)
-    assert sharedvars.raw(a) is before                  # same shape and dtype: in place
+    access.store(rt, a, result)
+    assert access.raw(a) is before                  # same shape and dtype: in place
     result[:] = -1                                      # the backend reuses its buffer
     np.testing.assert_array_equal(a.get_value(), [1.0, 2.0, 3.0])
     bigger = np.arange(5.0)
-    sharedvars.store(rt, a, bigger)                     # another shape: a new array
+    access.store(rt, a, bigger)                     # another shape: a new array
     bigger[:] = -1
     np.testing.assert_array_equal(a.get_value(), np.arange(5.0))
-    own = sharedvars.raw(a)
-    sharedvars.store(rt, a, own[::-1])                  # overlaps the variable's own storage
+    own = access.raw(a)
+    access.store(rt, a, own[::-1])                  # overlaps the variable's own storage
     np.testing.assert_array_equal(a.get_value(), np.arange(5.0)[::-1])
     ints = np.array([7, 8], dtype=np.int64)
-    sharedvars.store(rt, a, ints)                       # stored in the variable's dtype
+    access.store(rt, a, ints)                       # stored in the variable's dtype
     assert a.get_value().dtype == np.float64
     np.testing.assert_array_equal(a.get_value(), [7.0, 8.0])
 
 
 def test_store_of_the_output_buffer_itself_is_already_done(vs):
     rt, a = vs.rt, vs.a
-    out = sharedvars.writable_out(rt, a)
+    out = access.writable_out(rt, a)
     out[:] = [4.0, 5.0, 6.0]                             # the backend wrote the result here
-    sharedvars.store(rt, a, out, out)
-    assert sharedvars.raw(a) is out
+    access.store(rt, a, out, out)
+    assert access.raw(a) is out
     np.testing.assert_array_equal(a.get_value(), [4.0, 5.0, 6.0])
 
 
 def test_adopt_takes_a_backend_array_but_copies_the_users(vs):
     rt, a = vs.rt, vs.a
     handed = np.array([1.0, 1.0, 1.0])
-    sharedvars.adopt(rt, a, handed)
-    assert sharedvars.raw(a) is handed                  # no copy
+    access.adopt(rt, a, handed)
+    assert access.raw(a) is handed                  # no copy
     user = np.array([2.0, 2.0, 2.0])
-    sharedvars.adopt(rt, a, user, user=user)
-    assert sharedvars.raw(a) is not user
+    access.adopt(rt, a, user, user=user)
+    assert access.raw(a) is not user
     user[:] = 0
     np.testing.assert_array_equal(a.get_value(), [2.0, 2.0, 2.0])
-    same = sharedvars.raw(a)
-    sharedvars.adopt(rt, a, same)
-    assert sharedvars.raw(a) is same
+    same = access.raw(a)
+    access.adopt(rt, a, same)
+    assert access.raw(a) is same
 
 
 def test_keep_adopts_on_the_host_and_leaves_device_values(vs):
     rt, a = vs.rt, vs.a
     buf = np.array([3.0, 3.0, 3.0])
-    sharedvars.keep(rt, a, buf)
-    assert sharedvars.raw(a) is buf
+    access.keep(rt, a, buf)
+    assert access.raw(a) is buf
     rt.registry.device_shareds.add(id(a))
-    sharedvars.keep(rt, a, np.zeros(3))                # a device variable keeps its own value
-    assert sharedvars.raw(a) is buf
+    access.keep(rt, a, np.zeros(3))                # a device variable keeps its own value
+    assert access.raw(a) is buf
 
 
 def test_small_helpers(vs):
-    arr = sharedvars.raw(vs.a)
-    assert sharedvars.get_array(vs.a) is arr           # a host value: no copy
-    assert not sharedvars.on_device(vs.rt, vs.a)
-    assert type(sharedvars.like(vs.rt, vs.a, [1.0, 2.0])) is np.ndarray
-    assert sharedvars.ret([5], True) == 5
-    assert sharedvars.ret([5, 6], False) == (5, 6)
-    assert sharedvars.descs([np.zeros(2), 3.0]) == [None, None]   # arrays travel as values
+    arr = access.raw(vs.a)
+    assert access.get_array(vs.a) is arr           # a host value: no copy
+    assert not access.on_device(vs.rt, vs.a)
+    assert type(access.like(vs.rt, vs.a, [1.0, 2.0])) is np.ndarray
+    assert access.ret([5], True) == 5
+    assert access.ret([5, 6], False) == (5, 6)
+    assert access.descs([np.zeros(2), 3.0]) == [None, None]   # arrays travel as values
