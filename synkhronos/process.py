@@ -171,8 +171,8 @@ def start(p):
             rt.check = _leader_check(rt)
             rt.backend.bind_check(command_check(rt.check, rt.control.aborted_now))
             rt.processes.janitor = Janitor(prefix, rt.processes.cleanup_dirs,
-                                 [proc.pid for proc in rt.processes.procs.values()],
-                                 close_in_child=mpi_launch.close_launcher_fds)
+                                           [proc.pid for proc in rt.processes.procs.values()],
+                                           keep_fds=(lock_fd,))
             if p.launch is None:
                 rt.processes.janitor.close_in_children(lock_fd)
     except BaseException as exc:
