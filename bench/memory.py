@@ -250,8 +250,8 @@ class Peak:
 
 def run_child(python, tree_dir, args, timeout):
     env = dict(os.environ)
-    if tree_dir:
-        env["PYTHONPATH"] = tree_dir + os.pathsep + env.get("PYTHONPATH", "")
+    # This checkout's synkhronos (or --tree's), whatever the interpreter has installed.
+    env["PYTHONPATH"] = (tree_dir or ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("PYTHONWARNINGS", "ignore")
     proc = subprocess.Popen([python, os.path.abspath(__file__), "--child"] + args, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
