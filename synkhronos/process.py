@@ -186,10 +186,8 @@ def start(p):
 def _start_workers(rt, segments=None):
     """Fork a worker for every rank but the leader's, into ``rt.processes.procs``.
 
-    What exists now is frozen while forking (``gc.freeze``): a child's cyclic GC
-    never writes those objects' headers, so their pages stay shared with this
-    process.  ``segments``: see ``_worker_main``.  On failure (OSError: out of
-    processes or memory) the ranks started are left for the caller to stop.
+    ``segments``: see ``_worker_main``.  On failure (OSError: out of processes or
+    memory) the ranks started are left for the caller to stop.
     """
     ctx = multiprocessing.get_context("fork")
     # The parent-death signal fires when the forking *thread* ends: only the main
@@ -197,12 +195,10 @@ def _start_workers(rt, segments=None):
     # their parent (liveness.worker_check) and the janitor end them.
     tie = threading.current_thread() is threading.main_thread()
     last = rt.control.seq  # a worker serves the commands posted after it started
-    freeze = gc.get_freeze_count() == 0  # a program that froze objects itself keeps its set
     rank = None
     try:
         with process_setup.logging_held():
-            if freeze:
-                gc.freeze()
+            _freeze(rt)
             for rank in rt.worker_ranks:
                 proc = ctx.Process(target=_worker_main, args=(rt, rank, tie, last, segments),
                                    name=f"synk-rank-{rank}", daemon=True)
@@ -213,9 +209,21 @@ def _start_workers(rt, segments=None):
             exc.add_note(f"starting rank {rank} of n_parallel={rt.place.n_parallel} failed; "
                          "the ranks already started were stopped")
         raise
-    finally:
-        if freeze:
-            gc.unfreeze()
+
+
+def _freeze(rt):
+    """Exempt every object that exists now from the cyclic GC (``gc.freeze``) until close().
+
+    A collection writes the header of every object it visits: in a worker, that
+    would copy the pages it shares with the leader; in the leader, it would copy
+    them too, leaving the old pages to the workers alone.  A program that froze
+    objects itself keeps its own choice.
+    """
+    ours = gc.unfreeze in rt.processes.restore
+    if ours or gc.get_freeze_count() == 0:
+        gc.freeze()
+        if not ours:
+            rt.processes.restore.append(gc.unfreeze)
 
 
 def respawn(rt, install):
