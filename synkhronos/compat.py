@@ -151,7 +151,7 @@ def precompile(fn):
 
     Numba compiles a function's code at its first call, for the types of the
     arguments; a process forked after that shares the code instead of building
-    its own (``process.respawn``: 15-30 MiB per rank and function).  The types
+    its own (``process.respawn``: 5-15 MiB per rank and function).  The types
     are those a synkhronos call passes: shared variables' values as they are,
     explicit inputs as C-contiguous arrays of their type (a rank's rows are
     views of Data in shared memory, or copies of the rows a batch selects).
