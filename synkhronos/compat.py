@@ -144,3 +144,47 @@ def ancestors(variables):
     except ImportError:  # PyTensor < 2.38
         from pytensor.graph.basic import ancestors as _ancestors
     return _ancestors(variables)
+
+
+def precompile(fn):
+    """Have a Numba-linked ``fn`` compile (or load from Numba's cache) its code now.
+
+    Numba compiles a function's code at its first call, for the types of the
+    arguments; a process forked after that shares the code instead of building
+    its own (``process.respawn``: 5-15 MiB per rank and function).  The types
+    are those a synkhronos call passes: shared variables' values as they are,
+    explicit inputs as C-contiguous arrays of their type (a rank's rows are
+    views of Data in shared memory, or copies of the rows a batch selects).
+    Both 2.x (linker ``"numba"``) and 3.x build the function the same way:
+    the VM is one thunk with the Numba dispatcher as ``jit_fn`` and its
+    inputs' storage cells as ``inputs``; the dispatcher takes ``*args``,
+    which Numba types as one tuple.  Returns whether code was compiled;
+    False for other linkers, other input types or any failure (the call then
+    compiles, as without this).
+    """
+    vm = getattr(fn, "vm", None)
+    dispatcher = getattr(vm, "jit_fn", None)
+    cells = getattr(vm, "inputs", None)
+    if (cells is None or not type(dispatcher).__module__.startswith("numba.")
+            or not hasattr(dispatcher, "compile")):
+        return False  # another linker: C, Python, JAX (which must not start here before a fork)
+    try:
+        import numba
+        import numpy as np
+
+        types = []
+        for var, cell in zip(fn.maker.fgraph.inputs, cells, strict=True):
+            if cell[0] is not None:
+                types.append(numba.typeof(cell[0]))
+            elif hasattr(var.type, "ndim") and hasattr(var.type, "dtype"):
+                types.append(numba.types.Array(numba.from_dtype(np.dtype(var.type.dtype)),
+                                               var.type.ndim, "C"))
+            else:
+                return False
+        params = list(inspect.signature(dispatcher.py_func).parameters.values())
+        if len(params) == 1 and params[0].kind is inspect.Parameter.VAR_POSITIONAL:
+            types = [numba.types.BaseTuple.from_types(types)]  # ``(*args)``: one tuple
+        dispatcher.compile(tuple(types))
+    except Exception:  # noqa: BLE001 - only memory is at stake: the first call compiles
+        return False
+    return True

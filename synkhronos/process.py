@@ -1,6 +1,7 @@
 """fork() and close(): the worker processes, core pinning, thread limits, liveness, cleanup."""
 
 import atexit
+import gc
 import logging
 import multiprocessing
 import os
@@ -23,6 +24,7 @@ from .runtime.commands import Command, handler
 from .comm import choose_backend, get_backend
 from .comm.base import Wiring
 from .runtime.control import Control
+from .runtime.peers import ALONE
 from .runtime.run import run_command
 from .errors import SynkStateError
 from .runtime.janitor import Janitor
@@ -112,7 +114,6 @@ def probe(use_gpu):
 def start(p):
     """Start what the ``plan.Plan`` ``p`` says; return the run's number of ranks."""
     shmem.sweep_stale()
-    ctx = multiprocessing.get_context("fork")
     prefix = shmem.run_prefix(os.getpid())
     lock_fd = shmem.hold_run_lock(prefix)
     config = Config(master_pid=os.getpid(), prefix=prefix, device=p.device,
@@ -122,7 +123,7 @@ def start(p):
     place = Placement(rank=p.master_rank, n_parallel=p.n_parallel, master_rank=p.master_rank,
                       local_index=p.master_rank, n_local=p.n_parallel, leader=p.master_rank)
     rt = Runtime(config, place, Registry(datas=weakref.WeakValueDictionary()),
-                 Processes(lock_fd=lock_fd), abandon=abandon)
+                 Processes(lock_fd=lock_fd), abandon=abandon, respawn=respawn)
     gpu_mode = p.device == "gpu"
     if not gpu_mode and p.n_parallel > 1 and devices.jax_initialised():
         # The workers inherit JAX's backend without its threads: their first
@@ -153,33 +154,19 @@ def start(p):
         process_setup.limit_threads(rt)
         # CPU mode on a machine with GPUs: mode="JAX" must not put every rank on GPU 0.
         rt.processes.restore.append(devices.keep_jax_on_cpu())
-    # The parent-death signal fires when the forking *thread* ends: only the main
-    # thread lives as long as the process.  Otherwise the workers' own check on
-    # their parent (liveness.worker_check) and the janitor end them.
-    tie = threading.current_thread() is threading.main_thread()
-    rank = None
     try:
-        with process_setup.logging_held():
-            for rank in rt.worker_ranks:
-                proc = ctx.Process(target=_worker_main, args=(rt, rank, tie),
-                                   name=f"synk-rank-{rank}", daemon=True)
-                proc.start()
-                rt.processes.procs[rank] = proc
-            rank = None
-            rt.processes.monitor = Monitor(rt.processes.procs, p.timeout_s, rt.control.pending,
-                                           rt.place, lambda: rt.peers.late_ranks())
-            rt.check = _leader_check(rt)
-            rt.backend.bind_check(command_check(rt.check, rt.control.aborted_now))
-            rt.processes.janitor = Janitor(prefix, rt.processes.cleanup_dirs,
-                                 [proc.pid for proc in rt.processes.procs.values()],
-                                 close_in_child=mpi_launch.close_launcher_fds)
-            if p.launch is None:
-                rt.processes.janitor.close_in_children(lock_fd)
+        _start_workers(rt)
+        rt.processes.monitor = Monitor(rt.processes.procs, p.timeout_s, rt.control.pending,
+                                       rt.place, lambda: rt.peers.late_ranks())
+        rt.check = _leader_check(rt)
+        rt.backend.bind_check(command_check(rt.check, rt.control.aborted_now))
+        rt.processes.janitor = Janitor(prefix, rt.processes.cleanup_dirs,
+                                       [proc.pid for proc in rt.processes.procs.values()],
+                                       keep_fds=(lock_fd,))
+        if p.launch is None:
+            rt.processes.janitor.close_in_children(lock_fd)
     except BaseException as exc:
         # Out of processes or memory, Ctrl-C: stop the ranks started, free everything.
-        if rank is not None:
-            exc.add_note(f"fork: starting rank {rank} of n_parallel={p.n_parallel} failed; "
-                         "the ranks already started were stopped")
         abandon(rt, f"fork() failed: {exc!r}")
         raise
     # Registered after multiprocessing's own exit hook, so it runs first,
@@ -194,6 +181,84 @@ def start(p):
                 p.n_parallel - 1, p.device, p.master_rank, p.n_parallel,
                 p.n_gpus if gpu_mode else len(p.cores), "GPUs" if gpu_mode else "cores")
     return p.n_parallel
+
+
+def _start_workers(rt, segments=None):
+    """Fork a worker for every rank but the leader's, into ``rt.processes.procs``.
+
+    ``segments``: see ``_worker_main``.  On failure (OSError: out of processes or
+    memory) the ranks started are left for the caller to stop.
+    """
+    ctx = multiprocessing.get_context("fork")
+    # The parent-death signal fires when the forking *thread* ends: only the main
+    # thread lives as long as the process.  Otherwise the workers' own check on
+    # their parent (liveness.worker_check) and the janitor end them.
+    tie = threading.current_thread() is threading.main_thread()
+    last = rt.control.seq  # a worker serves the commands posted after it started
+    rank = None
+    try:
+        with process_setup.logging_held():
+            _freeze(rt)
+            for rank in rt.worker_ranks:
+                proc = ctx.Process(target=_worker_main, args=(rt, rank, tie, last, segments),
+                                   name=f"synk-rank-{rank}", daemon=True)
+                proc.start()
+                rt.processes.procs[rank] = proc
+    except BaseException as exc:
+        if rank is not None:
+            exc.add_note(f"starting rank {rank} of n_parallel={rt.place.n_parallel} failed; "
+                         "the ranks already started were stopped")
+        raise
+
+
+def _freeze(rt):
+    """Exempt every object that exists now from the cyclic GC (``gc.freeze``) until close().
+
+    A collection writes the header of every object it visits: in a worker, that
+    would copy the pages it shares with the leader; in the leader, it would copy
+    them too, leaving the old pages to the workers alone.  A program that froze
+    objects itself keeps its own choice.
+    """
+    ours = gc.unfreeze in rt.processes.restore
+    if ours or gc.get_freeze_count() == 0:
+        gc.freeze()
+        if not ours:
+            rt.processes.restore.append(gc.unfreeze)
+
+
+def respawn(rt, install):
+    """``distribute()`` on one machine: ``install()`` here, then start the workers again from here.
+
+    Forked now, a worker shares this process's compiled functions, their constants
+    and the libraries compiling loaded, page for page, instead of unpickling and
+    compiling every Function in memory of its own (bench/memory.py, issue 38).
+    The workers of ``fork()`` hold only Data mappings: they quit, the new ones map
+    the same Data.  Returns False, having done nothing, where this cannot be: GPU
+    mode (CUDA must not start here before forking), a cluster, a backend with
+    per-process links, JAX started here, ``synk.profile()`` recording.
+
+    Raises:
+        WorkerDiedError, OSError (out of processes or memory): every process is stopped.
+    """
+    if (rt.config.device != "cpu" or rt.peers is not ALONE or not rt.backend.restartable
+            or devices.jax_initialised() or rt.profiler is not None):
+        return False
+    install()
+    if not rt.worker_ranks:
+        return True
+    run_command(rt, Command.QUIT, None)  # the workers of fork() exit after it
+    _stop_workers(rt, grace_s=JOIN_TIMEOUT_S)
+    rt.processes.procs.clear()  # in place: the Monitor holds this dict
+    segments = [(data_id, seg.name, seg.nbytes) for data_id, seg in
+                filter(None, (d.replica() for d in list(rt.registry.datas.values())))]
+    process_setup.warm_jit()
+    try:
+        _start_workers(rt, segments)
+        rt.processes.janitor.watch([proc.pid for proc in rt.processes.procs.values()])
+    except BaseException as exc:
+        abandon(rt, f"distribute() could not start the workers again: {exc!r}")
+        raise
+    return True
 
 
 def _leader_check(rt):
@@ -214,7 +279,12 @@ def _wiring(rt):
                   new_name=rt.segment_name, remove_after_crash=rt.processes.cleanup_dirs.append)
 
 
-def _worker_main(rt, rank, tie):
+def _worker_main(rt, rank, tie, last=0, segments=None):
+    """A worker's life: set up this process, then serve commands posted after ``last``.
+
+    ``segments``: ``(data_id, name, nbytes)`` of every Data made before this
+    worker started (``respawn``), mapped here as DATA_ALLOC would have.
+    """
     mpi_launch.close_launcher_fds()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the master's to handle
     if tie:
@@ -227,13 +297,15 @@ def _worker_main(rt, rank, tie):
         trace.set_rank(rank)
     rt.processes = Processes()
     rt.registry.datas = {}  # this rank's mappings, by Data id
+    if segments:
+        mappings.map_segments(rt, segments)
     if rt.config.device == "gpu":
         process_setup.select_gpu(rt, rank)
     else:
         process_setup.pin(rt, rank)
     rt.check = worker_check(rt.config.master_pid)
     rt.backend.bind_check(command_check(rt.check, rt.control.aborted_now))
-    worker.loop(rt)
+    worker.loop(rt, last)
 
 
 @serialized

@@ -120,3 +120,17 @@ def test_pymc_extension_is_optional():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_precompile_compiles_numba_code_for_the_types_a_call_passes():
+    pytest.importorskip("numba")
+    x, i = pt.dmatrix("x"), pt.iscalar("i")
+    s = pytensor.shared(np.ones(2, "float32"), name="s")
+    f = pytensor.function([x, i], (x * s).sum() + i, mode="NUMBA")
+    assert compat.precompile(f)
+    jit = f.vm.jit_fn
+    assert len(jit.signatures) == 1
+    f.trust_input = True  # as synkhronos calls it: C-contiguous arrays, 0-d for scalars
+    assert f(np.ones((3, 2)), np.array(4, "int32")) == 10.0
+    assert len(jit.signatures) == 1  # the call found the code compiled for its types
+    assert not compat.precompile(pytensor.function([x], x.sum(), mode="FAST_COMPILE"))

@@ -1,5 +1,6 @@
 """fork() and close(): return values, argument checks, order, pinning, restarts."""
 
+import gc
 import multiprocessing
 import os
 
@@ -307,3 +308,37 @@ def test_profile_goes_on_recording_after_a_failed_call(forked):
     totals = prof.totals()
     assert totals[0]["call of function"]["calls"] == 4      # as many as rank 1 ran
     assert totals[1]["call of function"]["calls"] == 4
+
+
+def test_what_the_workers_start_from_stays_frozen_until_close(forked, rng):
+    # Frozen objects are out of the cyclic GC's reach: no collection, in a worker or in
+    # the master, writes their headers, so the pages the workers share stay shared.
+    assert gc.get_freeze_count() == 0
+    forked(2)
+    at_fork = gc.get_freeze_count()
+    assert at_fork > 0
+    x = pt.dmatrix("x")
+    f = synk.function([x], (x.sum(), "sum"))
+    synk.distribute()                       # the workers start again: frozen with the function
+    assert gc.get_freeze_count() > at_fork
+    assert f(synk.data(np.ones((5, 2)))) == 10.0
+    gc.collect()
+    assert f(synk.data(np.ones((3, 2)))) == 6.0
+    synk.close()
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_programs_own_frozen_objects_are_left_alone(forked):
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        forked(2)
+        x = pt.dmatrix("x")
+        f = synk.function([x], (x.sum(), "sum"))
+        synk.distribute()
+        assert f(np.ones((4, 2))) == 8.0
+        assert 0 < gc.get_freeze_count() <= frozen  # nothing frozen since (some died)
+        synk.close()
+        assert 0 < gc.get_freeze_count() <= frozen  # and nothing unfrozen
+    finally:
+        gc.unfreeze()

@@ -76,6 +76,11 @@ class Backend(ABC):
 
     device_arrays = False
     small_all_reduce = None  # a backend with a latency path for small all_reduce sets a method
+    # Whether a rank's process may be replaced by one forked from the leader after commands
+    # ran (``distribute()`` does so on one machine): the new process takes up the rank's
+    # state from shared memory in ``bind_check``.  A backend with per-process links
+    # (sockets, communicators) keeps its first workers.
+    restartable = False
 
     def small_plan(self, keys, op, arrays):
         """The latency path's plan of a small all-reduce (with ``small_all_reduce``), or None."""
@@ -139,8 +144,9 @@ class Backend(ABC):
     def bind_check(self, check):
         """Set the check every wait calls: it raises if a rank died or aborted the command.
 
-        Called once in every process, after fork; a backend never builds it
-        itself, so it needs nothing from the modules that start processes.
+        Called once in every process, after fork (also in a worker forked from
+        the leader after commands ran, see ``restartable``); a backend never
+        builds it itself, so it needs nothing from the modules that start processes.
         """
         self.check = check
 

@@ -62,9 +62,12 @@ class ShmBackend(ShmReduce, Backend):
         self.k = 0
         self.fence = False
 
+    restartable = True
+
     def bind_check(self, check):
         super().bind_check(check)
         self._me = None  # called in every process after fork: its rank is known now
+        self.slabs.adopt()  # a worker forked again takes up its rank's slab where it is
 
     def _slots(self):
         """This rank's slots: (rank, epoch, its waiters, the others' epochs, its scalar seq).

@@ -126,6 +126,23 @@ class Slabs:
             seg = new
         return seg
 
+    def adopt(self):
+        """Map this rank's own slab of the generation the control block names.
+
+        A no-op after the first fork; a worker forked from the leader later
+        (``Backend.restartable``) inherits the leader's view of its rank's slab,
+        which the rank's earlier process may have replaced since.
+        """
+        rank = self.rank
+        entry = self.slabs[rank]
+        gen = self.mv[rank * STRIDE + GEN]
+        if entry[0] != gen:
+            entry[1].close()
+            entry[1] = SharedArray.attach(self._name(rank, gen), self.mv[rank * STRIDE + SIZE])
+            entry[0] = gen
+            self.remaps += 1
+            self.views[rank] = {}
+
     def slab(self, q):
         if q == self.rank:
             return self.slabs[q][1]

@@ -1,10 +1,12 @@
-"""distribute(): one pickle of every Function, unpickled on each worker."""
+"""distribute(): every Function in each worker, by starting the workers again from the master
+(one machine, CPU mode) or in one pickle, unpickled on each worker."""
 
 import logging
 import pickle
 import time
 from typing import NamedTuple
 
+from .. import compat
 from ..runtime import devices
 from ..variables import access
 from ..runtime.commands import Command, handler
@@ -19,9 +21,11 @@ logger = logging.getLogger(__name__)
 def distribute():
     """Replicate every synkhronos function, with its shared variables, in every worker.
 
-    Call once, after building the last function and before calling any.  All
-    functions travel in one pickle, so a shared variable used by several
-    functions stays one variable in each worker.  Master only.
+    Call once, after building the last function and before calling any.  On
+    one machine in CPU mode the workers are started again from the master, so
+    they share its compiled functions instead of compiling their own; elsewhere
+    all functions travel in one pickle.  Either way a shared variable used by
+    several functions stays one variable in each worker.  Master only.
 
     Raises:
         SynkStateError: not forked, or already distributed (a ``RuntimeError``).
@@ -30,12 +34,19 @@ def distribute():
     if rt.registry.distributed:
         raise SynkStateError("distribute() can be called only once per fork()")
     t0 = time.perf_counter()
-    shareds = _collect_shareds(rt.registry.functions)
-    blob = pickle.dumps((rt.registry.functions, shareds), protocol=pickle.HIGHEST_PROTOCOL)
+    functions = rt.registry.functions
+    shareds = _collect_shareds(functions)
+    # On one machine in CPU mode the workers start again from the master, which holds
+    # every Function now: they share its compiled code and memory (process.respawn).
+    if rt.respawn(rt, lambda: _install_here(rt, functions, shareds)):
+        logger.info("distributed %d functions (%d shared variables) by starting the workers "
+                    "again in %.2f s", len(functions), len(shareds), time.perf_counter() - t0)
+        return
+    blob = pickle.dumps((functions, shareds), protocol=pickle.HIGHEST_PROTOCOL)
     run_command(rt, Command.DISTRIBUTE, DistributeMsg(blob))
-    _install(rt, rt.registry.functions, shareds)
+    _install(rt, functions, shareds)
     logger.info("distributed %d functions (%d shared variables, %.1f MB) in %.2f s",
-                len(rt.registry.functions), len(shareds), len(blob) / 1e6, time.perf_counter() - t0)
+                len(functions), len(shareds), len(blob) / 1e6, time.perf_counter() - t0)
 
 
 def _collect_shareds(functions):
@@ -60,6 +71,14 @@ def _install(rt, functions, shareds):
         # at every call until their first update.
         access.place(rt, s)
     rt.registry.distributed = True
+
+
+def _install_here(rt, functions, shareds):
+    """Install in the master before its workers start again from it, with the code compiled."""
+    _install(rt, functions, shareds)
+    n = sum(compat.precompile(f.spec.fn) for f in functions)
+    logger.debug("compiled the code of %d of %d functions before starting the workers", n,
+                 len(functions))
 
 
 class DistributeMsg(NamedTuple):

@@ -81,6 +81,15 @@ def _alloc_worker(rt, msg):
     _map(rt, msg)
 
 
+def map_segments(rt, segments):
+    """In a worker started after Data were made (``process.respawn``): map each of them.
+
+    ``segments``: ``(data_id, name, nbytes)`` of every Data, as DATA_ALLOC named them.
+    """
+    for data_id, name, nbytes in segments:
+        _map(rt, DataAllocMsg(data_id, name, nbytes))
+
+
 @handler(Command.DATA_FREE, DataFreeMsg, node=_free_on_machine)
 def _free_worker(rt, msg):
     rt.registry.epoch += 1

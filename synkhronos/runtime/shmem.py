@@ -19,12 +19,13 @@ import numpy as np
 import posix_ipc
 
 from ..errors import SharedMemoryError
+from . import janitor_proc
 
 logger = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
+SHM_DIR = janitor_proc.SHM_DIR
 PREFIX = "synk"
-LOCK = "lock"
+LOCK = janitor_proc.LOCK
 
 
 def run_prefix(master_pid):
@@ -199,27 +200,7 @@ def hold_run_lock(prefix):
 
 def sweep(prefix):
     """Unlink every segment whose name starts with ``prefix`` (a run's); return their names."""
-    head = prefix[1:]
-    removed = []
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return removed
-    # The lock goes last: while it exists, another sweep does not take the run for dead.
-    for fname in sorted(n for n in names if n.startswith(head)):
-        if fname == head + LOCK:
-            continue
-        try:
-            posix_ipc.unlink_shared_memory("/" + fname)
-            removed.append(fname)
-        except posix_ipc.Error:
-            pass
-    try:
-        os.unlink(os.path.join(SHM_DIR, head + LOCK))
-        removed.append(head + LOCK)
-    except OSError:
-        pass
-    return removed
+    return janitor_proc.sweep(prefix, SHM_DIR)
 
 
 def dead_runs(shm_dir=SHM_DIR):

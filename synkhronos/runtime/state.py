@@ -141,6 +141,8 @@ class Runtime:
     backend: Optional[Any] = None       # comm.base.Backend
     check: Optional[Callable] = None    # raises if another rank died or stalled (liveness)
     abandon: Optional[Callable] = None  # process.abandon: stop everything after a fatal failure
+    # process.respawn: distribute() starts the workers again from the master, or says it cannot
+    respawn: Callable = lambda rt, install: False
     peers: Peers = ALONE                # the other machines (cluster: the controller, a node master)
     profiler: Optional[Any] = None      # profiling.Profiler while synk.profile() records
     counter: Any = field(default_factory=itertools.count)

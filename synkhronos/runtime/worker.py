@@ -13,8 +13,8 @@ from ..errors import CommAborted
 logger = logging.getLogger(__name__)
 
 
-def loop(rt):
-    """Serve commands until the final one; never returns to the caller's code.
+def loop(rt, last=0):
+    """Serve commands posted after ``last`` until the final one; never returns to the caller's code.
 
     The handlers are whatever modules registered them (runtime/commands.py) before the
     fork that started this worker.  A kept message (``Control.keep``) whose command
@@ -34,7 +34,6 @@ def loop(rt):
     debug = logger.isEnabledFor(logging.DEBUG)
     traced = trace.ON
     finish = control.finisher(me)
-    last = 0
     while True:
         seq = control.wait_command(me, last, check)
         if traced:

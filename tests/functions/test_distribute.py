@@ -168,3 +168,66 @@ def test_distribute_with_no_functions_and_one_rank(forked, rng):
     assert forked_rt.registry.distributed
     d = synk.data(rng.standard_normal((3, 2)))     # data after distribute()
     assert d.shape == (3, 2)
+
+
+def _uss_mib(pid):
+    """Memory only process ``pid`` holds (USS), from /proc/<pid>/smaps_rollup."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        fields = dict(line.split()[:2] for line in f if line.endswith("kB\n"))
+    return (int(fields["Private_Clean:"]) + int(fields["Private_Dirty:"])) / 1024
+
+
+@pytest.mark.parametrize("backend", ["shm", "zmq"])
+def test_workers_start_again_from_the_master_on_one_machine(forked, rng, monkeypatch, backend):
+    # shm: distribute() starts the workers again from the master, which holds the
+    # compiled functions; zmq (per-process links) keeps its workers and pickles them.
+    monkeypatch.setenv("SYNK_BACKEND", backend)
+    forked(3)
+    rt = get_runtime()
+    before = {r: p for r, p in rt.processes.procs.items()}
+    a, b = rng.standard_normal((10, 2)), rng.standard_normal((7, 2))
+    d_a = synk.data(a)                      # Data made before distribute() ...
+    d_b = synk.data(b[:3])
+    d_b.set_length(7, oversize=2)           # ... grown (a new segment) ...
+    d_b.data[:] = b
+    dropped = synk.data(np.ones((4, 2)))    # ... and dropped (its id travels to the workers)
+    del dropped
+    x = pt.dmatrix("x")
+    w = pytensor.shared(np.array([1.5, -2.0]), name="w")
+    f = synk.function([x], [((x * w).sum(axis=0), "sum"), (x.max(), "max")],
+                      updates=[(w, w * 2)])
+    synk.distribute()
+    after = rt.processes.procs
+    if backend == "shm":
+        assert all(not p.is_alive() for p in before.values())
+        assert all(after[r].pid != p.pid for r, p in before.items())
+    else:
+        assert all(after[r] is p for r, p in before.items())
+    for data, rows, kw in ((d_a, a, {}), (d_b, b, {}), (d_a, a[[9, 0, 4, 4]], {"batch": [9, 0, 4, 4]})):
+        w_now = w.get_value()
+        got = f(data, **kw)
+        np.testing.assert_allclose(got[0], (rows * w_now).sum(axis=0), rtol=1e-12)
+        assert got[1] == rows.max()
+    assert [v.tolist() for v in synk.gather(w)] == [[12.0, -16.0]] * 3
+    if backend == "shm":
+        # Each worker shares the master's compiled code: what it holds alone is what its
+        # own calls wrote (a pickled function compiled in every worker: 60-70 MiB here).
+        assert max(_uss_mib(p.pid) for p in after.values()) < 32
+
+
+def test_compiled_code_is_ready_before_the_workers_start(forked, rng):
+    numba = pytest.importorskip("numba")  # noqa: F841 - the Numba linker's own dependency
+    forked(2)
+    x, i = pt.dmatrix("x"), pt.ivector("i")
+    s = pytensor.shared(np.float32(0.5), name="s")
+    f = synk.function([x], bcast_inputs=[i], outputs=[((x[:, 0] * s).sum() + i.sum(), "sum")],
+                      mode="NUMBA")
+    synk.distribute()
+    jit = f.spec.fn.vm.jit_fn
+    assert len(jit.signatures) == 1         # compiled in the master, before the fork
+    data = rng.standard_normal((9, 2))
+    for kw in ({}, {"batch": [1, 5, 2]}, {"batch": slice(2, 8)}):
+        rows = data[kw["batch"]] if kw else data
+        got = f(synk.data(data), np.arange(3, dtype="int32"), **kw)[0]
+        np.testing.assert_allclose(got, (rows[:, 0] * 0.5).sum() + 2 * 3, rtol=1e-6)
+    assert len(jit.signatures) == 1         # and the calls used those very types
