@@ -204,10 +204,9 @@ class Door:
         """Machine ``k`` gets what the others hold: functions and shared values, replicated Data."""
         rt = self.rt
         if rt.registry.distributed:
-            # Pickled now: the shared variables travel with the controller's current values.
-            blob = pickle.dumps((rt.registry.functions, rt.registry.shareds),
-                                protocol=pickle.HIGHEST_PROTOCOL)
-            self._private(k, Command.DISTRIBUTE, DistributeMsg(blob))
+            # Made now: the shared variables travel with the controller's current values.
+            self._private(k, Command.DISTRIBUTE,
+                          DistributeMsg.of(rt.registry.functions, rt.registry.shareds))
         for data in list(rt.registry.datas.values()):
             replica = data.replica()
             if replica is None:

@@ -42,11 +42,11 @@ def distribute():
         logger.info("distributed %d functions (%d shared variables) by starting the workers "
                     "again in %.2f s", len(functions), len(shareds), time.perf_counter() - t0)
         return
-    blob = pickle.dumps((functions, shareds), protocol=pickle.HIGHEST_PROTOCOL)
-    run_command(rt, Command.DISTRIBUTE, DistributeMsg(blob))
+    msg = DistributeMsg.of(functions, shareds)
+    run_command(rt, Command.DISTRIBUTE, msg)
     _install(rt, functions, shareds)
     logger.info("distributed %d functions (%d shared variables, %.1f MB) in %.2f s",
-                len(functions), len(shareds), len(blob) / 1e6, time.perf_counter() - t0)
+                len(functions), len(shareds), len(msg.blob) / 1e6, time.perf_counter() - t0)
 
 
 def _collect_shareds(functions):
@@ -85,6 +85,15 @@ class DistributeMsg(NamedTuple):
     """DISTRIBUTE: every Function and shared variable, in one pickle."""
 
     blob: bytes
+
+    @classmethod
+    def of(cls, functions, shareds):
+        """The message for ``functions`` and ``shareds``: their values as they are now.
+
+        ``distribute()`` sends it to every worker; a machine that joins later
+        gets one made the same way (``cluster/elastic.py``).
+        """
+        return cls(pickle.dumps((functions, shareds), protocol=pickle.HIGHEST_PROTOCOL))
 
 
 @handler(Command.DISTRIBUTE, DistributeMsg)
