@@ -131,8 +131,8 @@ def test_results_outlive_the_next_call(env):
     np.testing.assert_allclose(many1[0], [logp(p1), logp(p2)], rtol=1e-10)
 
 
-def test_many_positions_vectorised_or_one_by_one_equal_pymc(env):
-    """k positions run as one vectorised call or as k single calls, whichever is faster on
+def test_many_positions_vectorised_or_in_a_loop_equal_pymc(env):
+    """k positions run in one call, vectorised or in a loop of the one-position graph, whichever is faster on
     the model (tried at the first calls): both give PyMC's values."""
     model, dp = env.models["radon"], env.dps["radon"]
     logp, dlogp = model.compile_logp(), model.compile_dlogp()

@@ -64,7 +64,7 @@ def _stand_in(model):
         return np.array([o[0] for o in out]), np.stack([o[1] for o in out])
 
     dp = types.SimpleNamespace(model=model, batcher=Batcher(evaluate), dtype=np.dtype("float64"),
-                               value_names=[v.name for v in value_vars], _shapes=shapes, size=lo)
+                               value_names=[v.name for v in value_vars], value_shapes=shapes, size=lo)
 
     def unravel(q):
         out, lo = {}, 0

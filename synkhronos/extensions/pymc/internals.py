@@ -222,7 +222,7 @@ def nutpie_model(dp, var_names=None, initial_points=None, jitter_rvs=None,
     from nutpie.compiled_pyfunc import from_pyfunc
 
     model, batcher = dp.model, dp.batcher
-    names, shapes = list(dp.value_names), [tuple(s) for s in dp._shapes]
+    names, shapes = list(dp.value_names), list(dp.value_shapes)
     remaining = [v for v in model.unobserved_value_vars if v.name not in names]
     if var_names is not None:
         remaining = [v for v in remaining if v.name in set(var_names)]

@@ -110,10 +110,10 @@ class DataParallelModel:
                                                           n_sym)
         logp = graphs.rank_logp(split_exprs, whole_expr, frac, self.dtype)
         logp = pytensor.clone_replace(logp, replace={n_sym: self._n_total})
-        # Two functions, each with one output (logp first, then the gradient): one
+        # Three functions, each with one output (logp first, then the gradient): one
         # reduction per call.  A lone position (one chain, find_map, logp_dlogp) runs
-        # PyMC's own graph on the rank's rows; several run the graph vectorised over
-        # them, one pass over the rows for every chain.
+        # PyMC's own graph on the rank's rows; several run either the graph vectorised
+        # over them or a loop of the one-position graph, whichever this model runs faster.
         position = pt.vector("position", dtype=self.dtype)
         positions = pt.matrix("positions", dtype=self.dtype)
         one = graphs.joined(logp, value_vars, self._shapes, position,
@@ -121,6 +121,7 @@ class DataParallelModel:
         logps, grads = graphs.batched(logp, value_vars, self._shapes, positions,
                                       pregrad=internals.rewrite_pregrad)
         both = pt.concatenate([logps[:, None].astype(grads.dtype), grads], axis=1)
+        looped = graphs.scanned(one, position, positions, mode=rank_mode)
         try:
             self._fn1 = synk.function(inputs=inputs, bcast_inputs=[position],
                                       outputs=[(one, "sum")], name=name, mode=rank_mode,
@@ -128,6 +129,9 @@ class DataParallelModel:
             self._fn = synk.function(inputs=inputs, bcast_inputs=[positions],
                                      outputs=[(both, "sum")], name=f"{name}_many",
                                      mode=rank_mode, on_unused_input="ignore")
+            self._fn_loop = synk.function(inputs=inputs, bcast_inputs=[positions],
+                                          outputs=[(looped, "sum")], name=f"{name}_loop",
+                                          mode=rank_mode, on_unused_input="ignore")
         except synk.SynkStateError as exc:
             raise synk.SynkStateError(f"data_parallel() must come after synk.fork() and "
                                       f"before synk.distribute() ({exc})") from None
@@ -141,14 +145,19 @@ class DataParallelModel:
         # call as a NumPy input instead.
         self._held = {} if synk.layout().n_machines == 1 else None
         self._args = {}              # k -> (the call's arguments, the array to write)
-        self._batch_wins = {}        # k -> whether one vectorised call beats k single ones
-        self._trials = {}            # k -> ([vectorised s], [k single calls s]) until known
+        self._batch_wins = {}        # k -> whether the vectorised graph beats the loop
+        self._trials = {}            # k -> ([vectorised s], [loop s]) until known
         self.batcher = Batcher(self._evaluate, one=self._evaluate_one)
         self._map_fns = None
         logger.info("pymc model: %d value variables (%d numbers), %s split by rows (%d), "
                     "%s whole; terms split %s, whole %s", len(value_vars), self.size,
                     [c.name for c in plan.split], self.n_rows, [c.name for c in plan.whole],
                     [t.name for t in plan.split_terms], [t.name for t in plan.whole_terms])
+
+    @property
+    def value_shapes(self):
+        """The shape of each value variable, in ``value_names`` order (the flat vector's parts)."""
+        return [tuple(s) for s in self._shapes]
 
     # -- data -------------------------------------------------------------------------------
     @staticmethod
@@ -260,13 +269,14 @@ class DataParallelModel:
         return out[0], out[1:]
 
     def _evaluate(self, positions):
-        """(logps, grads) at ``positions`` (k vectors or a k x size matrix).
+        """(logps, grads) at ``positions`` (k vectors or a k x size matrix), in one call.
 
-        One vectorised call over all k, or k calls of the one-position graph,
-        whichever this model runs faster at k: vectorising a model's gradient
-        can cost more per position than running it k times (the radon model's
-        indexing, 3x at k = 4), and batching must never cost more than running
-        the chains one by one.  The first calls at each k try both.
+        The graph vectorised over the k positions, or a loop of the
+        one-position graph, whichever this model runs faster at k: vectorising
+        a model's gradient can cost several times more per position than
+        PyMC's own graph (the radon model's indexing, 4-6x), and batching
+        must never cost more than running the chains one by one.  The first
+        calls at each k try both.
         """
         k = len(positions)
         if k == 1:
@@ -274,10 +284,11 @@ class DataParallelModel:
             return np.array([lp]), g[None]
         wins = self._batch_wins.get(k)
         if wins is not None:
-            return self._vectorised(positions) if wins else self._each(positions)
+            return self._many(self._fn if wins else self._fn_loop, positions)
         return self._trial(k, positions)
 
-    def _vectorised(self, positions):
+    def _many(self, fn, positions):
+        """One call of ``fn`` (vectorised or the loop) at k positions."""
         k = len(positions)
         args = self._args.get(k)
         if args is None or self._held is None:
@@ -285,30 +296,24 @@ class DataParallelModel:
         buf = args[1]
         for i, x in enumerate(positions):
             buf[i] = x
-        both = np.array(self._fn(*args[0])[0])
+        # A fresh array at every call (combined over the ranks): each chain keeps its row.
+        both = fn(*args[0])[0]
         return both[:, 0], both[:, 1:]
-
-    def _each(self, positions):
-        logps = np.empty(len(positions), self.dtype)
-        grads = np.empty((len(positions), self.size), self.dtype)
-        for i, x in enumerate(positions):
-            logps[i], grads[i] = self._evaluate_one(x)
-        return logps, grads
 
     def _trial(self, k, positions):
         """Evaluate by the way tried less so far; once each has run ``_TRIALS`` times, keep
         the faster (the first run of each left out: it compiles and faults pages in)."""
-        vec, each = self._trials.setdefault(k, ([], []))
-        times, how = (vec, self._vectorised) if len(vec) <= len(each) else (each, self._each)
+        vec, loop = self._trials.setdefault(k, ([], []))
+        times, fn = (vec, self._fn) if len(vec) <= len(loop) else (loop, self._fn_loop)
         t0 = time.perf_counter()
-        out = how(positions)
+        out = self._many(fn, positions)
         times.append(time.perf_counter() - t0)
-        if len(vec) >= _TRIALS and len(each) >= _TRIALS:
-            wins = self._batch_wins[k] = min(vec[1:]) <= min(each[1:])
+        if len(vec) >= _TRIALS and len(loop) >= _TRIALS:
+            wins = self._batch_wins[k] = min(vec[1:]) <= min(loop[1:])
             del self._trials[k]
-            logger.debug("pymc model: %d positions a call %s (%.1f us vectorised, %.1f us one "
-                         "by one)", k, "vectorised" if wins else "one by one",
-                         min(vec[1:]) * 1e6, min(each[1:]) * 1e6)
+            logger.debug("pymc model: %d positions a call %s (%.1f us vectorised, %.1f us in "
+                         "a loop)", k, "vectorised" if wins else "in a loop",
+                         min(vec[1:]) * 1e6, min(loop[1:]) * 1e6)
         return out
 
     def logp_dlogp_many(self, positions):
