@@ -75,8 +75,13 @@ class DataParallelModel:
         discrete = [v.name for v in value_vars
                     if not np.issubdtype(np.dtype(v.dtype), np.floating)]
         if discrete:
-            raise ValueError(f"data_parallel: free variables {discrete} are discrete; the "
-                             "gradient needs continuous free variables only")
+            raise ValueError(
+                f"data_parallel: free variables {discrete} are discrete, and NUTS (what "
+                "dp.sample drives) needs the gradient of every free variable. Marginalize "
+                f"them out (pymc_extras.marginalize(model, {discrete}) for a finite "
+                "discrete variable, or sum over its values in a pm.Potential / pm.Mixture), "
+                "or sample this model with pm.sample, whose compound steps (NUTS with "
+                "Metropolis) take discrete variables, serially")
         point = model.initial_point()
         self.value_names = [v.name for v in value_vars]
         self._shapes = [tuple(np.shape(point[n])) for n in self.value_names]
@@ -432,7 +437,7 @@ class DataParallelModel:
         if self._data is None or self._stale():
             self.scatter()
 
-    def sample(self, draws=1000, *, tune=1000, chains=4, nuts_sampler="pymc", random_seed=None,
+    def sample(self, draws=1000, *, tune=1000, chains=None, nuts_sampler="pymc", random_seed=None,
                **kwargs):
         """Sample the posterior as ``pm.sample`` does, every chain in one data-parallel call per step.
 
@@ -440,9 +445,17 @@ class DataParallelModel:
         ``arviz.InferenceData`` by default, with the same groups, sample
         statistics and convergence checks, and its progress bar).  The chains
         run as threads of this process; each step of every chain is one
-        call over all ranks.  ``cores`` is ignored (the ranks use the cores).
+        call over all ranks.  As ``pm.sample``: ``chains`` defaults to
+        ``max(2, min(4, CPUs))``, and Ctrl-C stops the chains and returns the
+        draws made so far (PyMC's NUTS).  ``cores=`` and ``model=`` (other than
+        ``dp.model``) are ignored with a warning saying why.
+
+        ``dp.batcher.calls`` and ``dp.batcher.positions`` count the data-parallel
+        calls and the positions they evaluated since this call began (reset by
+        each ``sample``).
 
         Args:
+            chains: chains to run; None: as ``pm.sample``.
             nuts_sampler: ``"pymc"`` (PyMC's NUTS) or ``"nutpie"`` (needs nutpie).
             **kwargs: any other ``pm.sample`` argument (``init``, ``target_accept``,
                 ``var_names``, ``idata_kwargs``, ``nuts_sampler_kwargs``...).
