@@ -128,6 +128,10 @@ def _threaded_sample_many(batcher, model):
             progressbar_theme=kwargs.get("progressbar_theme", mcmc.default_progress_theme))
         progress = _Locked(manager)
         errors = []
+        # Each chain says it is done by an Event, not by its thread's end: Thread.join
+        # interrupted by Ctrl-C (CPython before 3.13) can mark a running thread stopped,
+        # and the chains must have stopped calling before this returns.
+        done = [threading.Event() for _ in range(chains)]
 
         def run(i):
             try:
@@ -139,6 +143,12 @@ def _threaded_sample_many(batcher, model):
                 batcher.abort(exc)
             finally:
                 batcher.leave()
+                done[i].set()
+
+        def wait_all():
+            for t, d in zip(threads, done):
+                if t.ident is not None:      # started
+                    d.wait()
 
         batcher.expect(chains)
         threads = [threading.Thread(target=run, args=(i,), name=f"synk-chain-{i}", daemon=True)
@@ -148,20 +158,18 @@ def _threaded_sample_many(batcher, model):
             with manager:
                 for t in threads:
                     t.start()
-                for t in threads:
-                    while t.is_alive():
-                        t.join(0.1)
+                for d in done:
+                    while not d.wait(0.1):
+                        pass
         except KeyboardInterrupt as exc:
             # Ctrl-C (in this, the main thread): as pm.sample, stop every chain and keep
             # the draws each has recorded; pm.sample then returns them.
             batcher.abort(exc)
-            for t in threads:
-                t.join()
+            wait_all()
             interrupted = True
         except BaseException as exc:
             batcher.abort(exc)
-            for t in threads:
-                t.join()
+            wait_all()
             raise
         finally:
             batcher.reset()
