@@ -168,19 +168,24 @@ def _graphs_table(results):
 
 # -- sampling ------------------------------------------------------------------------------------
 def child_sample(system, which, n_rows, chains, draws, tune):
-    """One sampling run: seconds from the call to the result, draws/s over that time."""
+    """One sampling run.  Seconds of sampling as PyMC counts them (``sampling_time``: after
+    the set-up, tuning included) where the result has them, else from the call to the
+    result; the data-parallel model's graphs compiled and its batching tried first (in
+    ``setup_s``: Numba compiles at the first call)."""
+    import numpy as np
+
     import pymc_gallery_models as gm
     _quiet()
     model = gm.MODELS[which](n_rows)
     kw = dict(draws=draws, tune=tune, chains=chains, random_seed=1, progressbar=False,
-              compute_convergence_checks=False)
+              compute_convergence_checks=False, discard_tuned_samples=False)
+    setup_s = 0.0
     if system in ("pymc", "nutpie"):
         import pymc as pm
         with model:
             t0 = time.perf_counter()
-            pm.sample(**kw, nuts_sampler=system, cores=chains)
-            secs = time.perf_counter() - t0
-        setup_s = 0.0
+            idata = pm.sample(**kw, nuts_sampler=system, cores=chains)
+            wall = time.perf_counter() - t0
     else:
         import synkhronos as synk
         from synkhronos.extensions import pymc as synk_pymc
@@ -189,22 +194,33 @@ def child_sample(system, which, n_rows, chains, draws, tune):
         try:
             dp = synk_pymc.data_parallel(model)
             synk.distribute()
-            dp.scatter()
+            x = dp.initial_x()
+            dp.logp_dlogp(x)
+            if chains > 1:
+                P = np.stack([x + 0.01 * i for i in range(chains)])
+                for _ in range(2 * 6 + 1):       # both ways at k = chains, the faster kept
+                    dp.logp_dlogp_many(P)
             setup_s = time.perf_counter() - t_setup
             t0 = time.perf_counter()
-            dp.sample(**kw, nuts_sampler=system.split("-")[1])
-            secs = time.perf_counter() - t0
+            idata = dp.sample(**kw, nuts_sampler=system.split("-")[1])
+            wall = time.perf_counter() - t0
         finally:
             synk.close()
+    secs = float(idata.posterior.attrs.get("sampling_time", wall))
+    # Gradient evaluations (NUTS's leapfrog steps, tuning included): draws/s depends on the
+    # trees the sampler happened to build; evaluations/s compares the systems' speed.
+    steps = sum(int(idata[g]["n_steps"].sum()) for g in ("sample_stats", "warmup_sample_stats")
+                if g in idata.groups() and "n_steps" in idata[g])
     _emit("SAMPLE", {"system": system, "model": which, "rows": n_rows, "chains": chains,
-                     "secs": secs, "draws_s": draws * chains / secs, "setup_s": setup_s})
+                     "secs": secs, "wall_s": wall, "draws_s": draws * chains / secs,
+                     "steps": steps, "steps_s": steps / secs, "setup_s": setup_s})
 
 
 def _sample_table(results, draws, tune):
-    print(f"\n### Sampling: draws/s ({draws} draws after {tune} tuning steps per chain, "
-          "tuning in the time; higher is better)\n")
-    print("| model | rows | chains | " + " | ".join(SYSTEMS)
-          + " | synk-pymc / pymc | synk-nutpie / nutpie |")
+    print(f"\n### Sampling: draws/s and gradient evaluations/s ({draws} draws after {tune} "
+          "tuning steps per chain; the time PyMC reports, tuning in, compiling out)\n")
+    print("| model | rows | chains | " + " | ".join(f"{s} draws/s (evals/s)" for s in SYSTEMS)
+          + " | synk-pymc / pymc, evals/s | synk-nutpie / nutpie, evals/s |")
     print("|---|---:|---:|" + "---:|" * (len(SYSTEMS) + 2))
     keys = []
     for r in results:
@@ -214,10 +230,10 @@ def _sample_table(results, draws, tune):
     by = {(r["model"], r["rows"], r["chains"], r["system"]): r for r in results}
     for m, n, c in keys:
         cells = [by.get((m, n, c, s)) for s in SYSTEMS]
-        txt = [f"{x['draws_s']:.0f}" if x else "-" for x in cells]
+        txt = [f"{x['draws_s']:.0f} ({x['steps_s']:.0f})" if x else "-" for x in cells]
 
         def ratio(a, b):
-            return f"{a['draws_s'] / b['draws_s']:.2f}x" if a and b else "-"
+            return f"{a['steps_s'] / b['steps_s']:.2f}x" if a and b else "-"
         print(f"| {m} | {n} | {c} | " + " | ".join(txt)
               + f" | {ratio(cells[2], cells[0])} | {ratio(cells[3], cells[1])} |")
     print(flush=True)
@@ -279,8 +295,10 @@ def main():
                         r = _run_child(["sample", s, m, n, c, a.draws, a.tune])
                         if r is not None:
                             results.append(r)
-                            print(f"# {s} {m} {n} rows, {c} chains: {r['draws_s']:.0f} draws/s "
-                                  f"({r['secs']:.1f} s)", flush=True)
+                            print(f"# {s} {m} {n} rows, {c} chains: {r['draws_s']:.0f} draws/s, "
+                                  f"{r['steps_s']:.0f} evals/s ({r['secs']:.1f} s; "
+                                  f"{time.strftime('%H:%M:%S', time.gmtime())}, load "
+                                  f"{os.getloadavg()[0]:.1f})", flush=True)
         _sample_table(results, a.draws, a.tune)
 
 
