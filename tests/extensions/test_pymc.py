@@ -131,8 +131,8 @@ def test_results_outlive_the_next_call(env):
     np.testing.assert_allclose(many1[0], [logp(p1), logp(p2)], rtol=1e-10)
 
 
-def test_many_positions_vectorised_or_one_by_one_equal_pymc(env):
-    """k positions run as one vectorised call or as k single calls, whichever is faster on
+def test_many_positions_vectorised_or_in_a_loop_equal_pymc(env):
+    """k positions run in one call, vectorised or in a loop of the one-position graph, whichever is faster on
     the model (tried at the first calls): both give PyMC's values."""
     model, dp = env.models["radon"], env.dps["radon"]
     logp, dlogp = model.compile_logp(), model.compile_dlogp()
@@ -202,6 +202,55 @@ def test_posterior_equals_serial_pm_sample(env, name, sampler):
     names = [v.name for v in model.free_RVs]
     z = _z_scores(idata, ref, names)
     assert all(zm < 4.5 and zs < 4.5 for _, zm, zs in z), z
+
+
+def test_sample_defaults_warnings_and_counters_as_pm_sample(env):
+    """chains as pm.sample's default; cores= and model= warned about, saying why; the batcher
+    counts one sample() call: every gradient NUTS took (its n_steps and each draw's start)."""
+    import multiprocessing
+
+    dp = env.dps["negbin"]
+    dp.sample(10, tune=10, chains=1, random_seed=2, progressbar=False,
+              compute_convergence_checks=False)
+    with pytest.warns(UserWarning) as warned:
+        idata = dp.sample(30, tune=20, cores=3, model=env.models["radon"], random_seed=3,
+                          progressbar=False, compute_convergence_checks=False,
+                          discard_tuned_samples=False)
+    text = " ".join(str(w.message) for w in warned)
+    assert "cores=3 ignored: the 2 chain(s) run as threads" in text, text
+    assert "model= ignored: dp samples the model it was built on" in text, text
+    # pm.sample's rule (pymc/sampling/mcmc.py: cores = min(4, CPUs), chains = max(2, cores),
+    # CPUs counted as half the hardware threads; test_pymc_internals checks that source).
+    assert idata.posterior.sizes["chain"] == max(2, min(4, multiprocessing.cpu_count() // 2))
+    assert idata.posterior.sizes["draw"] == 30 and set(idata.posterior) >= {"b", "alpha"}
+    # PyMC's NUTS evaluates once at each draw's start (integrator.compute_state) and once a
+    # leapfrog step (n_steps); the count holds this call's only (the first call's not added).
+    n_steps = int(idata.warmup_sample_stats["n_steps"].sum() + idata.sample_stats["n_steps"].sum())
+    chains = idata.posterior.sizes["chain"]
+    expected = n_steps + (20 + 30) * chains
+    assert expected <= dp.batcher.positions <= expected + 2 * chains, (expected,
+                                                                         dp.batcher.positions)
+    assert dp.batcher.calls < dp.batcher.positions
+
+
+def test_ctrl_c_returns_the_draws_so_far(env):
+    """Ctrl-C during dp.sample (SIGINT to this process) stops the chains and returns the draws
+    made, as pm.sample does; the runtime keeps working."""
+    import os
+    import signal
+
+    model, dp = env.models["negbin"], env.dps["negbin"]
+
+    def callback(trace, draw):
+        if draw.chain == 0 and draw.draw_idx == 60:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    idata = dp.sample(400, tune=20, chains=2, random_seed=4, progressbar=False, callback=callback,
+                      compute_convergence_checks=False)
+    assert 20 <= idata.posterior.sizes["draw"] < 400, idata.posterior.sizes
+    assert np.all(np.isfinite(idata.posterior["b"].values))
+    point = _points(model, np.random.default_rng(8), k=1)[0]
+    np.testing.assert_allclose(dp.logp(point), model.compile_logp()(point), rtol=1e-10)
 
 
 def test_find_map_is_pm_find_map(env):

@@ -43,6 +43,12 @@ def test_names_the_hooks_use():
     from pymc.step_methods.hmc import integration
     src = inspect.getsource(integration.CpuLeapfrogIntegrator.__init__)
     assert "_pytensor_function" in src and "_raveled_inputs" in src
+    # dp.sample's default chains: pm.sample's own rule, on the CPU count PyMC's sample reads.
+    src = inspect.getsource(mcmc.sample)
+    assert "cores = min(4, _cpu_count())" in src and "chains = max(2, cores)" in src
+    from pymc.sampling import parallel
+    assert mcmc._cpu_count is parallel._cpu_count
+    assert internals.default_chains() == max(2, min(4, parallel._cpu_count()))
 
 
 def _stand_in(model):

@@ -87,7 +87,10 @@ def test_refusals_name_the_variable(exact):
         b = pm.Normal("b", 0, 1, shape=2)
         pm.Normal("y_obs", mu=Xb @ b, sigma=1.0, observed=yb, total_size=N_ROWS)
     cases.append((m, {}, r"'y_obs'.*pm.Minibatch"))
-    cases.append((_centred_model(), {}, r"'y_obs' combines rows"))
+    # Centring: the first refusal names the fix that works (NumPy first), before unsplit.
+    cases.append((_centred_model(), {},
+                  r"'y_obs' combines rows.*silently wrong\. If it centres.*compute them with "
+                  r"NumPy before building the model, pm\.Data\(\"X\", X - X\.mean\(0\)\)"))
     cases.append((_centred_model(), {"unsplit": ["X", "y"]}, r"no pm.Data container to split"))
     cases.append((_random_walk_model(), {}, r"'walk' fails on its first rows.*unsplit"))
     with pm.Model() as m:     # a NumPy covariate
@@ -129,7 +132,8 @@ def test_refuses_discrete_free_variables(exact):
     with pm.Model() as m:
         k = pm.Poisson("k", 3.0)
         pm.Normal("y_obs", mu=k, sigma=1.0, observed=pm.Data("y", np.zeros(5)))
-    with pytest.raises(ValueError, match="discrete"):
+    with pytest.raises(ValueError, match=r"\['k'\] are discrete.*Marginalize them out.*"
+                                         r"or sample this model with pm.sample"):
         synk_pymc.data_parallel(m)
 
 

@@ -8,8 +8,12 @@ so that the sum over ranks is the model's log-density exactly, for any
 split: the whole terms (priors, potentials on unsplit data) count once in
 total, and a term PyMC scales by ``total_size / rows`` (where "rows" is the
 rank's ``m``) is multiplied by ``m / N`` as well, which makes its scale
-``total_size / N``, the model's.  The graph is then vectorised over a matrix
-of positions (one row per chain), so one call evaluates every chain.
+``total_size / N``, the model's.  Several positions (one per chain) are
+evaluated in one call, by either of two graphs: the graph vectorised over a
+matrix of positions, or a loop (a Scan) running the one-position graph at
+each row of that matrix.  The loop costs what PyMC's own graph costs per
+position; vectorising can cost more or less, by model (``DataParallelModel``
+measures both).
 """
 
 import numpy as np
@@ -90,7 +94,53 @@ def joined(logp, value_vars, shapes, position, pregrad=None):
     out = pytensor.clone_replace([logp, *grads], replace=replace)
     parts = [out[0].astype(position.dtype)[None]]
     parts += [g.reshape((-1,)).astype(position.dtype) for g in out[1:]]
-    return pt.concatenate(parts) if len(parts) > 1 else parts[0]
+    return without_shape_checks(pt.concatenate(parts) if len(parts) > 1 else parts[0])
+
+
+def scanned(one, position, positions, mode=None):
+    """``one`` (``joined``'s graph at ``position``) at every row of ``positions``: (k, size + 1).
+
+    A loop in the graph (a Scan) over the rows, each step the one-position
+    graph: k evaluations in one call, each costing what one costs (what
+    depends on the data only is computed once, outside the loop).  Vectorised
+    graphs can cost several times more per position (``joined``).
+
+    Args:
+        mode: the PyTensor mode of the loop's body, the one the function compiles in
+            (else the body compiles in PyTensor's default and keeps PyMC's
+            parameter checks as errors instead of -inf).
+    """
+    import inspect
+
+    # PyTensor 2.38 warns unless told the new return form; 2.36-2.37 lack the argument.
+    new_api = "return_updates" in inspect.signature(pytensor.scan).parameters
+    out = pytensor.scan(lambda q: pytensor.clone_replace(one, replace={position: q}),
+                        sequences=[positions], mode=mode,
+                        **({"return_updates": False} if new_api else {}))
+    out = out if new_api else out[0]
+    return without_shape_checks(out)
+
+
+def without_shape_checks(graph):
+    """``graph`` (a variable or a list) without its ``SpecifyShape`` nodes (shape assertions).
+
+    PyTensor's Numba backend leaves out the check of a dimension given as
+    ``None`` by comparing it with the ``NoneConst`` object itself; in a graph
+    unpickled in a rank (``synk.distribute``) ``None`` is another object, so
+    the generated check fails to compile there (a vectorised radon model:
+    "Unknown attribute 'item' of type none", on a cold Numba cache).
+    """
+    from pytensor.graph.replace import graph_replace
+    from pytensor.tensor.shape import SpecifyShape
+
+    from ... import compat
+
+    checks = {v: v.owner.inputs[0]
+              for v in compat.ancestors(graph if isinstance(graph, list) else [graph])
+              if v.owner is not None and isinstance(v.owner.op, SpecifyShape)}
+    if not checks:
+        return graph
+    return graph_replace(graph, checks, strict=False)
 
 
 def batched(logp, value_vars, shapes, positions, pregrad=None):
@@ -115,6 +165,7 @@ def batched(logp, value_vars, shapes, positions, pregrad=None):
     grad = pt.concatenate(flat, axis=1) if len(flat) > 1 else flat[0]
     if grad.dtype != positions.dtype:
         grad = grad.astype(positions.dtype)
+    logps, grad = without_shape_checks([logps, grad])
     return logps, grad
 
 

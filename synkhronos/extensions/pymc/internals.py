@@ -20,6 +20,7 @@ rely on:
 
 import contextlib
 import copy
+import logging
 import threading
 
 import numpy as np
@@ -30,6 +31,8 @@ from pymc.initial_point import make_initial_point_fn
 from pymc.pytensorf import rewrite_pregrad as _rewrite_pregrad
 from pymc.sampling import mcmc
 
+logger = logging.getLogger(__name__)
+
 SUPPORTED_PYMC = ((5, 27), (5, 28))
 """PyMC 5.25 and 5.26 pin PyTensor 2.31 and 2.35, below synkhronos's 2.36 (compat.MIN_PYTENSOR)."""
 
@@ -38,6 +41,12 @@ def pymc_version():
     """The installed PyMC as (major, minor)."""
     parts = pm.__version__.split(".")
     return int(parts[0]), int(parts[1])
+
+
+def default_chains():
+    """The chains ``pm.sample`` runs when not told: ``max(2, cores)``, cores ``min(4, CPUs)``."""
+    from pymc.sampling.parallel import _cpu_count
+    return max(2, min(4, _cpu_count()))
 
 
 def scales_rows(rv):
@@ -119,6 +128,10 @@ def _threaded_sample_many(batcher, model):
             progressbar_theme=kwargs.get("progressbar_theme", mcmc.default_progress_theme))
         progress = _Locked(manager)
         errors = []
+        # Each chain says it is done by an Event, not by its thread's end: Thread.join
+        # interrupted by Ctrl-C (CPython before 3.13) can mark a running thread stopped,
+        # and the chains must have stopped calling before this returns.
+        done = [threading.Event() for _ in range(chains)]
 
         def run(i):
             try:
@@ -130,24 +143,40 @@ def _threaded_sample_many(batcher, model):
                 batcher.abort(exc)
             finally:
                 batcher.leave()
+                done[i].set()
+
+        def wait_all():
+            for t, d in zip(threads, done):
+                if t.ident is not None:      # started
+                    d.wait()
 
         batcher.expect(chains)
         threads = [threading.Thread(target=run, args=(i,), name=f"synk-chain-{i}", daemon=True)
                    for i in range(chains)]
+        interrupted = False
         try:
             with manager:
                 for t in threads:
                     t.start()
-                for t in threads:
-                    while t.is_alive():
-                        t.join(0.1)
+                for d in done:
+                    while not d.wait(0.1):
+                        pass
+        except KeyboardInterrupt as exc:
+            # Ctrl-C (in this, the main thread): as pm.sample, stop every chain and keep
+            # the draws each has recorded; pm.sample then returns them.
+            batcher.abort(exc)
+            wait_all()
+            interrupted = True
         except BaseException as exc:
             batcher.abort(exc)
-            for t in threads:
-                t.join()
+            wait_all()
             raise
         finally:
             batcher.reset()
+        if interrupted:
+            logger.warning("sampling interrupted (KeyboardInterrupt): returning the draws made "
+                           "so far (%s per chain)", [len(t) for t in traces])
+            return
         first = next((e for e in errors if not _is_abort(e)), errors[0] if errors else None)
         if first is not None:
             raise first

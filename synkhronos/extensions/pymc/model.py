@@ -75,8 +75,13 @@ class DataParallelModel:
         discrete = [v.name for v in value_vars
                     if not np.issubdtype(np.dtype(v.dtype), np.floating)]
         if discrete:
-            raise ValueError(f"data_parallel: free variables {discrete} are discrete; the "
-                             "gradient needs continuous free variables only")
+            raise ValueError(
+                f"data_parallel: free variables {discrete} are discrete, and NUTS (what "
+                "dp.sample drives) needs the gradient of every free variable. Marginalize "
+                f"them out (pymc_extras.marginalize(model, {discrete}) for a finite "
+                "discrete variable, or sum over its values in a pm.Potential / pm.Mixture), "
+                "or sample this model with pm.sample, whose compound steps (NUTS with "
+                "Metropolis) take discrete variables, serially")
         point = model.initial_point()
         self.value_names = [v.name for v in value_vars]
         self._shapes = [tuple(np.shape(point[n])) for n in self.value_names]
@@ -110,10 +115,10 @@ class DataParallelModel:
                                                           n_sym)
         logp = graphs.rank_logp(split_exprs, whole_expr, frac, self.dtype)
         logp = pytensor.clone_replace(logp, replace={n_sym: self._n_total})
-        # Two functions, each with one output (logp first, then the gradient): one
+        # Three functions, each with one output (logp first, then the gradient): one
         # reduction per call.  A lone position (one chain, find_map, logp_dlogp) runs
-        # PyMC's own graph on the rank's rows; several run the graph vectorised over
-        # them, one pass over the rows for every chain.
+        # PyMC's own graph on the rank's rows; several run either the graph vectorised
+        # over them or a loop of the one-position graph, whichever this model runs faster.
         position = pt.vector("position", dtype=self.dtype)
         positions = pt.matrix("positions", dtype=self.dtype)
         one = graphs.joined(logp, value_vars, self._shapes, position,
@@ -121,6 +126,7 @@ class DataParallelModel:
         logps, grads = graphs.batched(logp, value_vars, self._shapes, positions,
                                       pregrad=internals.rewrite_pregrad)
         both = pt.concatenate([logps[:, None].astype(grads.dtype), grads], axis=1)
+        looped = graphs.scanned(one, position, positions, mode=rank_mode)
         try:
             self._fn1 = synk.function(inputs=inputs, bcast_inputs=[position],
                                       outputs=[(one, "sum")], name=name, mode=rank_mode,
@@ -128,6 +134,9 @@ class DataParallelModel:
             self._fn = synk.function(inputs=inputs, bcast_inputs=[positions],
                                      outputs=[(both, "sum")], name=f"{name}_many",
                                      mode=rank_mode, on_unused_input="ignore")
+            self._fn_loop = synk.function(inputs=inputs, bcast_inputs=[positions],
+                                          outputs=[(looped, "sum")], name=f"{name}_loop",
+                                          mode=rank_mode, on_unused_input="ignore")
         except synk.SynkStateError as exc:
             raise synk.SynkStateError(f"data_parallel() must come after synk.fork() and "
                                       f"before synk.distribute() ({exc})") from None
@@ -141,8 +150,8 @@ class DataParallelModel:
         # call as a NumPy input instead.
         self._held = {} if synk.layout().n_machines == 1 else None
         self._args = {}              # k -> (the call's arguments, the array to write)
-        self._batch_wins = {}        # k -> whether one vectorised call beats k single ones
-        self._trials = {}            # k -> ([vectorised s], [k single calls s]) until known
+        self._batch_wins = {}        # k -> whether the vectorised graph beats the loop
+        self._trials = {}            # k -> ([vectorised s], [loop s]) until known
         self.batcher = Batcher(self._evaluate, one=self._evaluate_one)
         self._map_fns = None
         logger.info("pymc model: %d value variables (%d numbers), %s split by rows (%d), "
@@ -265,13 +274,14 @@ class DataParallelModel:
         return out[0], out[1:]
 
     def _evaluate(self, positions):
-        """(logps, grads) at ``positions`` (k vectors or a k x size matrix).
+        """(logps, grads) at ``positions`` (k vectors or a k x size matrix), in one call.
 
-        One vectorised call over all k, or k calls of the one-position graph,
-        whichever this model runs faster at k: vectorising a model's gradient
-        can cost more per position than running it k times (the radon model's
-        indexing, 3x at k = 4), and batching must never cost more than running
-        the chains one by one.  The first calls at each k try both.
+        The graph vectorised over the k positions, or a loop of the
+        one-position graph, whichever this model runs faster at k: vectorising
+        a model's gradient can cost several times more per position than
+        PyMC's own graph (the radon model's indexing, 4-6x), and batching
+        must never cost more than running the chains one by one.  The first
+        calls at each k try both.
         """
         k = len(positions)
         if k == 1:
@@ -279,10 +289,11 @@ class DataParallelModel:
             return np.array([lp]), g[None]
         wins = self._batch_wins.get(k)
         if wins is not None:
-            return self._vectorised(positions) if wins else self._each(positions)
+            return self._many(self._fn if wins else self._fn_loop, positions)
         return self._trial(k, positions)
 
-    def _vectorised(self, positions):
+    def _many(self, fn, positions):
+        """One call of ``fn`` (vectorised or the loop) at k positions."""
         k = len(positions)
         args = self._args.get(k)
         if args is None or self._held is None:
@@ -290,30 +301,24 @@ class DataParallelModel:
         buf = args[1]
         for i, x in enumerate(positions):
             buf[i] = x
-        both = np.array(self._fn(*args[0])[0])
+        # A fresh array at every call (combined over the ranks): each chain keeps its row.
+        both = fn(*args[0])[0]
         return both[:, 0], both[:, 1:]
-
-    def _each(self, positions):
-        logps = np.empty(len(positions), self.dtype)
-        grads = np.empty((len(positions), self.size), self.dtype)
-        for i, x in enumerate(positions):
-            logps[i], grads[i] = self._evaluate_one(x)
-        return logps, grads
 
     def _trial(self, k, positions):
         """Evaluate by the way tried less so far; once each has run ``_TRIALS`` times, keep
         the faster (the first run of each left out: it compiles and faults pages in)."""
-        vec, each = self._trials.setdefault(k, ([], []))
-        times, how = (vec, self._vectorised) if len(vec) <= len(each) else (each, self._each)
+        vec, loop = self._trials.setdefault(k, ([], []))
+        times, fn = (vec, self._fn) if len(vec) <= len(loop) else (loop, self._fn_loop)
         t0 = time.perf_counter()
-        out = how(positions)
+        out = self._many(fn, positions)
         times.append(time.perf_counter() - t0)
-        if len(vec) >= _TRIALS and len(each) >= _TRIALS:
-            wins = self._batch_wins[k] = min(vec[1:]) <= min(each[1:])
+        if len(vec) >= _TRIALS and len(loop) >= _TRIALS:
+            wins = self._batch_wins[k] = min(vec[1:]) <= min(loop[1:])
             del self._trials[k]
-            logger.debug("pymc model: %d positions a call %s (%.1f us vectorised, %.1f us one "
-                         "by one)", k, "vectorised" if wins else "one by one",
-                         min(vec[1:]) * 1e6, min(each[1:]) * 1e6)
+            logger.debug("pymc model: %d positions a call %s (%.1f us vectorised, %.1f us in "
+                         "a loop)", k, "vectorised" if wins else "in a loop",
+                         min(vec[1:]) * 1e6, min(loop[1:]) * 1e6)
         return out
 
     def logp_dlogp_many(self, positions):
@@ -432,7 +437,7 @@ class DataParallelModel:
         if self._data is None or self._stale():
             self.scatter()
 
-    def sample(self, draws=1000, *, tune=1000, chains=4, nuts_sampler="pymc", random_seed=None,
+    def sample(self, draws=1000, *, tune=1000, chains=None, nuts_sampler="pymc", random_seed=None,
                **kwargs):
         """Sample the posterior as ``pm.sample`` does, every chain in one data-parallel call per step.
 
@@ -440,9 +445,17 @@ class DataParallelModel:
         ``arviz.InferenceData`` by default, with the same groups, sample
         statistics and convergence checks, and its progress bar).  The chains
         run as threads of this process; each step of every chain is one
-        call over all ranks.  ``cores`` is ignored (the ranks use the cores).
+        call over all ranks.  As ``pm.sample``: ``chains`` defaults to
+        ``max(2, min(4, CPUs))``, and Ctrl-C stops the chains and returns the
+        draws made so far (PyMC's NUTS).  ``cores=`` and ``model=`` (other than
+        ``dp.model``) are ignored with a warning saying why.
+
+        ``dp.batcher.calls`` and ``dp.batcher.positions`` count the data-parallel
+        calls and the positions they evaluated since this call began (reset by
+        each ``sample``).
 
         Args:
+            chains: chains to run; None: as ``pm.sample``.
             nuts_sampler: ``"pymc"`` (PyMC's NUTS) or ``"nutpie"`` (needs nutpie).
             **kwargs: any other ``pm.sample`` argument (``init``, ``target_accept``,
                 ``var_names``, ``idata_kwargs``, ``nuts_sampler_kwargs``...).

@@ -122,9 +122,16 @@ def _combines_rows(term, plan, whole, summed):
                   if v.owner is not None
                   and any(k in type(v.owner.op).__name__ for k in _ROW_COMBINING)})
     found = f" Its graph has {', '.join(ops)}." if ops else ""
+    names = [c.name for c in plan.split]
+    numpy_fix = (" If it centres or scales by statistics over the rows (X - X.mean(0), "
+                 "(x - x.mean()) / x.std()), compute them with NumPy before building the "
+                 "model, pm.Data(\"X\", X - X.mean(0)): every row then stands alone and the "
+                 "rows split exactly.")
+    whole_fix = (" If it needs every row (a time series, a sort), keep whole every container "
+                 f"it reads among {names}: data_parallel(model, unsplit=[...]), all of those "
+                 "with its rows (one kept whole next to one split would not line up).")
     return (f"{WHERE}: the log-density term of {term.name!r} combines rows (statistics across "
             "rows such as a mean or a sort, a cumulative sum, a time series): on parts of the "
             f"rows it adds up to {summed!r}, on all of them it is {whole!r}, so split over ranks "
-            f"it would be silently wrong.{found} If it needs every row, keep its data whole: "
-            f"data_parallel(model, unsplit=[...]) with the containers it reads among "
-            f"{[c.name for c in plan.split]}")
+            f"it would be silently wrong.{found}"
+            + (whole_fix + numpy_fix if ops else numpy_fix + whole_fix))

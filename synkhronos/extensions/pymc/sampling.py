@@ -1,6 +1,7 @@
 """DataParallelModel.sample: pm.sample with every chain's (logp, dlogp) in one data-parallel call."""
 
 import logging
+import warnings
 
 import pymc as pm
 
@@ -19,13 +20,21 @@ def sample(dp, draws, tune, chains, nuts_sampler, random_seed, **kwargs):
     if kwargs.get("step") is not None:
         raise ValueError(f"{where}: step= is not supported: the data-parallel (logp, dlogp) "
                          "drives NUTS (pass NUTS's arguments, e.g. target_accept=, instead)")
+    if chains is None:
+        chains = internals.default_chains()
     if not isinstance(chains, int) or chains < 1:
         raise ValueError(f"{where}: chains must be a positive int; got {chains!r}")
-    kwargs.pop("model", None)
+    model = kwargs.pop("model", None)
+    if model is not None and model is not dp.model:
+        warnings.warn(f"{where}: model= ignored: dp samples the model it was built on "
+                      "(dp.model); build data_parallel(other_model) before synk.distribute() "
+                      "to sample another", UserWarning, stacklevel=3)
     cores = kwargs.pop("cores", None)
-    if cores not in (None, 1):
-        logger.info("%s: cores=%s ignored: the chains run as threads of this process, and the "
-                    "ranks use the cores", where, cores)
+    if cores is not None:
+        warnings.warn(f"{where}: cores={cores} ignored: the {chains} chain(s) run as threads "
+                      "of this process, every step of all of them one call over the ranks, "
+                      "and the ranks use the cores (synk.fork(n) sets how many)",
+                      UserWarning, stacklevel=3)
     if nuts_sampler == "nutpie":
         try:
             import nutpie  # noqa: F401
@@ -37,6 +46,7 @@ def sample(dp, draws, tune, chains, nuts_sampler, random_seed, **kwargs):
         nsk.setdefault("cores", chains)
         kwargs["nuts_sampler_kwargs"] = nsk
     dp.batcher.reset()
+    dp.batcher.calls = dp.batcher.positions = 0    # counters per sample() call
     with internals.driving(dp):
         return pm.sample(draws, tune=tune, chains=chains, cores=1, random_seed=random_seed,
                          nuts_sampler=nuts_sampler, model=dp.model, **kwargs)

@@ -1,0 +1,306 @@
+"""The PyMC gallery's models (bench/pymc_gallery_models.py): the rank's graph against PyMC's own,
+and sampling against pm.sample and nutpie, in one run.
+
+Two parts, each model in a child process of its own (own memory, a quiet start):
+
+  graphs    microseconds per position of PyMC's own (logp, dlogp)
+            (``model.logp_dlogp_function(ravel_inputs=True)``, as its NUTS calls it, in
+            PyTensor's default mode, C code through the cvm linker, and in Numba) against
+            the graph a rank runs on the same rows (all of them, as one rank would), in
+            the rank's mode: one position (PyMC's own graph, split), and k = 2 and 4
+            positions both vectorised over the positions and as a loop (a Scan) of the
+            one-position graph.  The rank's values are checked against PyMC's first.
+  sample    draws/s of pm.sample, nutpie, and dp.sample with PyMC's NUTS and with nutpie
+            (2 ranks), 1 and 2 chains, per model and row count.
+
+    python bench/pymc_gallery.py --parts graphs                  # about 3 minutes here
+    python bench/pymc_gallery.py --parts graphs --rows 1e5 --models radon,logistic
+    python bench/pymc_gallery.py --parts sample --rows 1e4,1e5 --draws 200 --tune 200
+"""
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+PARTS = ("graphs", "sample")
+SYSTEMS = ("pymc", "nutpie", "synk-pymc", "synk-nutpie")
+
+
+def _quiet():
+    import logging
+    import warnings
+    warnings.filterwarnings("ignore")
+    for name in ("pymc", "pytensor", "synkhronos"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _emit(tag, obj):
+    print(f"{tag} " + json.dumps(obj), flush=True)
+
+
+def _flat_point(model, shift=0.0):
+    """A position as a sampler visits them: the initial point moved off its zeros."""
+    import numpy as np
+    point = model.initial_point()
+    q = np.concatenate([np.asarray(point[v.name], dtype=np.float64).ravel()
+                        for v in model.value_vars])
+    return q + 0.3 * np.sin(1.0 + shift + np.arange(q.size))
+
+
+def best_us(fn, seconds=0.4, rounds=7):
+    """Best of ``rounds`` of the mean microseconds per call of ``fn`` (about ``seconds`` in all)."""
+    fn()
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds / rounds:
+        fn()
+        n += 1
+    n = max(n, 3)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        times.append((time.perf_counter() - t0) / n * 1e6)
+    return min(times)
+
+
+# -- graphs --------------------------------------------------------------------------------------
+def _rank_fns(model, mode):
+    """The rank's graphs on all the model's rows (one rank's view of a split over one rank):
+    ``(one, vectorised, loop, data)``, compiled as DataParallelModel compiles them."""
+    import numpy as np
+    import pytensor
+    import pytensor.tensor as pt
+
+    from synkhronos.extensions.pymc import graphs, internals, terms
+
+    plan = terms.choose(model, terms.model_terms(model))
+    inputs = graphs.row_inputs(plan.split)
+    n_rows = len(plan.split[0].get_value())
+    n_total = pytensor.shared(np.float64(n_rows))
+    split, whole, frac = graphs.rank_terms(model, plan, inputs, {}, n_total)
+    logp = graphs.rank_logp(split, whole, frac, "float64")
+    point = model.initial_point()
+    shapes = [np.shape(point[v.name]) for v in model.value_vars]
+    pmode = internals.pymc_mode(model, base=mode)
+    q, P = pt.dvector("q"), pt.dmatrix("P")
+    one = graphs.joined(logp, model.value_vars, shapes, q, pregrad=internals.rewrite_pregrad)
+    logps, grads = graphs.batched(logp, model.value_vars, shapes, P,
+                                  pregrad=internals.rewrite_pregrad)
+    both = pt.concatenate([logps[:, None], grads], axis=1)
+    loop = graphs.scanned(one, q, P, mode=pmode)
+    kw = dict(mode=pmode, on_unused_input="ignore", trust_input=True)
+    fns = [pytensor.function([*inputs, x], out, **kw) for x, out in ((q, one), (P, both),
+                                                                     (P, loop))]
+    data = [np.ascontiguousarray(c.get_value()) for c in plan.split]
+    return (*fns, data)
+
+
+def _pymc_own(model, mode=None):
+    """PyMC's (logp, dlogp) of the raveled position, as its NUTS calls it."""
+    from synkhronos.extensions.pymc import internals
+    kw = {} if mode is None else {"mode": internals.pymc_mode(model, base=mode)}
+    joint = model.logp_dlogp_function(ravel_inputs=True, **kw)
+    joint.set_extra_values({})
+    fn = joint._pytensor_function
+    fn.trust_input = True
+    return fn
+
+
+def child_graphs(which, n_rows, mode):
+    import numpy as np
+
+    import pymc_gallery_models as gm
+    _quiet()
+    model = gm.MODELS[which](n_rows)
+    rows = n_rows if which in gm.HAS_ROWS else 8
+    t0 = time.perf_counter()
+    own = {"CVM": _pymc_own(model), "NUMBA": _pymc_own(model, "NUMBA")}
+    one, vec, loop, data = _rank_fns(model, mode)
+    compile_s = time.perf_counter() - t0
+    Q = np.stack([_flat_point(model, s) for s in range(4)])
+
+    # The rank's values against PyMC's own at each position (one rank holds every row).
+    ref = [own["CVM"](q) for q in Q]
+    ref = np.array([np.concatenate([[lp], g]) for lp, g in ref])
+    got = {"one": np.stack([one(*data, q) for q in Q]), "vec": vec(*data, Q),
+           "loop": loop(*data, Q)}
+    err = max(float(np.max(np.abs(g - ref) / (1 + np.abs(ref)))) for g in got.values())
+
+    res = {"rows": rows, "compile_s": compile_s, "max_rel_err": err}
+    q = Q[0]
+    for m, f in own.items():
+        res[f"pymc {m}"] = best_us(lambda f=f: f(q))
+    res["rank k=1"] = best_us(lambda: one(*data, q))
+    for k in (2, 4):
+        Pk = np.ascontiguousarray(Q[:k])
+        res[f"vec k={k}"] = best_us(lambda P=Pk: vec(*data, P)) / k
+        res[f"loop k={k}"] = best_us(lambda P=Pk: loop(*data, P)) / k
+        res[f"{k} calls k={k}"] = res["rank k=1"]
+    _emit("GRAPHS", {"model": which, "mode": mode, "res": res})
+
+
+def _graphs_table(results):
+    print("\n### The rank's graph per position against PyMC's own, same rows "
+          "(us per position, best of 7 rounds)\n")
+    print("| model | rows | PyMC own, C (default) | PyMC own, Numba | rank, k=1 | k=2 vectorised "
+          "| k=2 loop | k=4 vectorised | k=4 loop | rank's best / PyMC's default, k=1 / 2 / 4 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in results:
+        x = r["res"]
+        base = x["pymc CVM"]
+        best = [x["rank k=1"], min(x["vec k=2"], x["loop k=2"]), min(x["vec k=4"], x["loop k=4"])]
+        print(f"| {r['model']} | {x['rows']} | {base:.0f} | {x['pymc NUMBA']:.0f} | "
+              f"{x['rank k=1']:.0f} | {x['vec k=2']:.0f} | {x['loop k=2']:.0f} | "
+              f"{x['vec k=4']:.0f} | {x['loop k=4']:.0f} | "
+              + " / ".join(f"{b / base:.2f}x" for b in best) + " |")
+    print("\nmax relative error of the rank's (logp, dlogp) against PyMC's: "
+          + ", ".join(f"{r['model']} {r['res']['max_rel_err']:.1e}" for r in results)
+          + f"; rank mode {results[0]['mode']}", flush=True)
+
+
+# -- sampling ------------------------------------------------------------------------------------
+def child_sample(system, which, n_rows, chains, draws, tune):
+    """One sampling run.  Seconds of sampling as PyMC counts them (``sampling_time``: after
+    the set-up, tuning included) where the result has them, else from the call to the
+    result; the data-parallel model's graphs compiled and its batching tried first (in
+    ``setup_s``: Numba compiles at the first call)."""
+    import numpy as np
+
+    import pymc_gallery_models as gm
+    _quiet()
+    model = gm.MODELS[which](n_rows)
+    kw = dict(draws=draws, tune=tune, chains=chains, random_seed=1, progressbar=False,
+              compute_convergence_checks=False, discard_tuned_samples=False)
+    setup_s = 0.0
+    if system in ("pymc", "nutpie"):
+        import pymc as pm
+        with model:
+            t0 = time.perf_counter()
+            idata = pm.sample(**kw, nuts_sampler=system, cores=chains)
+            wall = time.perf_counter() - t0
+    else:
+        import synkhronos as synk
+        from synkhronos.extensions import pymc as synk_pymc
+        t_setup = time.perf_counter()
+        synk.fork(2)
+        try:
+            dp = synk_pymc.data_parallel(model)
+            synk.distribute()
+            x = dp.initial_x()
+            dp.logp_dlogp(x)
+            if chains > 1:
+                P = np.stack([x + 0.01 * i for i in range(chains)])
+                for _ in range(2 * 6 + 1):       # both ways at k = chains, the faster kept
+                    dp.logp_dlogp_many(P)
+            setup_s = time.perf_counter() - t_setup
+            t0 = time.perf_counter()
+            idata = dp.sample(**kw, nuts_sampler=system.split("-")[1])
+            wall = time.perf_counter() - t0
+        finally:
+            synk.close()
+    secs = float(idata.posterior.attrs.get("sampling_time", wall))
+    # Gradient evaluations (NUTS's leapfrog steps, tuning included): draws/s depends on the
+    # trees the sampler happened to build; evaluations/s compares the systems' speed.
+    steps = sum(int(idata[g]["n_steps"].sum()) for g in ("sample_stats", "warmup_sample_stats")
+                if g in idata.groups() and "n_steps" in idata[g])
+    _emit("SAMPLE", {"system": system, "model": which, "rows": n_rows, "chains": chains,
+                     "secs": secs, "wall_s": wall, "draws_s": draws * chains / secs,
+                     "steps": steps, "steps_s": steps / secs, "setup_s": setup_s})
+
+
+def _sample_table(results, draws, tune):
+    print(f"\n### Sampling: draws/s and gradient evaluations/s ({draws} draws after {tune} "
+          "tuning steps per chain; the time PyMC reports, tuning in, compiling out)\n")
+    print("| model | rows | chains | " + " | ".join(f"{s} draws/s (evals/s)" for s in SYSTEMS)
+          + " | synk-pymc / pymc, evals/s | synk-nutpie / nutpie, evals/s |")
+    print("|---|---:|---:|" + "---:|" * (len(SYSTEMS) + 2))
+    keys = []
+    for r in results:
+        k = (r["model"], r["rows"], r["chains"])
+        if k not in keys:
+            keys.append(k)
+    by = {(r["model"], r["rows"], r["chains"], r["system"]): r for r in results}
+    for m, n, c in keys:
+        cells = [by.get((m, n, c, s)) for s in SYSTEMS]
+        txt = [f"{x['draws_s']:.0f} ({x['steps_s']:.0f})" if x else "-" for x in cells]
+
+        def ratio(a, b):
+            return f"{a['steps_s'] / b['steps_s']:.2f}x" if a and b else "-"
+        print(f"| {m} | {n} | {c} | " + " | ".join(txt)
+              + f" | {ratio(cells[2], cells[0])} | {ratio(cells[3], cells[1])} |")
+    print(flush=True)
+
+
+# -- driver --------------------------------------------------------------------------------------
+def _run_child(args):
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", *map(str, args)]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    found = [line for line in out.stdout.splitlines() if line.startswith(("GRAPHS ", "SAMPLE "))]
+    if out.returncode or not found:
+        sys.stderr.write(f"child {args} failed ({out.returncode}):\n{out.stderr[-3000:]}\n")
+        return None
+    return json.loads(found[-1].split(" ", 1)[1])
+
+
+def main():
+    import pymc_gallery_models as gm
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--parts", default="graphs")
+    p.add_argument("--models", default=",".join(gm.MODELS))
+    p.add_argument("--rows", default=None, help="graphs: 2e4; sample: 1e4,1e5")
+    p.add_argument("--mode", default="NUMBA", help="the rank's mode (graphs)")
+    p.add_argument("--chains", default="1,2")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--draws", type=int, default=200)
+    p.add_argument("--tune", type=int, default=200)
+    p.add_argument("--child", nargs="+")
+    a = p.parse_args()
+    if a.child:
+        kind, *rest = a.child
+        if kind == "graphs":
+            child_graphs(rest[0], int(rest[1]), rest[2])
+        else:
+            child_sample(rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]), int(rest[5]))
+        return
+    import numpy
+    import pymc
+    import pytensor
+    models = a.models.split(",")
+    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, "
+          f"{os.cpu_count()} CPUs, Python {platform.python_version()}, PyMC {pymc.__version__}, "
+          f"PyTensor {pytensor.__version__}, NumPy {numpy.__version__}", flush=True)
+    parts = a.parts.split(",")
+    if "graphs" in parts:
+        rows = [int(float(r)) for r in (a.rows or "2e4").split(",")]
+        results = [r for n in rows for m in models
+                   if (r := _run_child(["graphs", m, n, a.mode])) is not None]
+        _graphs_table(results)
+    if "sample" in parts:
+        rows = [int(float(r)) for r in (a.rows or "1e4,1e5").split(",")]
+        results = []
+        for n in rows:
+            for m in models:
+                if m not in gm.HAS_ROWS and n != rows[0]:
+                    continue
+                for c in [int(c) for c in a.chains.split(",")]:
+                    for s in a.systems.split(","):
+                        r = _run_child(["sample", s, m, n, c, a.draws, a.tune])
+                        if r is not None:
+                            results.append(r)
+                            print(f"# {s} {m} {n} rows, {c} chains: {r['draws_s']:.0f} draws/s, "
+                                  f"{r['steps_s']:.0f} evals/s ({r['secs']:.1f} s; "
+                                  f"{time.strftime('%H:%M:%S', time.gmtime())}, load "
+                                  f"{os.getloadavg()[0]:.1f})", flush=True)
+        _sample_table(results, a.draws, a.tune)
+
+
+if __name__ == "__main__":
+    main()
