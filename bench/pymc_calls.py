@@ -1,5 +1,5 @@
 """PyMC's (logp, dlogp) call by call: its fixed cost, a sampler's step around it, the cost per row
-of each PyTensor mode, and the data-parallel speedup at 10^4 rows; baselines in the same run.
+of each PyTensor mode, and the data-parallel speedup (10^4 rows by default); baselines in the same run.
 
 Four parts, each in child processes of its own (own memory, core pinning):
 
@@ -16,7 +16,8 @@ Four parts, each in child processes of its own (own memory, core pinning):
             hierarchical model.  (The c linker, one C module per graph, cannot compile
             the radon model's vectorised gradient: AdvancedIncSubtensor1 has no C code
             for it.)
-  ratio     dp.logp_dlogp at 10^4 rows on 2 ranks against PyMC's serial call, the ranks and
+  ratio     dp.logp_dlogp on 2 ranks (``--ratio-rows``, ``--ratio-models logistic,radon``)
+            against PyMC's serial call, the ranks and
             PyMC each in PyTensor's default mode (CVM) and in Numba, rounds alternating.
 
 With ``--before DIR`` (a checkout of an older tree), the overhead and ratio parts run
@@ -479,13 +480,13 @@ def _modes_table(results):
 
 
 # -- the speedup at 10^4 rows ------------------------------------------------------------------
-def child_ratio(n_rows, calls, modes):
+def child_ratio(n_rows, calls, modes, which="logistic"):
     """dp.logp_dlogp on 2 ranks against PyMC's serial call, per mode, rounds alternating."""
     _quiet()
     import synkhronos as synk
     from synkhronos.extensions import pymc as synk_pymc
 
-    model = logistic(n_rows)
+    model = MODELS[which](n_rows)
     q = _flat_point(model)
     synk.fork(2)
     dps = {}
@@ -504,11 +505,12 @@ def child_ratio(n_rows, calls, modes):
             fns[f"dp.logp_dlogp, {m}"] = (lambda d: lambda: d.logp_dlogp(q))(dps[m])
     out = paired(fns, calls, rounds=9, warm=20)
     synk.close()
-    _emit("RATIO", {"rows": n_rows, "res": out})
+    _emit("RATIO", {"rows": n_rows, "model": which, "res": out})
 
 
 def _ratio_table(runs):
-    print("\n| logistic regression, 10^4 rows, 2 ranks | " + " | ".join(
+    first = runs[0][1]
+    print(f"\n| {first.get('model', 'logistic')}, {first['rows']} rows, 2 ranks | " + " | ".join(
         f"{tag} best / median us" for tag, _ in runs) + " |")
     print("| --- |" + " --- |" * len(runs))
     for k in runs[0][1]["res"]:
@@ -570,6 +572,7 @@ def main():
     p.add_argument("--mode-rows", type=int, default=10_000)
     p.add_argument("--ratio-rows", type=int, default=10_000)
     p.add_argument("--ratio-modes", default="CVM,NUMBA")
+    p.add_argument("--ratio-models", default="logistic", help="ratio: logistic and/or radon")
     p.add_argument("--child", nargs="+")
     a = p.parse_args()
     if a.child:
@@ -581,7 +584,8 @@ def main():
         if kind == "modes":
             return child_modes(rest[0], int(rest[1]))
         if kind == "ratio":
-            return child_ratio(int(rest[0]), int(rest[1]), rest[2].split(","))
+            return child_ratio(int(rest[0]), int(rest[1]), rest[2].split(","),
+                               rest[3] if len(rest) > 3 else "logistic")
         raise SystemExit(f"unknown child {kind}")
 
     parts = a.parts.split(",")
@@ -610,13 +614,16 @@ def main():
             print(f"  modes, {which}: done, load {os.getloadavg()[0]:.2f}", flush=True)
         _modes_table(results)
     if "ratio" in parts:
-        runs = []
-        for tag, tree in _trees(a.before, a.rounds):
-            got = _run_child(["--child", "ratio", str(a.ratio_rows), "100", a.ratio_modes], tree)
-            runs += [(tag, r) for r in got]
-            print(f"  ratio, {tag}: done, load {os.getloadavg()[0]:.2f}", flush=True)
-        if runs:
-            _ratio_table(runs)
+        for which in a.ratio_models.split(","):
+            runs = []
+            for tag, tree in _trees(a.before, a.rounds):
+                extra = [] if which == "logistic" else [which]  # older trees: logistic only
+                got = _run_child(["--child", "ratio", str(a.ratio_rows), "100", a.ratio_modes,
+                                  *extra], tree)
+                runs += [(tag, r) for r in got]
+                print(f"  ratio, {which}, {tag}: done, load {os.getloadavg()[0]:.2f}", flush=True)
+            if runs:
+                _ratio_table(runs)
     print(f"# load at the end {os.getloadavg()[0]:.2f}", flush=True)
 
 
