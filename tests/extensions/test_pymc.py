@@ -233,6 +233,29 @@ def test_sample_defaults_warnings_and_counters_as_pm_sample(env):
     assert dp.batcher.calls < dp.batcher.positions
 
 
+def test_pm_sample_while_forked_warns_its_chains_would_share_a_core(env):
+    """pm.sample's chain processes inherit the forked master's one core: it says so, naming
+    dp.sample; the draws still come; dp.sample itself does not warn."""
+    import os
+    import warnings
+
+    import pymc as pm
+
+    if len(os.sched_getaffinity(0)) != 1 or (os.cpu_count() or 1) < 2:
+        pytest.skip("the master is not pinned here (more ranks than cores)")
+    model, dp = env.models["negbin"], env.dps["negbin"]
+    with pytest.warns(UserWarning, match=r"pm.sample\(\) while synkhronos is forked: this process "
+                      r"is pinned to core \d+ .* sample with dp.sample\(\)"):
+        idata = pm.sample(5, tune=5, chains=2, cores=2, model=model, random_seed=5,
+                          progressbar=False, compute_convergence_checks=False)
+    assert idata.posterior.sizes["chain"] == 2 and idata.posterior.sizes["draw"] == 5
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        dp.sample(5, tune=5, chains=2, random_seed=6, progressbar=False,
+                  compute_convergence_checks=False)
+    assert not [w for w in seen if "while synkhronos is forked" in str(w.message)]
+
+
 def test_ctrl_c_returns_the_draws_so_far(env):
     """Ctrl-C during dp.sample (SIGINT to this process) stops the chains and returns the draws
     made, as pm.sample does; the runtime keeps working."""

@@ -36,7 +36,9 @@ def data_parallel(model=None, data=None, unsplit=None, name="pymc_logp", mode=No
     model first and refuses, naming the variable, what would be silently
     wrong when split by rows: ``pm.Minibatch``, per-row NumPy arrays outside
     ``pm.Data``, and terms that combine rows (a mean over rows, a sort, a
-    time series) unless their containers are in ``unsplit``.
+    time series) unless their containers are in ``unsplit``.  From then on,
+    ``pm.sample`` called while forked warns where its chains would share the
+    master's one pinned core (sample with ``dp.sample`` instead).
 
     Args:
         model: a ``pm.Model``; default: the model of the enclosing ``with`` block.
@@ -64,5 +66,9 @@ def data_parallel(model=None, data=None, unsplit=None, name="pymc_logp", mode=No
     """
     import pymc as pm
 
+    from . import internals
+
     model = pm.modelcontext(model)
-    return DataParallelModel(model, data, unsplit, name, mode)
+    dp = DataParallelModel(model, data, unsplit, name, mode)
+    internals.warn_when_pinned()  # pm.sample while forked: its chains would share one core
+    return dp

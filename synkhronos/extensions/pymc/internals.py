@@ -16,12 +16,19 @@ rely on:
 - ``pm.sample(nuts_sampler="nutpie")`` calls ``nutpie.compile_pymc_model``;
   ``driving()`` makes it return a ``nutpie.compiled_pyfunc.from_pyfunc``
   model on the data-parallel (logp, dlogp).
+- ``pm.sample`` runs parallel chains through ``mcmc._mp_sample`` (processes)
+  and external samplers through ``mcmc._sample_external_nuts`` (nutpie's
+  threads); ``warn_when_pinned()`` wraps both, once, to warn when they would
+  start on a synkhronos master pinned to one core.
 """
 
 import contextlib
 import copy
+import functools
 import logging
+import os
 import threading
+import warnings
 
 import numpy as np
 import pymc as pm
@@ -209,6 +216,42 @@ class _Locked:
         return getattr(self._manager, name)
 
 
+_driving = [0]  # driving() contexts open: dp.sample's own calls never warn
+
+
+def warn_when_pinned():
+    """From now on, ``pm.sample`` warns where its chains would share a pinned master's core.
+
+    A forked synkhronos master is pinned to one core (its ranks hold the
+    others); PyMC's chain processes and nutpie's threads inherit that, so
+    ``pm.sample`` called while forked would run every chain on one core.
+    Installed once, by ``data_parallel()``; ``dp.sample`` is not affected.
+    """
+    if getattr(mcmc, "_synk_warns", False):
+        return
+    for name in ("_mp_sample", "_sample_external_nuts"):
+        setattr(mcmc, name, _warns_pinned(getattr(mcmc, name)))
+    mcmc._synk_warns = True
+
+
+def _warns_pinned(original):
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        if not _driving[0]:
+            from ...runtime.state import get_runtime
+            rt = get_runtime()
+            cores = os.sched_getaffinity(0)
+            if (rt is not None and not rt.closed and rt.is_master and len(cores) == 1
+                    and (os.cpu_count() or 1) > 1):
+                warnings.warn(
+                    f"pm.sample() while synkhronos is forked: this process is pinned to core "
+                    f"{min(cores)} (its ranks hold the others), so every chain would share that "
+                    "core; sample with dp.sample() instead, or call synk.close() first",
+                    UserWarning, stacklevel=4)
+        return original(*args, **kwargs)
+    return wrapper
+
+
 @contextlib.contextmanager
 def driving(dp):
     """Within: ``pm.sample`` on ``dp.model`` samples with ``dp``'s data-parallel (logp, dlogp)."""
@@ -227,9 +270,11 @@ def driving(dp):
     mcmc._sample_many = _threaded_sample_many(batcher, model)
     if nutpie_mod is not None:
         nutpie_mod.compile_pymc_model = lambda m, **kw: nutpie_model(dp, **kw)
+    _driving[0] += 1
     try:
         yield
     finally:
+        _driving[0] -= 1
         del model.logp_dlogp_function
         mcmc._sample_many = saved_many
         if nutpie_mod is not None:
