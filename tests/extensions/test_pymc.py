@@ -305,6 +305,48 @@ def test_set_data_without_scatter_is_caught(env):
     np.testing.assert_allclose(dp.logp(point), model.compile_logp()(point), rtol=1e-10)
 
 
+def test_the_model_holds_the_shared_rows_not_a_copy(env):
+    """On one machine the split containers hold the shared-memory arrays the ranks read (the
+    master keeps no copy of its own), with the same rows, so PyMC's own functions on the model
+    still give their values; a second data_parallel on the same model leaves them with the
+    first's; pm.set_data then scatter() points them at the new rows in shared memory."""
+    model, dp = env.models["negbin"], env.dps["negbin"]
+    assert dp.containers
+    with pytensor.config.change_flags(floatX="float64"):
+        ref = pymc_models.negbin(N_ROWS)      # the same rows, never made data-parallel
+    for c, d in zip(dp.containers, dp._data):
+        held = c.get_value(borrow=True)
+        assert held is d.data and not held.flags.owndata
+        np.testing.assert_array_equal(held, ref[c.name].get_value())
+    for point in _points(model, np.random.default_rng(17), k=2):
+        lp = model.compile_logp()(point)
+        np.testing.assert_allclose(lp, ref.compile_logp()(point), rtol=1e-12)
+        np.testing.assert_allclose(dp.logp(point), lp, rtol=1e-10)
+        _assert_grad_close(dp.dlogp(point), ref.compile_dlogp()(point))
+    radon, other = env.dps["radon"], env.other
+    for c, d in zip(radon.containers, radon._data):
+        assert c.get_value(borrow=True) is d.data
+    assert all(o is not d for o, d in zip(other._data, radon._data))
+    point = model.initial_point()
+    old = model["y"].get_value()
+    new = np.random.default_rng(5).poisson(2.0, size=N_ROWS)
+    try:
+        with model:
+            pm.set_data({"y": new})
+        dp.scatter()
+        y = model["y"]
+        d = dp._data[[c.name for c in dp.containers].index("y")]
+        assert y.get_value(borrow=True) is d.data
+        np.testing.assert_array_equal(d.data, new)
+        with ref:
+            pm.set_data({"y": new})
+        np.testing.assert_allclose(dp.logp(point), ref.compile_logp()(point), rtol=1e-10)
+    finally:
+        with model:
+            pm.set_data({"y": old})
+        dp.scatter()
+
+
 # -- data produced where it is used, on simulated machines --------------------------------------
 def _cluster_run(n_machines, local):
     import os

@@ -6,6 +6,7 @@ positions, scatter, ravel and unravel, find_map, sample) is the job.
 
 import logging
 import time
+import weakref
 
 import numpy as np
 import pytensor
@@ -25,6 +26,10 @@ logger = logging.getLogger(__name__)
 # and compiled faster from a cold cache (bench/pymc_calls.py --parts modes, bench/RESULTS.md).
 DEFAULT_MODE = "NUMBA"
 MODES = ("NUMBA", "CVM")
+
+
+# pm.Data container -> a weak reference to the shared array it was given (DataParallelModel._point_at).
+_POINTED = weakref.WeakKeyDictionary()
 
 
 def _rank_mode(mode):
@@ -141,8 +146,15 @@ class DataParallelModel:
             raise synk.SynkStateError(f"data_parallel() must come after synk.fork() and "
                                       f"before synk.distribute() ({exc})") from None
         self._data = None
+        self._scattered = False      # scatter() done once (the first evaluation does it)
         self._seen = {}
         self._n_sent = self.n_rows   # the value distribute() sends
+        if not self._given and synk.layout().n_machines == 1:
+            # On one machine the rows go into shared memory now, before distribute()
+            # starts the workers, and the model's containers then hold the shared
+            # arrays: the master's own copy is freed, and the workers, forked from it,
+            # never map it (one copy of the rows, not two).  scatter() sends the rest.
+            self._data = self._shared_rows()
         # On one machine the positions go into Data held for the run (one per batch
         # size), written in place, so each call passes the very same Data: the call
         # is then a kept one (no checks, nothing pickled).  In a cluster a write to a
@@ -209,11 +221,12 @@ class DataParallelModel:
         else:
             values = [c.get_value(borrow=True) for c in self.containers]
             if self._data is None:
-                self._data = [synk.data(v, var=inp, name=f"pymc:{c.name}")
-                              for v, c, inp in zip(values, self.containers, self._inputs)]
+                self._data = self._shared_rows()
             else:
-                for d, v in zip(self._data, values):
-                    d.set_value(v)
+                for d, c, v in zip(self._data, self.containers, values):
+                    if v is not d.data:        # pm.set_data gave it new rows
+                        d.set_value(v)
+                        self._point_at(c, d)
             self.n_rows = len(values[0])
         changed = [(copy, c.get_value(borrow=True)) for c, copy in self._whole_copies.items()
                    if self._seen and self._seen.get(c) is not c.get_value(borrow=True)]
@@ -223,6 +236,31 @@ class DataParallelModel:
             synk.broadcast(self._n_total, np.float64(self.n_rows))
             self._n_sent = self.n_rows
         self._seen = {c: c.get_value(borrow=True) for c in [*self.containers, *self.whole]}
+        self._scattered = True
+
+    def _shared_rows(self):
+        """A Data per split container, holding its rows; on one machine the container then holds its array."""
+        out = []
+        for c, inp in zip(self.containers, self._inputs):
+            d = synk.data(c.get_value(borrow=True), var=inp, name=f"pymc:{c.name}")
+            self._point_at(c, d)
+            out.append(d)
+        return out
+
+    def _point_at(self, container, d):
+        """On one machine: ``container`` holds ``d``'s shared array, its own copy freed.
+
+        Not if it already holds another DataParallelModel's (of the same model): that
+        one would see its rows changed.
+        """
+        if synk.layout().n_machines != 1:
+            return
+        held = _POINTED.get(container)
+        if held is not None and held() is container.get_value(borrow=True):
+            return
+        arr = d.data
+        container.set_value(arr, borrow=True)
+        _POINTED[container] = weakref.ref(arr)
 
     def _stale(self):
         """Names of containers changed (pm.set_data) since the last scatter()."""
@@ -232,7 +270,7 @@ class DataParallelModel:
                 if self._seen.get(c) is not c.get_value(borrow=True)]
 
     def _ready(self, where):
-        if self._data is None:
+        if not self._scattered:
             self.scatter()
             return
         stale = self._stale()
@@ -434,7 +472,7 @@ class DataParallelModel:
         return self._map_fns
 
     def _refresh(self, where):
-        if self._data is None or self._stale():
+        if not self._scattered or self._stale():
             self.scatter()
 
     def sample(self, draws=1000, *, tune=1000, chains=None, nuts_sampler="pymc", random_seed=None,
