@@ -319,7 +319,8 @@ def child_steps(system, n_rows, draws, tune):
         dp.scatter()
         dp.logp_dlogp(q)     # compiled (Numba compiles at the first call) before the timing
         call = internals.LogpDlogp(dp.batcher, dp.dtype)._pytensor_function
-        raw = dp._fn1 if hasattr(dp, "_fn1") else None
+        # The one-position function: dp._calls.fn1 here, dp._fn1 in older trees.
+        raw = getattr(getattr(dp, "_calls", None), "fn1", None) or getattr(dp, "_fn1", None)
     else:
         serial = _serial_pair(model)
 

@@ -138,7 +138,7 @@ def test_many_positions_vectorised_or_in_a_loop_equal_pymc(env):
     logp, dlogp = model.compile_logp(), model.compile_dlogp()
     points = _points(model, np.random.default_rng(14), k=2)
     P = np.stack([dp.ravel(p) for p in points])
-    dp._batch_wins.pop(2, None)
+    dp._calls._batch_wins.pop(2, None)
 
     def check():
         logps, grads = dp.logp_dlogp_many(P)
@@ -146,13 +146,13 @@ def test_many_positions_vectorised_or_in_a_loop_equal_pymc(env):
             np.testing.assert_allclose(lp, logp(point), rtol=1e-10)
             _assert_grad_close(g, dlogp(point))
 
-    for _ in range(2 * synk_pymc.model._TRIALS):
+    for _ in range(2 * synk_pymc.calls._TRIALS):
         check()
-    assert 2 in dp._batch_wins
+    assert 2 in dp._calls._batch_wins
     for wins in (True, False):
-        dp._batch_wins[2] = wins
+        dp._calls._batch_wins[2] = wins
         check()
-    dp._batch_wins.pop(2)
+    dp._calls._batch_wins.pop(2)
 
 
 def test_data_split_and_kept_whole(env):

@@ -1,11 +1,12 @@
 """DataParallelModel: a PyMC log-density and its gradient, summed over ranks, many positions a call.
 
-Over 400 lines: one class, whose public surface (evaluations at one or many
-positions, scatter, ravel and unravel, find_map, sample) is the job.
+The calls themselves (one position, or many vectorised or in a loop) are
+``calls.Calls``'s job; this module builds the graphs, places the rows and
+offers the PyMC-facing surface (evaluations, scatter, ravel and unravel,
+find_map, sample).  Over 400 lines: one class, whose public surface is the job.
 """
 
 import logging
-import time
 import weakref
 
 import numpy as np
@@ -16,6 +17,7 @@ import synkhronos as synk
 
 from . import graphs, internals, rowcheck, terms
 from .batching import Batcher
+from .calls import Calls
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +47,6 @@ def _rank_mode(mode):
     return mode.upper()
 
 
-# Runs of each way to evaluate k positions (vectorised, one by one) before keeping one.
-_TRIALS = 6
 
 
 class DataParallelModel:
@@ -133,13 +133,13 @@ class DataParallelModel:
         both = pt.concatenate([logps[:, None].astype(grads.dtype), grads], axis=1)
         looped = graphs.scanned(one, position, positions, mode=rank_mode)
         try:
-            self._fn1 = synk.function(inputs=inputs, bcast_inputs=[position],
+            fn1 = synk.function(inputs=inputs, bcast_inputs=[position],
                                       outputs=[(one, "sum")], name=name, mode=rank_mode,
                                       on_unused_input="ignore")
-            self._fn = synk.function(inputs=inputs, bcast_inputs=[positions],
+            fn = synk.function(inputs=inputs, bcast_inputs=[positions],
                                      outputs=[(both, "sum")], name=f"{name}_many",
                                      mode=rank_mode, on_unused_input="ignore")
-            self._fn_loop = synk.function(inputs=inputs, bcast_inputs=[positions],
+            fn_loop = synk.function(inputs=inputs, bcast_inputs=[positions],
                                           outputs=[(looped, "sum")], name=f"{name}_loop",
                                           mode=rank_mode, on_unused_input="ignore")
         except synk.SynkStateError as exc:
@@ -155,16 +155,9 @@ class DataParallelModel:
             # arrays: the master's own copy is freed, and the workers, forked from it,
             # never map it (one copy of the rows, not two).  scatter() sends the rest.
             self._data = self._shared_rows()
-        # On one machine the positions go into Data held for the run (one per batch
-        # size), written in place, so each call passes the very same Data: the call
-        # is then a kept one (no checks, nothing pickled).  In a cluster a write to a
-        # Data is mirrored by a command of its own: positions then travel inside the
-        # call as a NumPy input instead.
-        self._held = {} if synk.layout().n_machines == 1 else None
-        self._args = {}              # k -> (the call's arguments, the array to write)
-        self._batch_wins = {}        # k -> whether the vectorised graph beats the loop
-        self._trials = {}            # k -> ([vectorised s], [loop s]) until known
-        self.batcher = Batcher(self._evaluate, one=self._evaluate_one)
+        self._calls = Calls(fn1, fn, fn_loop, self.size, self.dtype,
+                            held=synk.layout().n_machines == 1)
+        self.batcher = Batcher(self._calls.many, one=self._calls.one)
         self._map_fns = None
         logger.info("pymc model: %d value variables (%d numbers), %s split by rows (%d), "
                     "%s whole; terms split %s, whole %s", len(value_vars), self.size,
@@ -214,8 +207,6 @@ class DataParallelModel:
         Raises:
             SynkStateError: before ``synk.distribute()``.
         """
-        self._args = {}
-        self._batch_wins, self._trials = {}, {}   # the balance moves with the rows
         if self._given:
             self._data = self._given
         else:
@@ -236,6 +227,7 @@ class DataParallelModel:
             synk.broadcast(self._n_total, np.float64(self.n_rows))
             self._n_sent = self.n_rows
         self._seen = {c: c.get_value(borrow=True) for c in [*self.containers, *self.whole]}
+        self._calls.reset(self._data)  # the balance between the ways moves with the rows
         self._scattered = True
 
     def _shared_rows(self):
@@ -279,86 +271,6 @@ class DataParallelModel:
                 f"{where}: pm.Data {stale} changed (pm.set_data) since dp.scatter(); the ranks "
                 "still hold the old rows. Call dp.scatter() to send the new ones")
 
-    # -- evaluation -------------------------------------------------------------------------
-    def _call_args(self, k):
-        """The arguments of a call at ``k`` positions and the array the positions go into.
-
-        ``k`` 0 stands for one position as a vector (the single-position function).
-        """
-        held = self._held
-        shape = (k, self.size) if k else (self.size,)
-        if held is None:
-            # A cluster: a fresh array each call, sent inside the call.
-            buf = np.empty(shape, self.dtype)
-            return (*self._data, buf), buf
-        d = held.get(k)
-        if d is None:
-            d = held[k] = synk.data(np.zeros(shape, self.dtype),
-                                    name=f"pymc:position{'s' + str(k) if k else ''}")
-        # The Data's own array (one machine: shared memory, writable), kept: a call
-        # writes the positions into it and passes the same Data.
-        args = self._args[k] = (*self._data, d), d.data
-        return args
-
-    def _evaluate_one(self, x):
-        """(logp, grad) at one position ``x`` (a vector): one data-parallel call."""
-        args = self._args.get(0)
-        if args is None or self._held is None:
-            args = self._call_args(0)
-        args[1][...] = x
-        out = self._fn1(*args[0])[0]
-        # The output is a fresh array at every call (combined over the ranks), so the
-        # gradient, a view of it, outlives the next call as a sampler needs.
-        return out[0], out[1:]
-
-    def _evaluate(self, positions):
-        """(logps, grads) at ``positions`` (k vectors or a k x size matrix), in one call.
-
-        The graph vectorised over the k positions, or a loop of the
-        one-position graph, whichever this model runs faster at k: vectorising
-        a model's gradient can cost several times more per position than
-        PyMC's own graph (the radon model's indexing, 4-6x), and batching
-        must never cost more than running the chains one by one.  The first
-        calls at each k try both.
-        """
-        k = len(positions)
-        if k == 1:
-            lp, g = self._evaluate_one(positions[0])
-            return np.array([lp]), g[None]
-        wins = self._batch_wins.get(k)
-        if wins is not None:
-            return self._many(self._fn if wins else self._fn_loop, positions)
-        return self._trial(k, positions)
-
-    def _many(self, fn, positions):
-        """One call of ``fn`` (vectorised or the loop) at k positions."""
-        k = len(positions)
-        args = self._args.get(k)
-        if args is None or self._held is None:
-            args = self._call_args(k)
-        buf = args[1]
-        for i, x in enumerate(positions):
-            buf[i] = x
-        # A fresh array at every call (combined over the ranks): each chain keeps its row.
-        both = fn(*args[0])[0]
-        return both[:, 0], both[:, 1:]
-
-    def _trial(self, k, positions):
-        """Evaluate by the way tried less so far; once each has run ``_TRIALS`` times, keep
-        the faster (the first run of each left out: it compiles and faults pages in)."""
-        vec, loop = self._trials.setdefault(k, ([], []))
-        times, fn = (vec, self._fn) if len(vec) <= len(loop) else (loop, self._fn_loop)
-        t0 = time.perf_counter()
-        out = self._many(fn, positions)
-        times.append(time.perf_counter() - t0)
-        if len(vec) >= _TRIALS and len(loop) >= _TRIALS:
-            wins = self._batch_wins[k] = min(vec[1:]) <= min(loop[1:])
-            del self._trials[k]
-            logger.debug("pymc model: %d positions a call %s (%.1f us vectorised, %.1f us in "
-                         "a loop)", k, "vectorised" if wins else "in a loop",
-                         min(vec[1:]) * 1e6, min(loop[1:]) * 1e6)
-        return out
-
     def logp_dlogp_many(self, positions):
         """Return ``(logps, grads)`` at many positions (a k x size matrix) with one call.
 
@@ -370,13 +282,13 @@ class DataParallelModel:
             raise ValueError(f"logp_dlogp_many: positions must have shape (k, {self.size}); "
                              f"got {P.shape}")
         self._ready("DataParallelModel.logp_dlogp_many")
-        return self._evaluate(P)
+        return self._calls.many(P)
 
     def logp_dlogp(self, point):
         """Return ``(logp, dlogp)`` at ``point`` (a point dict or flat vector), one call."""
         x = self._flat(point)
         self._ready("DataParallelModel.logp_dlogp")
-        return self._evaluate_one(x)
+        return self._calls.one(x)
 
     def logp(self, point):
         """Return the log-density at ``point``; equals ``model.compile_logp()(point)``."""

@@ -1,0 +1,122 @@
+"""A DataParallelModel's data-parallel calls: at one position, or at many, vectorised or in a loop.
+
+Several positions (the chains') go in one call, either through the graph
+vectorised over them or through a loop of the one-position graph: whichever
+this model runs faster at that k, measured on its first calls.
+"""
+
+import logging
+import time
+
+import numpy as np
+
+import synkhronos as synk
+
+logger = logging.getLogger(__name__)
+
+# Runs of each way to evaluate k positions (vectorised, one by one) before keeping one.
+_TRIALS = 6
+
+
+class Calls:
+    """The calls of one model: ``one(x)`` and ``many(positions)``, each returning (logp, grad).
+
+    On one machine the positions go into Data held for the run (one per
+    batch size), written in place, so each call passes the very same Data:
+    the call is then a kept one (no checks, nothing pickled).  In a cluster
+    a write to a Data is mirrored by a command of its own: positions then
+    travel inside the call as a NumPy input instead (``held`` False).
+    """
+
+    def __init__(self, fn1, fn, fn_loop, size, dtype, held):
+        self.fn1, self.fn, self.fn_loop = fn1, fn, fn_loop  # one position, vectorised, loop
+        self.size, self.dtype = size, dtype
+        self.data = None                   # the rows' Data (reset())
+        self._held = {} if held else None  # k -> the positions' Data
+        self.reset(None)
+
+    def reset(self, data):
+        """The rows are ``data`` now (a scatter): forget prepared arguments and measurements."""
+        self.data = data
+        self._args = {}          # k -> (the call's arguments, the array to write)
+        self._batch_wins = {}    # k -> whether the vectorised graph beats the loop
+        self._trials = {}        # k -> ([vectorised s], [loop s]) until known
+
+    def _call_args(self, k):
+        """The arguments of a call at ``k`` positions and the array the positions go into.
+
+        ``k`` 0 stands for one position as a vector (the single-position function).
+        """
+        held = self._held
+        shape = (k, self.size) if k else (self.size,)
+        if held is None:
+            # A cluster: a fresh array each call, sent inside the call.
+            buf = np.empty(shape, self.dtype)
+            return (*self.data, buf), buf
+        d = held.get(k)
+        if d is None:
+            d = held[k] = synk.data(np.zeros(shape, self.dtype),
+                                    name=f"pymc:position{'s' + str(k) if k else ''}")
+        # The Data's own array (one machine: shared memory, writable), kept: a call
+        # writes the positions into it and passes the same Data.
+        args = self._args[k] = (*self.data, d), d.data
+        return args
+
+    def one(self, x):
+        """(logp, grad) at one position ``x`` (a vector): one data-parallel call."""
+        args = self._args.get(0)
+        if args is None or self._held is None:
+            args = self._call_args(0)
+        args[1][...] = x
+        out = self.fn1(*args[0])[0]
+        # The output is a fresh array at every call (combined over the ranks), so the
+        # gradient, a view of it, outlives the next call as a sampler needs.
+        return out[0], out[1:]
+
+    def many(self, positions):
+        """(logps, grads) at ``positions`` (k vectors or a k x size matrix), in one call.
+
+        The graph vectorised over the k positions, or a loop of the
+        one-position graph, whichever this model runs faster at k: vectorising
+        a model's gradient can cost several times more per position than
+        PyMC's own graph (the radon model's indexing, 4-6x), and batching
+        must never cost more than running the chains one by one.  The first
+        calls at each k try both.
+        """
+        k = len(positions)
+        if k == 1:
+            lp, g = self.one(positions[0])
+            return np.array([lp]), g[None]
+        wins = self._batch_wins.get(k)
+        if wins is not None:
+            return self._many(self.fn if wins else self.fn_loop, positions)
+        return self._trial(k, positions)
+
+    def _many(self, fn, positions):
+        """One call of ``fn`` (vectorised or the loop) at k positions."""
+        k = len(positions)
+        args = self._args.get(k)
+        if args is None or self._held is None:
+            args = self._call_args(k)
+        buf = args[1]
+        for i, x in enumerate(positions):
+            buf[i] = x
+        # A fresh array at every call (combined over the ranks): each chain keeps its row.
+        both = fn(*args[0])[0]
+        return both[:, 0], both[:, 1:]
+
+    def _trial(self, k, positions):
+        """Evaluate by the way tried less so far; once each has run ``_TRIALS`` times, keep
+        the faster (the first run of each left out: it compiles and faults pages in)."""
+        vec, loop = self._trials.setdefault(k, ([], []))
+        times, fn = (vec, self.fn) if len(vec) <= len(loop) else (loop, self.fn_loop)
+        t0 = time.perf_counter()
+        out = self._many(fn, positions)
+        times.append(time.perf_counter() - t0)
+        if len(vec) >= _TRIALS and len(loop) >= _TRIALS:
+            wins = self._batch_wins[k] = min(vec[1:]) <= min(loop[1:])
+            del self._trials[k]
+            logger.debug("pymc model: %d positions a call %s (%.1f us vectorised, %.1f us in "
+                         "a loop)", k, "vectorised" if wins else "in a loop",
+                         min(vec[1:]) * 1e6, min(loop[1:]) * 1e6)
+        return out
