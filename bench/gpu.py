@@ -11,7 +11,7 @@ Prints, in one run on a machine with an NVIDIA GPU:
 
 Without a GPU it says so and exits with status 0.  Needs synkhronos[gpu].
 
-Usage: python bench/gpu.py [--steps N] [--skip-resnet]
+Usage: python bench/gpu.py [--steps N] [--skip-resnet] [--profile]
 """
 
 import argparse
@@ -83,7 +83,7 @@ def build():
     return f, shareds
 
 
-def mlp_overhead(f, steps):
+def mlp_overhead(f, steps, profile=False):
     """Part 1: the synk step on 1 GPU vs the bare PyTensor JAX step; both in this process."""
     import pytensor
 
@@ -122,6 +122,14 @@ def mlp_overhead(f, steps):
     print(f"| bare PyTensor, mode=JAX | {fmt(tb)} | {BATCH / tb:,.0f} |")
     print(f"| synk.function, 1 rank | {fmt(ts)} | {BATCH / ts:,.0f} |")
     print(f"\nsynk overhead: {100 * (ts / tb - 1):+.1f}% (target: under 5%)")
+    if profile:   # where the synk step's extra time goes: the master is the one rank
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        prof.runcall(lambda: [synk_step() for _ in range(200)])
+        print("\ncProfile of 200 synk steps (--profile), by own time:\n```")
+        pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(25)
+        print("```")
 
 
 def nccl_all_reduce(shareds):
@@ -217,6 +225,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=50, help="timed MLP steps per repeat")
     p.add_argument("--skip-resnet", action="store_true")
+    p.add_argument("--profile", action="store_true", help="cProfile the synk MLP step")
     p.add_argument("--part", choices=["shared"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.part == "shared":
@@ -242,7 +251,7 @@ def main(argv=None):
     print(f"# bench/gpu.py on {jax.devices()[0].device_kind} ({n_gpus} GPU(s) present, "
           f"using 1); jax {jax.__version__}")
     f, shareds = build()
-    mlp_overhead(f, args.steps)
+    mlp_overhead(f, args.steps, args.profile)
     nccl_all_reduce(shareds)
     synk.close()
     if not args.skip_resnet:
@@ -251,7 +260,10 @@ def main(argv=None):
     # Its own process: GPU mode forks only from a process where CUDA never started.
     out = subprocess.run([sys.executable, __file__, "--part", "shared"], capture_output=True,
                          text=True, timeout=1800, env=dict(os.environ))
-    print((out.stdout + out.stderr).strip()[-3000:])
+    # Its result line is on stdout; XLA's allocator logs (long) go to stderr.
+    print(out.stdout.strip()[-3000:])
+    if out.returncode != 0:
+        print(out.stderr.strip()[-3000:])
     return out.returncode
 
 

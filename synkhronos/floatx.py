@@ -12,7 +12,10 @@ A choice the user made always stands (DESIGN decision 13):
    read back, so say it in ``PYTENSOR_FLAGS`` there;
 3. PyMC in the program: ``import pymc`` before synkhronos keeps float64; ``import
    pymc`` after it puts float64 back (PyMC users keep PyMC's precision),
-   unless the user set floatX in code since ``import synkhronos``.
+   unless the user set floatX in code since ``import synkhronos``.  PyTensor's own
+   import of PyMC (its compile cache's keys name PyMC's Ops) does not count; a program
+   that imports PyMC only after such a compile finds it imported already and keeps
+   float32 (set floatX to choose).
 
 In every other case floatX becomes float32 and ``DEFAULTED`` says so.
 """
@@ -76,9 +79,28 @@ class _WatchPyMC:
 
     def find_spec(self, name, path=None, target=None):
         # Only a PyMC that is there: a probe (try: import pymc) changes nothing.
-        if name == "pymc" and importlib.machinery.PathFinder.find_spec(name, path) is not None:
+        if (name == "pymc" and not _imported_by_pytensor()
+                and importlib.machinery.PathFinder.find_spec(name, path) is not None):
             _restore_for_pymc()
         return None
+
+
+_PYTENSOR = os.path.dirname(os.path.abspath(pytensor.__file__))
+
+
+def _imported_by_pytensor():
+    """Whether PyTensor itself is importing (its compile cache unpickles keys naming PyMC's ops).
+
+    That import is no sign of a PyMC program: any C compile in an environment
+    where PyMC once compiled loads those keys, so floatX must not change then.
+    """
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not path.startswith("<frozen") and path != __file__:
+            return os.path.abspath(path).startswith(_PYTENSOR)
+        frame = frame.f_back
+    return False
 
 
 _WATCHER = _WatchPyMC()

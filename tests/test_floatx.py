@@ -68,6 +68,34 @@ def test_explicit_float32_stands_when_pymc_comes_later(tmp_path):
     """) == "float32"
 
 
+@pytest.mark.skipif(not _has_pymc(), reason="PyMC is not installed")
+@pytest.mark.timeout(300)
+def test_pytensor_loading_pymc_from_its_cache_changes_nothing(tmp_path):
+    # A C compile reads the compile cache's keys, which import PyMC where PyMC once
+    # compiled: a program without PyMC keeps float32 all the same.
+    flags = f"base_compiledir={tmp_path / 'cache'}"
+    _floatx(tmp_path, """
+        import pymc as pm
+        import pytensor
+        with pm.Model() as m:
+            pm.Normal("y", pm.Normal("mu"), pm.HalfNormal("s"), observed=[0.1, 0.2])
+        # Compiled as plain PyTensor: PyMC's parameter checks stay, C Ops of PyMC's own.
+        f = pytensor.function(m.value_vars, m.logp(), mode="FAST_RUN")
+        f(*m.initial_point().values())
+        """, flags)
+    got = _floatx(tmp_path, """
+        import sys
+        import numpy as np
+        import pytensor
+        import pytensor.tensor as pt
+        import synkhronos
+        x = pt.vector("x")
+        pytensor.function([x], x * 2, mode="FAST_RUN")(np.ones(2, pytensor.config.floatX))
+        assert "pymc" in sys.modules, "the cache did not load PyMC: the case did not happen"
+        """, flags)
+    assert got == "float32"
+
+
 @pytest.mark.skipif(_has_pymc(), reason="needs an environment without PyMC")
 def test_probing_for_a_missing_pymc_changes_nothing(tmp_path):
     assert _floatx(tmp_path, """

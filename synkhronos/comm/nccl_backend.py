@@ -103,6 +103,25 @@ def parse_header(hdr):
     return out
 
 
+
+def encode_unique_id(uid):
+    """NCCL's unique id as int64s for the host broadcast: a kind flag, then the 128 values.
+
+    CuPy 13 gives a tuple of ints (signed chars), CuPy 14 the 128 bytes; the
+    communicator takes back the form it gave.
+    """
+    if isinstance(uid, (bytes, bytearray)):
+        return np.concatenate([[1], np.frombuffer(bytes(uid), dtype=np.uint8)]).astype(np.int64)
+    return np.concatenate([[0], np.asarray(uid, dtype=np.int64)])
+
+
+def decode_unique_id(arr):
+    """The inverse of :func:`encode_unique_id`."""
+    arr = np.asarray(arr, dtype=np.int64)
+    if arr[0] == 1:
+        return arr[1:].astype(np.uint8).tobytes()
+    return tuple(int(x) for x in arr[1:])
+
 class NcclBackend(Backend):
     """Collectives on device arrays among the ranks of one run, one GPU per rank.
 
@@ -192,9 +211,9 @@ class NcclBackend(Backend):
         root = self.master_rank
         uid = None
         if self.rank == root:
-            uid = [np.array(self.nccl.get_unique_id(), dtype=np.int64)]
+            uid = [encode_unique_id(self.nccl.get_unique_id())]
         got = self._host.broadcast(uid, root)
-        uid = tuple(int(x) for x in got[0])
+        uid = decode_unique_id(got[0])
         self._drop()
         t0 = time.perf_counter()
         self.comm = self.nccl.NcclCommunicator(self.n_parallel, uid, self.rank)

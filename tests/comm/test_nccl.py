@@ -90,6 +90,16 @@ def test_header_round_trip():
     assert nccl_backend.dtype_code("complex128") >= 0 and nccl_backend.dtype_code("U3") == -1
 
 
+@pytest.mark.parametrize("uid", [
+    bytes(range(128)),                                      # CuPy 14
+    tuple(int(x) for x in np.arange(-64, 64)),              # CuPy 13: signed chars
+], ids=["bytes", "ints"])
+def test_unique_id_round_trip(uid):
+    # Each CuPy's communicator takes the unique id in the form its get_unique_id gave.
+    got = nccl_backend.decode_unique_id(nccl_backend.encode_unique_id(uid))
+    assert type(got) is type(uid) and got == uid
+
+
 def test_gpu_mode_with_a_gpu_per_rank_chooses_nccl(cupy_stub, caplog, monkeypatch):
     monkeypatch.delenv("SYNK_BACKEND", raising=False)
     with caplog.at_level(logging.WARNING, "synkhronos"):

@@ -3,6 +3,8 @@
 Bodies run in forked children (tests/helpers/child.py).
 """
 
+import os
+
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
@@ -28,6 +30,9 @@ def _on_gpu(rt, names):
 
 
 def _case_mlp_step(n):
+    # JAX's default float32 matmul on Ampere and later GPUs is TF32 (about 3 digits): full
+    # float32 in every rank (they read it at import), so NumPy's float32 is the oracle.
+    os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
     run_all = child.on_every_rank()
     synk.fork(n)
     rng = np.random.default_rng(0)

@@ -96,7 +96,8 @@ def _data_call(name, count):
 
 
 def get_unique_id():
-    return tuple(int(x) for x in np.random.default_rng().integers(-128, 128, 128))
+    # CuPy 14's form (128 bytes); CuPy 13 gave a tuple of 128 ints.
+    return np.random.default_rng().integers(0, 256, 128, dtype=np.uint8).tobytes()
 
 
 def groupStart():  # noqa: N802 - NCCL's names
@@ -112,7 +113,8 @@ class NcclCommunicator:
         rt = get_runtime()
         assert rank == rt.place.rank and ndev == rt.place.n_parallel, (rank, ndev)
         # NCCL joins ranks holding the same id; check that every rank got the master's.
-        ids = rt.backend.host.all_gather([np.array(uid, dtype=np.int64)])
+        assert isinstance(uid, bytes) and len(uid) == 128, type(uid)
+        ids = rt.backend.host.all_gather([np.frombuffer(uid, dtype=np.uint8).copy()])
         assert all(np.array_equal(ids[q][0], ids[0][0]) for q in range(ndev)), "uids differ"
         LOG.append(("comm", uid))
         self.alive = True
