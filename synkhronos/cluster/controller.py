@@ -325,7 +325,9 @@ class Controller(Peers):
         self.broken = True
 
     def close(self):
-        """At the run's end: stop the heartbeats; then MPI ends (the node masters may go)."""
+        """At the run's end: stop the door and the heartbeats; then MPI ends (the node masters may go)."""
+        if self.door is not None:
+            self.door.stop()
         self.heartbeats.close()
         if not self.broken:
             # After this mpiexec lets the node masters end; MPI cannot start again here.

@@ -23,7 +23,9 @@ import pickle
 import secrets
 import socket
 import struct
+import threading
 import time
+from collections import OrderedDict
 from datetime import timedelta
 from typing import NamedTuple
 
@@ -35,6 +37,7 @@ from ..functions.distribute import DistributeMsg
 from ..inputs.mappings import DataAllocMsg, DataSyncMsg
 from ..runtime.commands import Command, encode
 from ..runtime.liveness import deadline_check, no_check
+from ..runtime.state import between_calls
 from .controller import Controller
 from .layout import Layout, take_place
 from .link import CMD, CMD_HEAD, DATA, DONE, REPORT
@@ -49,6 +52,10 @@ from .zlink import ACK, GONE, HELLO, MEMBERS, NONCE, PROOF, TAG, WELCOME, ZmqLin
 logger = logging.getLogger(__name__)
 
 MAX_KNOCKING = 64                   # challenges outstanding at once (strangers cannot pile up)
+KNOCK_DEADLINE_S = 10.0             # a challenge unanswered this long is forgotten
+MAX_REFUSED = 1024                  # refused strangers remembered (told GONE if they knock again)
+REFUSAL_LOG_S = 10.0                # refusals are logged at most this often (a flood says so once)
+DOOR_POLL_S = 0.1                   # how often the door's thread answers knocks between calls
 
 
 class Joiner(NamedTuple):
@@ -69,6 +76,7 @@ def join_elastic(rt, launch, tell_janitor, join_workers, pin):
         controller = _start_controller(rt, launch)
         pin()
         controller.door.wait_for(launch.size)
+        controller.door.open()
     except BaseException:
         rt.abandon(rt, "the cluster could not be set up")
         raise
@@ -119,9 +127,15 @@ class Door:
         self.listener = listener
         self.store = store       # kept alive: every leader's gloo groups meet through it
         self.secret = secret
-        self.knocking = {}       # routing id -> the challenge it was sent
+        self.knocking = {}       # routing id -> (the challenge it was sent, when)
         self.ready = []          # Joiner: proved, to be admitted at the next boundary
         self.banned = set()      # routing ids of machines dropped: never admitted again
+        self.refused = OrderedDict()  # routing ids of strangers refused, the latest MAX_REFUSED
+        self.announced = 0       # joiners in ``ready`` already logged as waiting
+        self.n_refused = self.warned_at = 0   # refusals, and how many were logged
+        self.last_warned = float("-inf")
+        self._stop = threading.Event()
+        self._thread = None
         self.next_member = 1
         self.members = 0         # membership changes so far
         self.survives = survives_loss()
@@ -129,19 +143,22 @@ class Door:
 
     # -- knocks on the door (from ZmqLink.drain, for routing ids it does not know) ---------
     def stranger(self, ident, frames):
-        if ident in self.banned:
+        if ident in self.banned or ident in self.refused:
             self.link.send_to(ident, GONE, b"")
             return
         if len(frames) != 2 or len(frames[0]) != TAG.size:
             return
         tag = TAG.unpack(frames[0].bytes)[0]
         if tag == HELLO:
+            self._forget_stale()
             if len(self.knocking) >= MAX_KNOCKING:
                 self.knocking.pop(next(iter(self.knocking)))
-            nonce = self.knocking[ident] = secrets.token_bytes(32)
+            nonce = secrets.token_bytes(32)
+            self.knocking.pop(ident, None)   # a knock again: a new challenge, at the end
+            self.knocking[ident] = (nonce, time.monotonic())
             self.link.send_to(ident, NONCE, nonce)
         elif tag == PROOF and ident in self.knocking:
-            nonce = self.knocking.pop(ident)
+            nonce, _ = self.knocking.pop(ident)
             body = frames[1].bytes
             if len(body) == PROOF_MSG.size:
                 mac, n_local, pid, host = PROOF_MSG.unpack(body)
@@ -149,10 +166,61 @@ class Door:
                     self.ready.append(Joiner(ident, n_local, pid,
                                              host.rstrip(b"\0").decode(errors="replace")))
                     return
-            logger.warning("elastic door: refused a machine that did not prove it belongs to "
-                           "this job (a wrong secret?)")
-            self.banned.add(ident)
+            self._refusing()
+            self.refused[ident] = True
+            while len(self.refused) > MAX_REFUSED:
+                self.refused.popitem(last=False)
             self.link.send_to(ident, GONE, b"")
+
+    def _refusing(self):
+        """Log a refusal: the first, then at most one line per ``REFUSAL_LOG_S`` with a count."""
+        self.n_refused += 1
+        now = time.monotonic()
+        if now - self.last_warned >= REFUSAL_LOG_S:
+            more = self.n_refused - self.warned_at
+            logger.warning("elastic door: refused %s that did not prove %s to this job (a "
+                           "wrong secret?)", "a machine" if more == 1 else f"{more} machines",
+                           "it belongs" if more == 1 else "they belong")
+            self.last_warned, self.warned_at = now, self.n_refused
+
+    def _forget_stale(self):
+        """Drop challenges older than ``KNOCK_DEADLINE_S`` (a handshake never finished)."""
+        old = time.monotonic() - KNOCK_DEADLINE_S
+        while self.knocking:
+            ident, (_, t) = next(iter(self.knocking.items()))
+            if t >= old:
+                break
+            del self.knocking[ident]
+
+    # -- the door's thread: knocks answered while the program sits between calls ------------
+    def open(self):
+        """Start answering knocks between the program's calls (after ``fork()`` returned)."""
+        self._thread = threading.Thread(target=self._serve, name="synk-door", daemon=True)
+        self._thread.start()
+
+    def stop(self):
+        """Stop the door's thread (``close()``); knocks go unanswered from then on."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def _serve(self):
+        # Only between public calls: a call holds the lock, and the link is its alone then.
+        while not self._stop.wait(DOOR_POLL_S):
+            with between_calls() as mine:
+                if not mine or self._stop.is_set() or self.controller.broken or self.rt.closed:
+                    continue
+                try:
+                    self.link.drain()
+                    self._forget_stale()
+                except Exception:  # noqa: BLE001 - the next call meets the same error itself
+                    logger.debug("elastic door: serving knocks failed", exc_info=True)
+                    continue
+                for joiner in self.ready[self.announced:]:
+                    logger.info("elastic door: a machine (%s, %d ranks) proved it belongs to "
+                                "this job; it joins at the program's next synkhronos call",
+                                joiner.host, joiner.n_local)
+                self.announced = len(self.ready)
 
     def wait_for(self, n_machines, timeout_s=None):
         """Admit machines until the run has ``n_machines`` (``fork()`` with ``SYNK_MACHINES``)."""
@@ -168,6 +236,7 @@ class Door:
     def admit(self):
         """Admit every machine that proved itself since the last boundary."""
         self.link.drain()
+        self.announced = 0
         while self.ready:
             self._take(self.ready.pop(0))
 

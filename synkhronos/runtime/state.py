@@ -208,6 +208,21 @@ def serialized(fn):
     return wrapper
 
 
+@contextlib.contextmanager
+def between_calls():
+    """Hold the public-call lock for the block if no public call is under way.
+
+    Yields whether it holds it: a background thread (the elastic door) serves
+    the run's sockets only while the program is between calls.
+    """
+    got = _LOCK.acquire(blocking=False)
+    try:
+        yield got
+    finally:
+        if got:
+            _LOCK.release()
+
+
 _DEPTH = [0]  # public calls under way in the thread that holds _LOCK
 # This process's pid: os.getpid() is a system call, and every public call asks.
 _PID = [os.getpid()]

@@ -134,3 +134,58 @@ def test_wrong_secret_is_refused_and_the_job_goes_on():
             job.close()
         assert rc == 0 and "CLOSED" in job.out and "on 2 machines 2 ranks" in job.out, job.out
         assert_nothing_left(m, job.out, "cluster_elastic.py")
+
+
+@on_machines
+def test_wrong_secret_is_refused_while_the_program_sits_between_calls():
+    """The door answers while the controller's program makes no call; a right joiner waits."""
+    with machines(2) as m:
+        job = Job(m, ["train", "3", "0:2"], 1)   # alone; after step 0 it sits until told
+        try:
+            job.until(r"^PAUSE 0$")
+            t0 = time.monotonic()
+            intruder = job._start(1, SYNK_JOIN=job.address, SYNK_SECRET="not-the-job-secret-42")
+            out, _ = intruder.communicate(timeout=60)
+            took = time.monotonic() - t0
+            assert intruder.returncode != 0 and "refused this machine" in out, out
+            # Refused while the program still sat between calls (no call answered it).
+            assert "RESUME 0" not in job.out, job.out
+            print(f"intruder refused {took:.2f} s after it started (its start included)")
+            assert not m.processes(1), m.leftovers()
+            job.join(1)
+            time.sleep(1.0)              # it proves itself meanwhile; admitted at the next call
+            job.resume(0)
+            job.until(r"^RESUME 0 machines 2 ")
+            rc = job.wait(120)
+        finally:
+            job.close()
+        assert rc == 0 and "CLOSED" in job.out and "on 2 machines 2 ranks" in job.out, job.out
+        assert_nothing_left(m, job.out, "cluster_elastic.py")
+
+
+@on_machines
+def test_cut_machine_whose_link_comes_back_is_refused_and_ends_itself():
+    """Dropped while cut off, it hears the controller again: it is refused and ends."""
+    with machines(2) as m:
+        job = Job(m, ["train", "6", "2:0"], 2, SYNK_HEARTBEAT_S="3")
+        try:
+            # Its own patience is 60 s: what ends it below is the controller, not its silence.
+            job.nodes[1] = job._start(1, SYNK_JOIN=job.address, SYNK_HEARTBEAT_S="60")
+            job.until(r"^PAUSE 2$")
+            m.cut(1)
+            job.resume(2)
+            job.until(r"^CAUGHT MachineLostError at step 3 ", timeout=30)
+            assert m.processes(1), "the cut machine ended before its link came back"
+            m.mend(1)
+            t0 = time.monotonic()
+            while m.processes(1) and time.monotonic() - t0 < 30:
+                time.sleep(0.1)
+            took = time.monotonic() - t0
+            print(f"the returned machine ended {took:.2f} s after its link came back")
+            assert not m.processes(1), (took, m.leftovers())
+            rc = job.wait(120)
+        finally:
+            job.close()
+        assert rc == 0 and "CLOSED" in job.out, job.out + job.node_output()
+        assert re.search(r"step 5 \S+ sum \S+ on 1 machines 1 ranks", job.out), job.out
+        assert_nothing_left(m, job.out, "cluster_elastic.py")
