@@ -367,27 +367,38 @@ def _teardown(rt):
     if rt.closed:
         return  # abandoned already, while close() asked the workers to quit
     rt.closed = True  # once, even if a step below fails
-    for data in list(rt.registry.datas.values()):
-        # The master's are Data objects; a node master's, segments it mapped.
-        release = getattr(data, "detach", None)
-        (data.close if release is None else release)()
-    rt.registry.datas.clear()
-    rt.backend.close()
-    rt.control.close()
-    shmem.sweep(rt.config.prefix)
+    # Every step runs whatever an earlier one raised: a step that failed (a backend
+    # whose peer was killed mid-call, say) must not leave the segments to the janitor,
+    # which only sweeps when this process ends.
+    steps = [(f"release Data {data_id}", _release_data(data))
+             for data_id, data in list(rt.registry.datas.items())]
+    steps += [("clear Data", rt.registry.datas.clear),
+              ("close the backend", rt.backend.close),
+              ("close the control block", rt.control.close),
+              ("unlink the run's segments", lambda: shmem.sweep(rt.config.prefix)),
+              ("release the janitor", lambda: _release_janitor(rt)),
+              ("close the run's lock", lambda: os.close(rt.processes.lock_fd))]
+    steps += [("restore process limits", undo) for undo in reversed(rt.processes.restore)]
+    steps += [(f"forget {f}", f.forget_run) for f in rt.registry.functions]
+    for what, step in steps:
+        try:
+            step()
+        except Exception:  # noqa: BLE001 - the next steps still free what they hold
+            logger.warning("close: could not %s", what, exc_info=True)
+    set_runtime(None)
+    rt.peers.close()
+
+
+def _release_data(data):
+    # The master's are Data objects; a node master's, segments it mapped.
+    release = getattr(data, "detach", None)
+    return data.close if release is None else release
+
+
+def _release_janitor(rt):
     if rt.processes.janitor is not None:
         rt.processes.janitor.release(JOIN_TIMEOUT_S)  # first: children forked later close the lock fd
         rt.processes.janitor = None
-    os.close(rt.processes.lock_fd)
-    for undo in reversed(rt.processes.restore):
-        try:
-            undo()
-        except Exception:  # noqa: BLE001 - restoring limits is best effort
-            pass
-    for f in rt.registry.functions:
-        f.forget_run()
-    set_runtime(None)
-    rt.peers.close()
 
 
 def _close_at_exit():

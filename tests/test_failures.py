@@ -604,3 +604,40 @@ def test_small_misuses_get_specific_errors(forked):
         synk.function([x], (x.sum(), "sum", "avg"))
     with pytest.raises(TypeError, match="3-tuple"):
         synk.function([x], [x.sum(), (x.sum(), "sum", "avg")])
+
+
+def test_close_frees_everything_when_a_step_of_it_fails(forked, monkeypatch, caplog):
+    # A backend that cannot close (its peer killed mid-call): the segments still go now,
+    # not when the janitor sees this process end.
+    forked(3)
+    rt = get_runtime()
+    procs = list(rt.processes.procs.values())
+    synk.data(np.zeros((4, 2)))
+
+    def broken():
+        raise OSError("the backend's peer is gone")
+    monkeypatch.setattr(rt.backend, "close", broken)
+    synk.close()
+    _assert_closed_and_clean(procs)
+    assert any("could not close the backend" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.timeout(120)
+def test_close_after_a_worker_died_under_load(forked):
+    # Beside busy loops on every core the killed worker's end and close() interleave
+    # differently; the segments are gone when close() returns, every time.
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range((os.cpu_count() or 2) + 1)]
+    try:
+        for i in range(3):
+            forked(3)
+            rt = get_runtime()
+            procs = list(rt.processes.procs.values())
+            synk.data(np.zeros((4, 2)))
+            os.kill(rt.processes.procs[1 + i % 2].pid, signal.SIGKILL)
+            synk.close()
+            _assert_closed_and_clean(procs)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
