@@ -2,7 +2,7 @@
 
     sudo python bench/cluster_allreduce.py [--machines 2,3,4] [--rates none,10gbit,1gbit]
                                            [--sizes 4,65536,1048576,16777216,268435456]
-                                           [--rounds 2]
+                                           [--rounds 2] [--gloo]
 
 For each number of machines and each link rate (``tc tbf`` on every machine's
 link; "none": unlimited), on simulated machines (tests/helpers/machines.py:
@@ -13,6 +13,13 @@ two jobs of one MPI process per machine run alternately, ``--rounds`` times:
 - synk: ``synk.fork(1)`` on each machine and ``synk.all_reduce`` (sum) of a
   float32 shared variable of each size (the leaders' ``Iallreduce`` on their
   own communicator, comm/mpi_leaders.py, polled with the liveness checks).
+
+With ``--gloo`` two more jobs run in each round, for machines that come and go:
+
+- gloo: bare ``torch.distributed.all_reduce`` (sum, gloo) among one process per
+  machine (started by mpiexec only to place them; a TCP rendezvous on machine 0);
+- elastic: the synk job on machines started on their own (``SYNK_LISTEN`` /
+  ``SYNK_JOIN``, no launcher), whose leaders reduce through gloo.
 
 Printed: the median seconds per call of each, their ratio and difference, for
 every (machines, rate, size).  Machines share the host's cores when there are
@@ -103,6 +110,47 @@ def job_synk(sizes, rate):
     _emit(out)
 
 
+def job_gloo(sizes, rate, master):
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:29519",
+                            rank=comm.Get_rank(), world_size=comm.Get_size())
+    out = {}
+    for n in sizes:
+        t = torch.ones(max(n // 4, 1), dtype=torch.float32)
+        reps = reps_for(n, rate)
+        for _ in range(warmups(n, reps)):
+            dist.all_reduce(t)
+        dist.barrier()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            times.append(time.perf_counter() - t0)
+        out[str(n)] = times
+    dist.destroy_process_group()
+    if comm.Get_rank() == 0:
+        _emit(out)
+
+
+def _elastic(m, n_machines, sizes, rate):
+    """The synk job on machines started on their own: (exit status, output)."""
+    from helpers.elastic_jobs import Job
+
+    job = Job(m, ["--job", "synk", "--sizes", ",".join(map(str, sizes)), "--rates", rate],
+              n_machines, script=os.path.abspath(__file__), SYNK_SPIN_S=None)
+    try:
+        for i in range(1, n_machines):
+            job.join(i)
+        rc = job.wait(1800)
+    finally:
+        job.close()
+    return rc, job.out
+
+
 def _label(n):
     for unit, div in (("MB", 1 << 20), ("KB", 1 << 10)):
         if n >= div:
@@ -114,19 +162,24 @@ def _fmt(t):
     return f"{t * 1e6:.1f} us" if t < 1e-3 else f"{t * 1e3:.2f} ms"
 
 
-def run(n_machines, rate, sizes, rounds):
+def run(n_machines, rate, sizes, rounds, gloo=False, only=None):
     from helpers.cluster_jobs import machines, mpirun
 
-    got = {"bare": {str(n): [] for n in sizes}, "synk": {str(n): [] for n in sizes}}
+    jobs = ("bare", "synk", "gloo", "elastic") if gloo else ("bare", "synk")
+    jobs = tuple(j for j in jobs if j in (only or jobs))
+    got = {job: {str(n): [] for n in sizes} for job in jobs}
     with machines(n_machines) as m:
         if rate != "none":
             for i in range(n_machines):
                 m.limit(i, rate)
         for r in range(rounds):
-            for job in (("bare", "synk") if r % 2 == 0 else ("synk", "bare")):
+            for job in (jobs if r % 2 == 0 else jobs[::-1]):
                 args = [os.path.abspath(__file__), "--job", job, "--sizes",
-                        ",".join(map(str, sizes)), "--rates", rate]
-                rc, out, _ = mpirun(m, n_machines, args, timeout=1800)
+                        ",".join(map(str, sizes)), "--rates", rate, "--master", m.addresses[0]]
+                if job == "elastic":
+                    rc, out = _elastic(m, n_machines, sizes, rate)
+                else:
+                    rc, out, _ = mpirun(m, n_machines, args, timeout=1800)
                 lines = [ln for ln in out.splitlines() if ln.startswith("JSON ")]
                 if rc != 0 or not lines:
                     sys.exit(f"{job} job on {n_machines} machines failed (exit {rc}):\n"
@@ -135,9 +188,8 @@ def run(n_machines, rate, sizes, rounds):
                     got[job][k] += v
     rows = []
     for n in sizes:
-        b = statistics.median(got["bare"][str(n)])
-        s = statistics.median(got["synk"][str(n)])
-        rows.append((n_machines, rate, n, b, s))
+        med = {job: statistics.median(got[job][str(n)]) for job in jobs}
+        rows.append((n_machines, rate, n, med))
     return rows
 
 
@@ -149,13 +201,20 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--plot", default=None,
                     help="draw synk/bare against size, a panel per link rate, to this PNG")
-    ap.add_argument("--job", choices=["bare", "synk"], help=argparse.SUPPRESS)
+    ap.add_argument("--gloo", action="store_true",
+                    help="also bare gloo and synk on machines started on their own (needs torch)")
+    ap.add_argument("--only", default=None,
+                    help="comma list of the jobs to run (bare, synk, gloo, elastic)")
+    ap.add_argument("--job", choices=["bare", "synk", "gloo"], help=argparse.SUPPRESS)
+    ap.add_argument("--master", help=argparse.SUPPRESS)
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
     if args.job == "bare":
         return job_bare(sizes, args.rates)
     if args.job == "synk":
         return job_synk(sizes, args.rates)
+    if args.job == "gloo":
+        return job_gloo(sizes, args.rates, args.master)
     from helpers.cluster_jobs import FLAVOR, NO_MACHINES
     if NO_MACHINES or not FLAVOR:
         sys.exit(f"bench/cluster_allreduce.py: {NO_MACHINES or 'no mpiexec'}")
@@ -164,16 +223,30 @@ def main():
     rows = []
     for n_machines in [int(x) for x in args.machines.split(",")]:
         for rate in args.rates.split(","):
-            rows += run(n_machines, rate, sizes, args.rounds)
+            rows += run(n_machines, rate, sizes, args.rounds, args.gloo,
+                        args.only.split(",") if args.only else None)
             print(f"# done: {n_machines} machines, rate {rate}", flush=True)
     print(f"# load at the end {os.getloadavg()[0]:.2f}")
-    print("| machines | link | size | bare Allreduce | synk all_reduce | ratio | difference |")
-    print("|---|---|---|---|---|---|---|")
-    for n_machines, rate, n, b, s in rows:
-        print(f"| {n_machines} | {rate} | {_label(n)} | {_fmt(b)} | {_fmt(s)} | {s / b:.2f}x "
-              f"| {'+' if s >= b else '-'}{_fmt(abs(s - b))} |")
+    if args.gloo:
+        print("| machines | link | size | bare MPI Allreduce | synk all_reduce (MPI) | bare gloo "
+              "all_reduce | synk all_reduce (machines on their own, gloo) | synk gloo / synk MPI "
+              "| synk gloo / bare gloo |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        nan = float("nan")
+        for n_machines, rate, n, med in rows:
+            g = {k: med.get(k, nan) for k in ("bare", "synk", "gloo", "elastic")}
+            print(f"| {n_machines} | {rate} | {_label(n)} | {_fmt(g['bare'])} | "
+                  f"{_fmt(g['synk'])} | {_fmt(g['gloo'])} | {_fmt(g['elastic'])} | "
+                  f"{g['elastic'] / g['synk']:.2f}x | {g['elastic'] / g['gloo']:.2f}x |")
+    else:
+        print("| machines | link | size | bare Allreduce | synk all_reduce | ratio | difference |")
+        print("|---|---|---|---|---|---|---|")
+        for n_machines, rate, n, med in rows:
+            b, s = med["bare"], med["synk"]
+            print(f"| {n_machines} | {rate} | {_label(n)} | {_fmt(b)} | {_fmt(s)} | {s / b:.2f}x "
+                  f"| {'+' if s >= b else '-'}{_fmt(abs(s - b))} |")
     if args.plot:
-        plot(args.plot, rows)
+        plot(args.plot, [(k, r, n, med["bare"], med["synk"]) for k, r, n, med in rows])
 
 
 def plot(path, rows):

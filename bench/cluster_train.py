@@ -308,6 +308,19 @@ def run_two_machines(m2, kind, steps, variant="plain", root=None):
     return _parse(f"2x1 job {kind}", rc, out)
 
 
+def run_two_machines_elastic(m2, steps, variant="plain", root=None):
+    """The 2x1 job on machines started on their own (SYNK_LISTEN / SYNK_JOIN, gloo), no mpiexec."""
+    from helpers.elastic_jobs import Job
+    args = _job_args("1", steps, variant)
+    job = Job(m2, args[1:], 2, script=args[0], SYNK_SPIN_S=None, PYTHONPATH=_pythonpath(root))
+    try:
+        job.join(1)
+        rc = job.wait(900)
+    finally:
+        job.close()
+    return _parse("2x1 elastic", rc, job.out)
+
+
 def _fmt(t):
     return f"{t * 1e3:.1f} ms"
 
@@ -360,6 +373,8 @@ def main():
                     help="rows per step (default: scaling.py's, 512)")
     ap.add_argument("--quiet-wait", type=float, default=300,
                     help="seconds to wait before a job for the host to be idle")
+    ap.add_argument("--elastic", action="store_true",
+                    help="also 2x1 on machines started on their own (gloo, unlimited link)")
     ap.add_argument("--job", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.job == "bare":
@@ -395,11 +410,14 @@ def main():
                                        f" (tbf burst {burst_for(rate, args.burst)} B)")
                   + f": one TCP stream carries {links[rate]:.2f} Gbit/s", flush=True)
         for r in range(args.rounds):
-            configs = ["1x2"] + [f"2x1 {rate}" for rate in rates]
+            configs = ["1x2"] + [f"2x1 {rate}" for rate in rates] + (
+                ["2x1 elastic"] if args.elastic else [])
             if r % 2:
                 configs.reverse()
             for c in configs:
-                if c != "1x2":
+                if c == "2x1 elastic":
+                    shape(m2, "none", args.burst)
+                elif c != "1x2":
                     shape(m2, c.split()[1], args.burst)
                     wait_quiet(args.quiet_wait)
                     with Foreign() as fg:
@@ -411,6 +429,8 @@ def main():
                     with Foreign() as fg:
                         if c == "1x2":
                             res = run_one_machine(m1, args.steps, ov, args.root)
+                        elif c == "2x1 elastic":
+                            res = run_two_machines_elastic(m2, args.steps, ov, args.root)
                         else:
                             res = run_two_machines(m2, "1", args.steps, ov, args.root)
                     res["foreign"] = fg.share
@@ -422,7 +442,8 @@ def main():
     load_end = os.getloadavg()[0]
     first = got[("1x2", variants[0])][0]
     batch = first["batch"]
-    configs = ["1x2"] + [f"2x1 {rate}" for rate in rates]
+    configs = ["1x2"] + [f"2x1 {rate}" for rate in rates] + (
+        ["2x1 elastic"] if args.elastic else [])
     print(f"\n# MLP {'-'.join(map(str, first['layers']))}, batch {batch}, SGD, float32, "
           f"flat gradient {first['grad_values'] * 4 / 2**20:.1f} MiB; {args.rounds} rounds, "
           f"{time.monotonic() - t_start:.0f} s, load at the end {load_end:.2f}")
@@ -444,6 +465,9 @@ def main():
             vs_plain = f"{rate / plain:.2f}x"
             if c == "1x2":
                 name, link, bare = c, "- (shared memory)", "-"
+            elif c == "2x1 elastic":
+                name, bare = "2x1, machines on their own (gloo)", "-"
+                link = f"none ({links['none']:.1f} Gbit/s)" if "none" in links else "none"
             else:
                 name, link = c.split()
                 link = f"{link} ({links[link]:.1f} Gbit/s)"

@@ -157,11 +157,12 @@ class GlooLeaders(Leaders):
             raise self.lost(exc) from None
         entry = (works, keep)
         self.pending.append(entry)
-        shared_cores = self.spin_s == 0
 
         def done():
-            if shared_cores:
-                os.sched_yield()
+            # gloo's own threads move the bytes: a poll that never yields takes their
+            # core wherever a machine has fewer cores than busy threads (one core each:
+            # a 1 MB all_reduce ran 3.99 ms spinning, 2.5x bare gloo's).
+            os.sched_yield()
             return all(w.is_completed() for w in works)
         if not spin_until(done, check, max(self.spin_s, SPIN_S)):
             wait_until(done, check, 0.0)

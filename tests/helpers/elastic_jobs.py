@@ -52,7 +52,10 @@ class Job:
         host = m.addresses[0] if on_machines else "127.0.0.1"
         port = PORT if on_machines else _free_port()
         self.env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                        SYNK_SECRET_FILE=secret, SYNK_SPIN_S="0", PAUSE_DIR=self.dir, **env)
+                        SYNK_SECRET_FILE=secret, SYNK_SPIN_S="0", PAUSE_DIR=self.dir)
+        # A benchmark may spin as fork() chooses (SYNK_SPIN_S=None), the tests do not.
+        self.env.update(env)
+        self.env = {k: v for k, v in self.env.items() if v is not None}
         self.env.pop("SYNK_CLUSTER", None)
         self.address = f"{host}:{port}"
         self.lines = []
