@@ -31,7 +31,7 @@ from .runtime.janitor import Janitor
 from .runtime.liveness import Monitor, command_check, stop_process, worker_check
 from .fork_plan import Machine, environment, plan, process_limit
 from .runtime.state import (Config, MachineRanks, Placement, Processes, Registry, Runtime,
-                            get_runtime, serialized, set_runtime)
+                            get_runtime, holding_calls, serialized, set_runtime)
 
 logger = logging.getLogger(__name__)
 
@@ -367,13 +367,11 @@ def _teardown(rt):
     if rt.closed:
         return  # abandoned already, while close() asked the workers to quit
     rt.closed = True  # once, even if a step below fails
-    # Every step runs whatever an earlier one raised: a step that failed (a backend
-    # whose peer was killed mid-call, say) must not leave the segments to the janitor,
-    # which only sweeps when this process ends.
-    steps = [(f"release Data {data_id}", _release_data(data))
-             for data_id, data in list(rt.registry.datas.items())]
-    steps += [("clear Data", rt.registry.datas.clear),
-              ("close the backend", rt.backend.close),
+    # Every step runs whatever an earlier one raised (a backend whose peer was killed): the
+    # segments must not wait for the janitor.  Data: the master's close, a node master's detach.
+    steps = [(f"release Data {i}", getattr(d, "detach", None) or d.close)
+             for i, d in list(rt.registry.datas.items())]
+    steps += [("clear Data", rt.registry.datas.clear), ("close the backend", rt.backend.close),
               ("close the control block", rt.control.close),
               ("unlink the run's segments", lambda: shmem.sweep(rt.config.prefix)),
               ("release the janitor", lambda: _release_janitor(rt)),
@@ -389,12 +387,6 @@ def _teardown(rt):
     rt.peers.close()
 
 
-def _release_data(data):
-    # The master's are Data objects; a node master's, segments it mapped.
-    release = getattr(data, "detach", None)
-    return data.close if release is None else release
-
-
 def _release_janitor(rt):
     if rt.processes.janitor is not None:
         rt.processes.janitor.release(JOIN_TIMEOUT_S)  # first: children forked later close the lock fd
@@ -404,4 +396,5 @@ def _release_janitor(rt):
 def _close_at_exit():
     rt = get_runtime()
     if rt is not None and not rt.closed and rt.is_master and os.getpid() == rt.config.master_pid:
-        _close(rt)
+        with holding_calls(JOIN_TIMEOUT_S):
+            _close(rt)

@@ -223,6 +223,22 @@ def between_calls():
             _LOCK.release()
 
 
+@contextlib.contextmanager
+def holding_calls(timeout_s):
+    """Hold the public-call lock for the block, waiting up to ``timeout_s`` for it.
+
+    At exit: the run is closed while no background thread (the elastic door)
+    serves its sockets; after ``timeout_s`` (a call stuck in another thread)
+    the block runs all the same.
+    """
+    got = _LOCK.acquire(timeout=timeout_s)
+    try:
+        yield
+    finally:
+        if got:
+            _LOCK.release()
+
+
 _DEPTH = [0]  # public calls under way in the thread that holds _LOCK
 # This process's pid: os.getpid() is a system call, and every public call asks.
 _PID = [os.getpid()]
