@@ -22,6 +22,11 @@ from .recovery import relayout, settle_local
 from .reports import DONE_REPORT, unpack_outputs
 
 
+# Public calls that only read the run's state: a loss found between calls is raised by the
+# next call that drives the ranks, not by these.
+PASSIVE_CALLS = frozenset({"layout", "on_machines", "close"})
+
+
 class Controller(Peers):
     """The controller's view of the other machines: the ``Peers`` of a cluster's one program.
 
@@ -56,10 +61,17 @@ class Controller(Peers):
         self.collected = False  # the current command's ranks leave results (reports carry them)
         self.quiet_since = 0.0  # when the last command's reports were in (perf_counter)
 
-    def between(self):
-        """Before a public call: admit the machines that asked to join (cluster/elastic.py)."""
+    def between(self, name=None):
+        """Before public call ``name``: admit the machines that asked to join (cluster/elastic.py).
+
+        A machine lost while the program sat between calls was dropped then (the
+        door's thread); the first call that drives the ranks raises that loss.
+        """
         if self.door is not None and not self.broken:
             self.door.admit()
+            if self.door.pending_loss is not None and name not in PASSIVE_CALLS:
+                err, self.door.pending_loss = self.door.pending_loss, None
+                raise err
 
     def watch(self, callback):
         """Call ``callback(event, machine, layout)`` when machines join or are lost."""

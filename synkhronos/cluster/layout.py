@@ -136,10 +136,11 @@ def on_machines(callback):
     Where machines come and go (``SYNK_LISTEN``, docs/clusters.md): ``event``
     is ``"joined"`` or ``"lost"``, ``machine`` describes the machine ("machine 2
     (node3, ranks 4..5)", numbered as before the change), and ``layout`` is the
-    run's new ``Layout``.  It runs at the command boundary where the change is
-    made (a join: before the call that admits it; a loss: before the
-    ``MachineLostError`` is raised), so a program can rescale its learning
-    rate or batch size there.  Without it, compare ``synk.layout().generation``.
+    run's new ``Layout``.  It runs where the change is made (a join: before
+    the call that admits it; a loss in a call: before the ``MachineLostError``
+    is raised; a loss while the program sits between calls: at once, from the
+    controller's door thread, while no call runs), so a program can rescale
+    its learning rate or batch size there.  Without it, compare ``synk.layout().generation``.
     Master only, after ``fork()``; never called on one machine or under MPI
     without machines that come and go.
 

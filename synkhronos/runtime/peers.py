@@ -22,8 +22,8 @@ class Peers:
     def forward(self, cmd, data):
         """Send the bytes of command ``cmd``, just posted here, to the other machines."""
 
-    def between(self):
-        """Before a public call: admit machines that asked to join (where machines come and go)."""
+    def between(self, name=None):
+        """Before public call ``name``: admit machines that asked to join (where machines come and go)."""
 
     def watch(self, callback):
         """Call ``callback(event, machine, layout)`` when machines join or are lost (none here)."""

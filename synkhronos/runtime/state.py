@@ -201,7 +201,7 @@ def serialized(fn):
                     # The peers' turn between commands (a machine joins).
                     rt = _state["runtime"]
                     if rt is not None and rt.peers is not ALONE and not rt.closed and rt.is_master:
-                        rt.peers.between()
+                        rt.peers.between(fn.__name__)
                 return fn(*args, **kwargs)
             finally:
                 _DEPTH[0] -= 1

@@ -189,3 +189,35 @@ def test_cut_machine_whose_link_comes_back_is_refused_and_ends_itself():
         assert rc == 0 and "CLOSED" in job.out, job.out + job.node_output()
         assert re.search(r"step 5 \S+ sum \S+ on 1 machines 1 ranks", job.out), job.out
         assert_nothing_left(m, job.out, "cluster_elastic.py")
+
+
+@on_machines
+def test_machine_lost_between_calls_is_seen_at_once_and_raised_by_the_next_call():
+    """While the program makes no call: layout() and on_machines see the loss; the next step raises."""
+    with machines(3) as m:
+        job = Job(m, ["train", str(STEPS), "2:0"], 3, SYNK_HEARTBEAT_S="3")
+        try:
+            job.join(1)
+            job.join(2)
+            job.until(r"^PAUSE 2$")
+            t0 = time.monotonic()
+            m.crash(2)
+            # Machines are numbered in the order they joined: named by host.
+            job.until(rf"^EVENT lost machine \d \({m.names[2]}, ranks (\d)\.\.\1\) -> 2 machines",
+                      timeout=10)
+            took = time.monotonic() - t0
+            print(f"a machine crashed between calls was dropped {took:.2f} s after")
+            assert "RESUME 2" not in job.out, job.out     # no call made it happen
+            job.resume(2)
+            job.until(r"^RESUME 2 machines 2 ")            # layout() shows it, raising nothing
+            rc = job.wait(120)
+        finally:
+            job.close()
+        out = job.out
+        assert rc == 0 and "CLOSED" in out, out + job.node_output()
+        assert re.search(rf"CAUGHT MachineLostError at step 3 completed False .*machine \d "
+                         rf"\({m.names[2]}, ranks (\d)\.\.\1\).*found between two calls", out), out
+        assert out.count("EVENT lost") == 1, out
+        assert re.search(r"^step 3 \S+ sum \S+ on 2 machines 2 ranks", out, re.M), out
+        _compare(out, serial_losses(STEPS))
+        assert_nothing_left(m, out, "cluster_elastic.py", lost=(2,))
