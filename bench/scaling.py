@@ -59,12 +59,9 @@ def serial(data_x, data_y, steps, threads, batch):
 
 def per_call(fn, seconds=0.3, repeats=5):
     """Median over ``repeats`` of the mean seconds per call, each repeat about ``seconds`` long."""
+    from pymc_calls import calls_for   # no PyMC at import: its models load lazily
     fn()
-    t0, n = time.perf_counter(), 0
-    while time.perf_counter() - t0 < seconds / repeats:
-        fn()
-        n += 1
-    return timed(fn, max(n, 2), repeats)
+    return timed(fn, calls_for(fn, seconds / repeats), repeats)
 
 
 def parallel(data_x, data_y, steps, n, batch):

@@ -16,21 +16,17 @@ renumbered.  A lost machine (its sentinel's connection closed, or silent
 for ``SYNK_HEARTBEAT_S``) is dropped the same way, and its routing id is
 banned: if it comes back it is told GONE and ends itself.  Between the
 program's calls the door is served by a thread of its own (knocks answered,
-a lost machine dropped at once).  One job, the controller's side of
-membership, over 400 lines.
+a lost machine dropped at once).  The knocks themselves: cluster/knocks.py.
 """
 
 import logging
 import os
 import pickle
-import secrets
 import socket
 import struct
 import threading
 import time
-from collections import OrderedDict
 from datetime import timedelta
-from typing import NamedTuple
 
 import zmq
 
@@ -40,32 +36,21 @@ from ..functions.distribute import DistributeMsg
 from ..inputs.mappings import DataAllocMsg, DataSyncMsg
 from ..runtime.commands import Command, encode
 from ..runtime.liveness import deadline_check, no_check
-from ..runtime.state import between_calls
+from ..runtime.state import holding_calls
 from .controller import Controller
 from .layout import Layout, take_place
 from .link import CMD, CMD_HEAD, DATA, DONE, REPORT
 from .recovery import relayout
 from .sentinel import CONNECT_TIMEOUT_S, Heartbeats
 from .settings import heartbeat_limit_s, join_timeout_s
-from .auth import proves
-from .elastic_node import PROOF_MSG, Welcome, join_as_node, survives_loss, zmq_socket
-from .zlink import ACK, GONE, HELLO, MEMBERS, NONCE, PROOF, TAG, WELCOME, ZmqLink
+from .elastic_node import Welcome, join_as_node, survives_loss, zmq_socket
+from .knocks import Knocks
+from .zlink import ACK, GONE, MEMBERS, WELCOME, ZmqLink
 
 
 logger = logging.getLogger(__name__)
 
-MAX_KNOCKING = 64                   # challenges outstanding at once (strangers cannot pile up)
-KNOCK_DEADLINE_S = 10.0             # a challenge unanswered this long is forgotten
-MAX_REFUSED = 1024                  # refused strangers remembered (told GONE if they knock again)
-REFUSAL_LOG_S = 10.0                # refusals are logged at most this often (a flood says so once)
-DOOR_POLL_S = 0.1                   # how often the door's thread answers knocks between calls
-
-
-class Joiner(NamedTuple):
-    ident: bytes
-    n_local: int
-    pid: int
-    host: str
+DOOR_POLL_S = 0.1   # how often the door's thread answers knocks between calls
 
 
 
@@ -129,14 +114,9 @@ class Door:
         self.heartbeats = controller.heartbeats
         self.listener = listener
         self.store = store       # kept alive: every leader's gloo groups meet through it
-        self.secret = secret
-        self.knocking = {}       # routing id -> (the challenge it was sent, when)
-        self.ready = []          # Joiner: proved, to be admitted at the next boundary
         self.banned = set()      # routing ids of machines dropped: never admitted again
-        self.refused = OrderedDict()  # routing ids of strangers refused, the latest MAX_REFUSED
-        self.announced = 0       # joiners in ``ready`` already logged as waiting
-        self.n_refused = self.warned_at = 0   # refusals, and how many were logged
-        self.last_warned = float("-inf")
+        self.knocks = Knocks(self.link, secret, self.banned)
+        self.announced = 0       # joiners in ``knocks.ready`` already logged as waiting
         self._stop = threading.Event()
         self._thread = None
         self.pending_loss = None  # a machine lost between calls: the next call raises this
@@ -147,54 +127,7 @@ class Door:
 
     # -- knocks on the door (from ZmqLink.drain, for routing ids it does not know) ---------
     def stranger(self, ident, frames):
-        if ident in self.banned or ident in self.refused:
-            self.link.send_to(ident, GONE, b"")
-            return
-        if len(frames) != 2 or len(frames[0]) != TAG.size:
-            return
-        tag = TAG.unpack(frames[0].bytes)[0]
-        if tag == HELLO:
-            self._forget_stale()
-            if len(self.knocking) >= MAX_KNOCKING:
-                self.knocking.pop(next(iter(self.knocking)))
-            nonce = secrets.token_bytes(32)
-            self.knocking.pop(ident, None)   # a knock again: a new challenge, at the end
-            self.knocking[ident] = (nonce, time.monotonic())
-            self.link.send_to(ident, NONCE, nonce)
-        elif tag == PROOF and ident in self.knocking:
-            nonce, _ = self.knocking.pop(ident)
-            body = frames[1].bytes
-            if len(body) == PROOF_MSG.size:
-                mac, n_local, pid, host = PROOF_MSG.unpack(body)
-                if proves(self.secret, nonce, ident, mac) and n_local >= 1:
-                    self.ready.append(Joiner(ident, n_local, pid,
-                                             host.rstrip(b"\0").decode(errors="replace")))
-                    return
-            self._refusing()
-            self.refused[ident] = True
-            while len(self.refused) > MAX_REFUSED:
-                self.refused.popitem(last=False)
-            self.link.send_to(ident, GONE, b"")
-
-    def _refusing(self):
-        """Log a refusal: the first, then at most one line per ``REFUSAL_LOG_S`` with a count."""
-        self.n_refused += 1
-        now = time.monotonic()
-        if now - self.last_warned >= REFUSAL_LOG_S:
-            more = self.n_refused - self.warned_at
-            logger.warning("elastic door: refused %s that did not prove %s to this job (a "
-                           "wrong secret?)", "a machine" if more == 1 else f"{more} machines",
-                           "it belongs" if more == 1 else "they belong")
-            self.last_warned, self.warned_at = now, self.n_refused
-
-    def _forget_stale(self):
-        """Drop challenges older than ``KNOCK_DEADLINE_S`` (a handshake never finished)."""
-        old = time.monotonic() - KNOCK_DEADLINE_S
-        while self.knocking:
-            ident, (_, t) = next(iter(self.knocking.items()))
-            if t >= old:
-                break
-            del self.knocking[ident]
+        self.knocks.stranger(ident, frames)
 
     # -- the door's thread: knocks answered while the program sits between calls ------------
     def open(self):
@@ -211,21 +144,21 @@ class Door:
     def _serve(self):
         # Only between public calls: a call holds the lock, and the link is its alone then.
         while not self._stop.wait(DOOR_POLL_S):
-            with between_calls() as mine:
+            with holding_calls() as mine:
                 if not mine or self._stop.is_set() or self.controller.broken or self.rt.closed:
                     continue
                 try:
                     self.link.drain()
-                    self._forget_stale()
+                    self.knocks.forget_stale()
                     self._watch_losses()
                 except Exception:  # noqa: BLE001 - the next call meets the same error itself
                     logger.debug("elastic door: serving knocks failed", exc_info=True)
                     continue
-                for joiner in self.ready[self.announced:]:
+                for joiner in self.knocks.ready[self.announced:]:
                     logger.info("elastic door: a machine (%s, %d ranks) proved it belongs to "
                                 "this job; it joins at the program's next synkhronos call",
                                 joiner.host, joiner.n_local)
-                self.announced = len(self.ready)
+                self.announced = len(self.knocks.ready)
 
     def wait_for(self, n_machines, timeout_s=None):
         """Admit machines until the run has ``n_machines`` (``fork()`` with ``SYNK_MACHINES``)."""
@@ -242,8 +175,9 @@ class Door:
         """Admit every machine that proved itself since the last boundary."""
         self.link.drain()
         self.announced = 0
-        while self.ready:
-            self._take(self.ready.pop(0))
+        ready = self.knocks.ready
+        while ready:
+            self._take(ready.pop(0))
 
     def _take(self, joiner):
         ctl, link, hb = self.controller, self.link, self.heartbeats

@@ -103,7 +103,6 @@ def parse_header(hdr):
     return out
 
 
-
 def encode_unique_id(uid):
     """NCCL's unique id as int64s for the host broadcast: a kind flag, then the 128 values.
 
@@ -121,6 +120,7 @@ def decode_unique_id(arr):
     if arr[0] == 1:
         return arr[1:].astype(np.uint8).tobytes()
     return tuple(int(x) for x in arr[1:])
+
 
 class NcclBackend(Backend):
     """Collectives on device arrays among the ranks of one run, one GPU per rank.

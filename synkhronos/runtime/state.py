@@ -209,31 +209,16 @@ def serialized(fn):
 
 
 @contextlib.contextmanager
-def between_calls():
-    """Hold the public-call lock for the block if no public call is under way.
+def holding_calls(timeout_s=0.0):
+    """Hold the public-call lock for the block; yield whether it is held.
 
-    Yields whether it holds it: a background thread (the elastic door) serves
-    the run's sockets only while the program is between calls.
+    ``timeout_s`` 0: only if no public call is under way (a background thread,
+    the elastic door, serves the run's sockets only between calls); else wait
+    up to ``timeout_s`` for it (at exit), and run the block all the same.
     """
-    got = _LOCK.acquire(blocking=False)
+    got = _LOCK.acquire(timeout=timeout_s) if timeout_s > 0 else _LOCK.acquire(blocking=False)
     try:
         yield got
-    finally:
-        if got:
-            _LOCK.release()
-
-
-@contextlib.contextmanager
-def holding_calls(timeout_s):
-    """Hold the public-call lock for the block, waiting up to ``timeout_s`` for it.
-
-    At exit: the run is closed while no background thread (the elastic door)
-    serves its sockets; after ``timeout_s`` (a call stuck in another thread)
-    the block runs all the same.
-    """
-    got = _LOCK.acquire(timeout=timeout_s)
-    try:
-        yield
     finally:
         if got:
             _LOCK.release()

@@ -1,16 +1,14 @@
-"""The elastic controller's door under abuse (cluster/elastic.Door), without a network.
+"""The elastic controller's door under abuse (cluster/knocks.Knocks), without a network.
 
-Knocks go straight to ``Door.stranger`` as ``ZmqLink.drain`` hands them over: garbage,
+Knocks go straight to ``Knocks.stranger`` as ``ZmqLink.drain`` hands them over: garbage,
 wrong secrets, replayed proofs, handshakes never finished.  The door's memory stays
 bounded and a machine with the secret is still let in.
 """
 
-import types
-
 import pytest
 import zmq
 
-from synkhronos.cluster import elastic
+from synkhronos.cluster import knocks
 from synkhronos.cluster.auth import mac
 from synkhronos.cluster.elastic_node import PROOF_MSG
 from synkhronos.cluster.zlink import GONE, HELLO, NONCE, PROOF, TAG
@@ -40,8 +38,7 @@ def _proof(secret, nonce, ident, n_local=1):
 @pytest.fixture
 def door():
     link = FakeLink()
-    controller = types.SimpleNamespace(link=link, heartbeats=None)
-    return elastic.Door(None, controller, None, None, SECRET), link
+    return knocks.Knocks(link, SECRET, set()), link
 
 
 def _knock(door, link, ident, secret):
@@ -71,8 +68,8 @@ def test_a_thousand_bad_knocks_keep_the_door_bounded_and_open(door, caplog):
             door.stranger(ident, _frames(HELLO))
             door.stranger(ident, _frames(PROOF, _proof(SECRET, old, src)))
             assert link.last(ident)[0] == GONE
-    assert len(door.knocking) <= elastic.MAX_KNOCKING
-    assert len(door.refused) <= elastic.MAX_REFUSED
+    assert len(door.knocking) <= knocks.MAX_KNOCKING
+    assert len(door.refused) <= knocks.MAX_REFUSED
     assert door.ready == []
     # One warning for the flood, not one per knock.
     assert len([r for r in caplog.records if "refused" in r.getMessage()]) == 1
@@ -86,19 +83,19 @@ def test_a_thousand_bad_knocks_keep_the_door_bounded_and_open(door, caplog):
 
 def test_refused_strangers_are_remembered_up_to_a_limit(door):
     door, link = door
-    for i in range(elastic.MAX_REFUSED + 50):
+    for i in range(knocks.MAX_REFUSED + 50):
         _knock(door, link, b"r%06d" % i, b"wrong")
-    assert len(door.refused) == elastic.MAX_REFUSED
-    assert b"r000000" not in door.refused and b"r%06d" % (elastic.MAX_REFUSED + 49) in door.refused
+    assert len(door.refused) == knocks.MAX_REFUSED
+    assert b"r000000" not in door.refused and b"r%06d" % (knocks.MAX_REFUSED + 49) in door.refused
 
 
 def test_an_unanswered_challenge_is_forgotten_after_the_deadline(door, monkeypatch):
     door, link = door
     now = [1000.0]
-    monkeypatch.setattr(elastic.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(knocks.time, "monotonic", lambda: now[0])
     door.stranger(b"slow", _frames(HELLO))
     nonce = link.last(b"slow")[1]
-    now[0] += elastic.KNOCK_DEADLINE_S + 1
+    now[0] += knocks.KNOCK_DEADLINE_S + 1
     door.stranger(b"other", _frames(HELLO))      # a knock sweeps the stale challenges
     assert b"slow" not in door.knocking
     # Its proof, though right, comes too late: no challenge to answer any more.

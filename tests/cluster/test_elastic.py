@@ -124,16 +124,25 @@ def test_wrong_secret_is_refused_and_the_job_goes_on():
     with machines(2) as m:
         job = Job(m, ["train", "2", ""], 2)
         try:
-            intruder = job._start(1, SYNK_JOIN=job.address, SYNK_SECRET="not-the-job-secret-42")
-            out, _ = intruder.communicate(timeout=60)
-            assert intruder.returncode != 0 and "refused this machine" in out, out
-            assert not m.processes(1), m.leftovers()
+            _refused_intruder(job, m)
             job.join(1)
             rc = job.wait(120)
         finally:
             job.close()
-        assert rc == 0 and "CLOSED" in job.out and "on 2 machines 2 ranks" in job.out, job.out
-        assert_nothing_left(m, job.out, "cluster_elastic.py")
+        _finished_on_two(job, m, rc)
+
+
+def _refused_intruder(job, m):
+    """Start a node master with a wrong secret on machine 1: it is refused and leaves nothing."""
+    intruder = job._start(1, SYNK_JOIN=job.address, SYNK_SECRET="not-the-job-secret-42")
+    out, _ = intruder.communicate(timeout=60)
+    assert intruder.returncode != 0 and "refused this machine" in out, out
+    assert not m.processes(1), m.leftovers()
+
+
+def _finished_on_two(job, m, rc):
+    assert rc == 0 and "CLOSED" in job.out and "on 2 machines 2 ranks" in job.out, job.out
+    assert_nothing_left(m, job.out, "cluster_elastic.py")
 
 
 @on_machines
@@ -144,14 +153,11 @@ def test_wrong_secret_is_refused_while_the_program_sits_between_calls():
         try:
             job.until(r"^PAUSE 0$")
             t0 = time.monotonic()
-            intruder = job._start(1, SYNK_JOIN=job.address, SYNK_SECRET="not-the-job-secret-42")
-            out, _ = intruder.communicate(timeout=60)
-            took = time.monotonic() - t0
-            assert intruder.returncode != 0 and "refused this machine" in out, out
+            _refused_intruder(job, m)
             # Refused while the program still sat between calls (no call answered it).
             assert "RESUME 0" not in job.out, job.out
-            print(f"intruder refused {took:.2f} s after it started (its start included)")
-            assert not m.processes(1), m.leftovers()
+            print(f"intruder refused {time.monotonic() - t0:.2f} s after it started (its start "
+                  "included)")
             job.join(1)
             time.sleep(1.0)              # it proves itself meanwhile; admitted at the next call
             job.resume(0)
@@ -159,8 +165,7 @@ def test_wrong_secret_is_refused_while_the_program_sits_between_calls():
             rc = job.wait(120)
         finally:
             job.close()
-        assert rc == 0 and "CLOSED" in job.out and "on 2 machines 2 ranks" in job.out, job.out
-        assert_nothing_left(m, job.out, "cluster_elastic.py")
+        _finished_on_two(job, m, rc)
 
 
 @on_machines
