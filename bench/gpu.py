@@ -123,16 +123,82 @@ def mlp_overhead(f, steps, profile=False):
     print(f"| synk.function, 1 rank | {fmt(ts)} | {BATCH / ts:,.0f} |")
     print(f"\nsynk overhead: {100 * (ts / tb - 1):+.1f}% (target: under 5%)")
     if profile:   # where the synk step's extra time goes: the master is the one rank
-        import cProfile
-        import pstats
-        prof = cProfile.Profile()
-        prof.runcall(lambda: [synk_step() for _ in range(200)])
-        print("\ncProfile of 200 synk steps (--profile), by own time:\n```")
-        pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(25)
-        print("```")
+        print_profile(synk_step, 200, "synk steps", lines=25)
+        print_profile(synk_step, 200, "synk steps", sort="cumulative", lines=40)
+        print_profile(bare_step, 200, "bare steps", sort="cumulative", lines=20)
 
 
-def nccl_all_reduce(shareds):
+def print_profile(fn, n, title, sort="tottime", lines=22):
+    """cProfile ``n`` calls of ``fn``; print the top ``lines`` by ``sort``."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(lambda: [fn() for _ in range(n)])
+    print(f"\ncProfile of {n} {title}, by {sort}:\n```")
+    pstats.Stats(prof, stream=sys.stdout).sort_stats(sort).print_stats(lines)
+    print("```")
+
+
+def pieces(cupy):
+    """What an all_reduce of 4 B is made of on this GPU: each hand-over, timed alone."""
+    import jax
+    import jax.numpy as jnp
+
+    host = np.ones(1, "float32")
+    j = jnp.ones(1, "float32").block_until_ready()
+    c = cupy.ones(1, "float32")
+    stream = cupy.cuda.Stream(non_blocking=True)
+
+    def fetched():
+        r = j + 0
+        r.copy_to_host_async()
+        r.block_until_ready()
+        np.asarray(r)
+
+    def put_copy():
+        jnp.array(host, copy=True).block_until_ready()
+
+    def put_device():
+        jax.device_put(host).block_until_ready()
+
+    def put_noblock():
+        jax.device_put(host)
+
+    def in_stream(fn):
+        def run():
+            with stream:
+                fn()
+        return run
+
+    steps = [
+        ("np.asarray(jax array) (device to host)", lambda: np.asarray(j + 0)),
+        ("jax array + 0, block_until_ready", lambda: (j + 0).block_until_ready()),
+        ("jax array + 0, copy_to_host_async, block, np.asarray", fetched),
+        ("block_until_ready on a ready array", lambda: j.block_until_ready()),
+        ("jnp.array(host, copy=True) + block", put_copy),
+        ("jax.device_put(host) + block", put_device),
+        ("jax.device_put(host), no block", put_noblock),
+        ("cupy.from_dlpack(jax array)", lambda: cupy.from_dlpack(j)),
+        ("cupy.from_dlpack(jax array) in a stream", in_stream(lambda: cupy.from_dlpack(j))),
+        ("jnp.from_dlpack(cupy array) + block", lambda: jnp.from_dlpack(c).block_until_ready()),
+        ("jnp.from_dlpack(cupy array), no block", lambda: jnp.from_dlpack(c)),
+        ("cupy.empty(1) in a stream", in_stream(lambda: cupy.empty(1, "float32"))),
+        ("cupy array .get()", lambda: c.get()),
+        ("cupy.asarray(host) in a stream", in_stream(lambda: cupy.asarray(host))),
+        ("stream.done", lambda: stream.done),
+    ]
+    print("\n| piece (4 B, float32) | us |\n|---|---|")
+    for label, fn in steps:
+        try:
+            for _ in range(20):
+                fn()
+            print(f"| {label} | {median_time(fn, 200) * 1e6:.1f} |")
+        except Exception as exc:  # noqa: BLE001 - a piece this stack lacks: say so, go on
+            print(f"| {label} | failed: {type(exc).__name__}: {exc} |")
+
+
+def nccl_all_reduce(shareds, profile=False):
     """Part 2: all_reduce on one rank through NCCL, the host path, and bare CuPy NCCL."""
     import synkhronos as synk
     from synkhronos.runtime import devices as gpu
@@ -146,6 +212,12 @@ def nccl_all_reduce(shareds):
         print(f"not measured: {exc}")
         return
     comm = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+    alone = {}
+    for label, n in SIZES[:1]:    # one rank gives back its inputs: no GPU work at all
+        s = shareds[0]
+        alone[label] = median_time(lambda: synk.all_reduce(s, "sum"), 200)
+    print(f"one rank, 4 B, as a program on 1 GPU runs it: {fmt(alone['4 B'])}\n")
+    rt.backend.nccl_alone = True  # below: the NCCL path itself, on a one-rank communicator
     stream = cupy.cuda.Stream(non_blocking=True)
     print("| size | NCCL via synk | host path (nccl=False) | bare CuPy NCCL | GB/s (synk NCCL) |")
     print("|---|---|---|---|---|")
@@ -165,6 +237,14 @@ def nccl_all_reduce(shareds):
               f"{4 * n / t_nccl / 1e9:.2f} |")
     assert rt.backend.device_arrays and rt.backend.comm is not None, "NCCL was not used"
     comm.destroy()
+    if profile:   # where the fixed cost of a small all_reduce goes
+        small = shareds[0]
+        print_profile(lambda: synk.all_reduce(small, "sum"), 500, "all_reduce of 4 B via NCCL")
+        print_profile(lambda: synk.all_reduce(small, "sum"), 500, "all_reduce of 4 B via NCCL",
+                      sort="cumulative", lines=30)
+        print_profile(lambda: synk.all_reduce(small, "sum", nccl=False), 500,
+                      "all_reduce of 4 B, nccl=False")
+        pieces(cupy)
 
 
 def resnet():
@@ -225,7 +305,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=50, help="timed MLP steps per repeat")
     p.add_argument("--skip-resnet", action="store_true")
-    p.add_argument("--profile", action="store_true", help="cProfile the synk MLP step")
+    p.add_argument("--profile", action="store_true",
+                   help="cProfile the synk MLP step and a 4 B all_reduce; time its pieces")
     p.add_argument("--part", choices=["shared"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.part == "shared":
@@ -239,6 +320,15 @@ def main(argv=None):
         return 0
     import synkhronos as synk
 
+    # Part 4 first, in its own process: GPU mode forks only from a process where CUDA
+    # never started, and this one's JAX would then hold most of the GPU's memory.
+    out = subprocess.run([sys.executable, __file__, "--part", "shared"], capture_output=True,
+                         text=True, timeout=1800, env=dict(os.environ))
+    # Its result line is on stdout; XLA's allocator logs (long) go to stderr.
+    shared_result = out.stdout.strip()[-3000:]
+    if out.returncode != 0:
+        shared_result += "\n" + out.stderr.strip()[-3000:]
+    shared_status = out.returncode
     synk.fork(1)                                   # GPU mode, before anything starts CUDA
     import jax
 
@@ -252,19 +342,13 @@ def main(argv=None):
           f"using 1); jax {jax.__version__}")
     f, shareds = build()
     mlp_overhead(f, args.steps, args.profile)
-    nccl_all_reduce(shareds)
+    nccl_all_reduce(shareds, args.profile)
     synk.close()
     if not args.skip_resnet:
         resnet()
-    print("\n## 4. Two ranks sharing the GPU, nccl=False\n")
-    # Its own process: GPU mode forks only from a process where CUDA never started.
-    out = subprocess.run([sys.executable, __file__, "--part", "shared"], capture_output=True,
-                         text=True, timeout=1800, env=dict(os.environ))
-    # Its result line is on stdout; XLA's allocator logs (long) go to stderr.
-    print(out.stdout.strip()[-3000:])
-    if out.returncode != 0:
-        print(out.stderr.strip()[-3000:])
-    return out.returncode
+    print("\n## 4. Two ranks sharing the GPU, nccl=False (run first)\n")
+    print(shared_result)
+    return shared_status
 
 
 if __name__ == "__main__":

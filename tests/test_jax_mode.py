@@ -259,8 +259,24 @@ def _case_nccl_path(n):
         run_all(_nccl_log, marks, names)
         return result
 
+    if n == 1:
+        # One rank: reductions and broadcasts give back their inputs, no NCCL call.
+        assert expect([], synk.all_reduce, [v, d, i], "sum") is None
+        got = expect([], synk.reduce, v, "prod", in_place=False)
+        assert _is_jax(got)
+        np.testing.assert_array_equal(got, vals["v"][0])
+        # avg of integers is a float: not an identity; the headers' exchange connects,
+        # then the host path.
+        np.testing.assert_array_equal(expect(["comm"], synk.reduce, i, "avg", in_place=False),
+                                      vals["i"][0].astype("float64"))
+        expect([], synk.broadcast, v)
+        for k in "vdi":
+            _check_all(n, {"v": v, "d": d, "i": i}[k], vals[k])
+        run_all(_kinds, {"v", "d", "i"}, True)
+        # The rest of this case: the NCCL path itself, on a one-rank communicator.
+        get_runtime().backend.nccl_alone = True
     # The first collective connects every rank, then one group of three calls.
-    out = expect(["comm", "groupStart", "allReduce", "allReduce", "allReduce", "groupEnd"],
+    out = expect(["comm"] * (n > 1) + ["groupStart", "allReduce", "allReduce", "allReduce", "groupEnd"],
                  synk.all_reduce, [v, d, i], "sum")
     assert out is None
     for k in "vdi":

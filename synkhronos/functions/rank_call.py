@@ -196,7 +196,7 @@ class Share:
             finally:
                 rt.in_call = False
             if wait_updates:
-                _wait_device(spec)
+                _wait_device(spec, results)
             for r in results:
                 if type(r) is not ndarray:
                     # Backends other than NumPy's (JAX) return their own array types.
@@ -223,7 +223,7 @@ class Share:
         finally:
             rt.in_call = False
         if self.wait_updates:
-            _wait_device(self.spec)
+            _wait_device(self.spec, results)
         # Backends other than NumPy's (JAX) return their own array types.
         return [r if type(r) is np.ndarray else np.asarray(r) for r in results], self.weight
 
@@ -351,4 +351,4 @@ def _wait_device(spec, results=()):
     rank finishes before its command ends and the master may reuse them.
     """
     if spec.jax:
-        devices.wait(list(results) + [access.raw(var) for var, _ in spec.updates])
+        devices.wait([access.raw(var) for var, _ in spec.updates], fetch=results)

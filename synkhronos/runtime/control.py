@@ -26,6 +26,7 @@ from . import trace
 from ._block import EQ, NE, Block
 from .commands import Command, decode, encode, handler
 from .liveness import CHECK_NS, wait_slots
+from .peers import ALONE
 from .run import run_command
 from .shmem import SharedArray
 
@@ -105,7 +106,11 @@ class Control:
         """
         freed = rt.registry.freed
         mv = self.mv
-        if kept is not None and not freed:
+        if not self.workers and rt.peers is ALONE:
+            # One rank, one machine: nobody reads the message (nothing to unmap either).
+            freed.clear()
+            data = None
+        elif kept is not None and not freed:
             data = kept.data
             if self.msg_id != kept.id:
                 # No id claims the area while it is rewritten (an exception midway, Ctrl-C,
