@@ -22,7 +22,7 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 
 import synkhronos as synk
-from helpers.procs import (DEADLINE_S, SleepIn, close_process, gone, kill_master_and_check,
+from helpers.procs import (DEADLINE_S, SleepIn, busy_loops, close_process, gone, kill_master_and_check,
                            my_segments, wait_for)
 from synkhronos.runtime import shmem
 from synkhronos.runtime.state import get_runtime
@@ -626,9 +626,7 @@ def test_close_frees_everything_when_a_step_of_it_fails(forked, monkeypatch, cap
 def test_close_after_a_worker_died_under_load(forked):
     # Beside busy loops on every core the killed worker's end and close() interleave
     # differently; the segments are gone when close() returns, every time.
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range((os.cpu_count() or 2) + 1)]
-    try:
+    with busy_loops():
         for i in range(3):
             forked(3)
             rt = get_runtime()
@@ -637,7 +635,3 @@ def test_close_after_a_worker_died_under_load(forked):
             os.kill(rt.processes.procs[1 + i % 2].pid, signal.SIGKILL)
             synk.close()
             _assert_closed_and_clean(procs)
-    finally:
-        for p in busy:
-            p.kill()
-            p.wait()

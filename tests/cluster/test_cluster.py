@@ -26,7 +26,7 @@ import pytest
 from helpers.cluster_jobs import (FAULTS, FLAVOR, NO_MACHINES, ROOT, TESTS, OneHost,
                                   _env, assert_nothing_left, fault_run, machines,
                                   mpirun, start, why_no_mpi)
-from helpers.procs import DEADLINE_S, gone, wait_for
+from helpers.procs import DEADLINE_S, busy_loops, gone, wait_for
 
 HERE = TESTS
 CHECKS = os.path.join(HERE, "helpers", "cluster_checks.py")
@@ -222,6 +222,26 @@ def test_cut_machine_is_named_within_two_heartbeats():
         assert f.t_gone is not None and f.t_gone < 2 * heartbeat_s, f
         assert f.t_mpirun is not None and f.t_mpirun < 2 * heartbeat_s, f
         assert_nothing_left(m, f.out)
+
+
+@on_machines
+def test_cluster_beside_busy_loops():
+    """With every core busy: distribute() and calls across 2 machines pass, a cut machine is
+    still named within 2 heartbeats and leaves nothing (both once failed under a loaded
+    `make test`)."""
+    heartbeat_s = 3
+    with busy_loops():
+        with machines(2) as m:
+            rc, out, _ = mpirun(m, 2, [CHECKS, "1"])
+            assert rc == 0 and "ALL OK" in out and "AFTER CLOSE OK" in out, out
+            assert_nothing_left(m, out, "cluster_checks.py")
+        with machines(2) as m:
+            f = fault_run(m, 2, 1, lambda: m.cut(1), "link cut", bound=4 * heartbeat_s,
+                          SYNK_HEARTBEAT_S=str(heartbeat_s))
+            assert f.error and re.match(r"WorkerStalledError: .*machine 1 \(", f.error), f
+            assert f.t_error < 2 * heartbeat_s, f
+            assert f.t_gone is not None and f.t_gone < 2 * heartbeat_s, f
+            assert_nothing_left(m, f.out)
 
 
 @pytest.mark.parametrize("script,machines_,local", [

@@ -38,7 +38,7 @@ def test_contract_on_machines_that_joined():
         assert_nothing_left(m, out, "cluster_checks.py")
 
 
-def _compare(out, want):
+def _compare(out, want, at_least=STEPS - 1):
     got = losses(out)
     compared = 0
     for k, (loss, total) in got.items():
@@ -48,7 +48,7 @@ def _compare(out, want):
         # The produced Data covers every row on whichever machines are left.
         assert float(total) == float(want[k][1]), (k, out)
         compared += 1
-    assert compared >= STEPS - 1, out
+    assert compared >= at_least, out
 
 
 def _check_run(plan, n_start, lost, heartbeat_s=3.0):
@@ -132,12 +132,12 @@ def test_wrong_secret_is_refused_and_the_job_goes_on():
         _finished_on_two(job, m, rc)
 
 
-def _refused_intruder(job, m):
-    """Start a node master with a wrong secret on machine 1: it is refused and leaves nothing."""
-    intruder = job._start(1, SYNK_JOIN=job.address, SYNK_SECRET="not-the-job-secret-42")
+def _refused_intruder(job, m, i=1):
+    """Start a node master with a wrong secret on machine ``i``: it is refused and leaves nothing."""
+    intruder = job._start(i, SYNK_JOIN=job.address, SYNK_SECRET="not-the-job-secret-42")
     out, _ = intruder.communicate(timeout=60)
     assert intruder.returncode != 0 and "refused this machine" in out, out
-    assert not m.processes(1), m.leftovers()
+    assert not m.processes(i), m.leftovers()
 
 
 def _finished_on_two(job, m, rc):
@@ -225,4 +225,52 @@ def test_machine_lost_between_calls_is_seen_at_once_and_raised_by_the_next_call(
         assert out.count("EVENT lost") == 1, out
         assert re.search(r"^step 3 \S+ sum \S+ on 2 machines 2 ranks", out, re.M), out
         _compare(out, serial_losses(STEPS))
+        assert_nothing_left(m, out, "cluster_elastic.py", lost=(2,))
+
+
+@on_machines
+def test_four_machines_through_a_crash_an_intruder_a_join_and_a_cut():
+    """Issue 40's proof in one run: every step equals the serial twin's, nothing is left.
+
+    Machines 0 (the controller), 1 and 2 start; after step 2 machine 2 crashes and,
+    while the program still sits between calls, a joiner with a wrong secret knocks on
+    machine 3 and is refused; after step 4 machine 3 joins; after step 6 machine 1's
+    link is cut.  The run ends on machines 0 and 3.
+    """
+    steps = 10
+    with machines(4) as m:
+        job = Job(m, ["train", str(steps), "2:0,4:3,6:0"], 3, SYNK_HEARTBEAT_S="3")
+        try:
+            job.join(1)
+            job.join(2)
+            job.until(r"^PAUSE 2$")
+            m.crash(2)
+            job.until(rf"^EVENT lost machine \d \({m.names[2]},", timeout=10)
+            t0 = time.monotonic()
+            _refused_intruder(job, m, 3)
+            refused = time.monotonic() - t0
+            assert "RESUME 2" not in job.out, job.out        # answered between calls
+            assert refused < 2.0 + 3.0, refused               # its own start included
+            job.resume(2)
+            job.until(r"^PAUSE 4$")
+            job.join(3)
+            job.resume(4)
+            job.until(r"^RESUME 4 machines 3 ")
+            job.until(r"^PAUSE 6$")
+            m.cut(1)
+            job.resume(6)
+            rc = job.wait(150)
+        finally:
+            job.close()
+        out = job.out
+        print(f"intruder refused {refused:.2f} s after it started (its start included)")
+        assert rc == 0 and "CLOSED" in out, out + job.node_output()
+        assert re.search(rf"CAUGHT MachineLostError at step 3 completed False .*"
+                         rf"\({m.names[2]}, ranks (\d)\.\.\1\).*found between two calls", out), out
+        assert re.search(rf"EVENT joined machine \d \({m.names[3]},", out), out
+        assert re.search(r"^step 5 \S+ sum \S+ on 3 machines 3 ranks", out, re.M), out
+        assert re.search(rf"CAUGHT MachineLostError at step 7 .*\({m.names[1]}, ranks (\d)\.\.\1\)"
+                         r": its node master stopped answering", out), out
+        assert re.search(r"^step 9 \S+ sum \S+ on 2 machines 2 ranks", out, re.M), out
+        _compare(out, serial_losses(steps), at_least=steps - 1)
         assert_nothing_left(m, out, "cluster_elastic.py", lost=(2,))

@@ -19,13 +19,15 @@ test` installs them where apt works); skipped with the reason otherwise.
 
 import os
 import re
+import secrets
+import time
 
 import pytest
 
 from helpers.machines import mpi_flavor
 from helpers.slurm import Slurm, why_no_pmix, why_no_slurm
 from helpers.slurm_jobs import (FAULTS_KINDS, RECOMMENDED, REFUSED, ROUTES, SRUN, fault_run,
-                                fork_once, refused, run_route, settle, start)
+                                fork_once, refused, run_route, sbatch, settle, start)
 
 WHY = why_no_slurm()
 FLAVOR = mpi_flavor()
@@ -130,3 +132,74 @@ def test_fault_leaves_nothing_and_ends_the_job(route, fault):
         # ULFM: the run goes on with the machine left, as under mpirun without Slurm.
         assert f.error.startswith("MachineLostError") and "the run goes on" in f.error, f
         assert f.named and f.t_error < 2.0 and "CLOSED" in f.out, f
+
+
+# docs/slurm.md's batch scripts for a job that grows and shrinks (machines that come and
+# go), with the training run of tests/cluster/test_elastic.py as the program.
+GROWING_FIRST = """#!/bin/sh
+#SBATCH -N 1 --exclusive
+# The first allocation runs the controller; allocations that join find it by its host name.
+export SYNK_LISTEN=29517 SYNK_MACHINES=1
+hostname > "$JOB_DIR/controller"
+timeout 150 python helpers/cluster_elastic.py train 8 2:2,4:0
+"""
+GROWING_MORE = """#!/bin/sh
+#SBATCH -N 1 --exclusive
+# Each further allocation adds its node to the running job; scancel takes it away again.
+export SYNK_JOIN=$(cat "$JOB_DIR/controller"):29517
+timeout 150 python helpers/cluster_elastic.py train 8 ""
+"""
+
+
+def test_job_grown_by_a_second_allocation_and_shrunk_by_scancel():
+    """sbatch of a second allocation adds its node to the running job; scancel of it takes the
+    node away; every step equals the serial twin's, nothing is left, the queue empties."""
+    from helpers.elastic_jobs import losses, serial_losses, why_no_elastic
+
+    if why_no_elastic():
+        pytest.skip(why_no_elastic())
+    steps = 8
+    with Slurm(2) as s:
+        d = os.path.join(s.dir, "elastic")
+        os.makedirs(d)
+        with open(os.path.join(d, "secret"), "w") as f:
+            f.write(secrets.token_hex(16))
+        env = s.env(SYNK_SECRET_FILE=os.path.join(d, "secret"), JOB_DIR=d, PAUSE_DIR=d,
+                    SYNK_SPIN_S="0", SYNK_HEARTBEAT_S=str(HEARTBEAT_S))
+        first = sbatch(s, GROWING_FIRST, 1, 1, env=env)
+        grown = None
+        try:
+            assert first.wait_output(r"^PAUSE 2$", 120), first.output() + s.logs()
+            t0 = time.monotonic()
+            grown = sbatch(s, GROWING_MORE, 1, 1, env=env)
+            open(os.path.join(d, "2"), "w").close()
+            assert first.wait_output(r"^RESUME 2 machines 2 ", 90), first.output() + s.logs()
+            t_grown = time.monotonic() - t0
+            assert first.wait_output(r"^PAUSE 4$", 60), first.output()
+            s.run_head(["scancel", grown.id], timeout=20)
+            open(os.path.join(d, "4"), "w").close()
+            out = first.wait()
+            grown.wait(60)
+        finally:
+            for job in (first, grown):
+                if job is not None and not job.ended():
+                    s.run_head(["scancel", job.id], timeout=20)
+        caught = re.search(r"^CAUGHT MachineLostError at step 5 completed \S+ at ([\d.]+)",
+                           out, re.M)
+        print(f"grown: the second allocation's node ran step 3 {t_grown:.1f} s after its sbatch; "
+              f"shrunk: the first step after scancel raised MachineLostError (job states "
+              f"{first.state}, {grown.state}); left: {settle(s) or 'nothing'}")
+        assert "CLOSED" in out and caught, out
+        # A rank per core of each node.
+        both = re.search(r"^step 3 \S+ sum \S+ on 2 machines (\d+) ranks", out, re.M)
+        one = re.search(r"^step 7 \S+ sum \S+ on 1 machines (\d+) ranks", out, re.M)
+        assert both and one and int(both.group(1)) == 2 * int(one.group(1)), out
+        want, got = serial_losses(steps), losses(out)
+        assert len([k for k, (loss, _) in got.items() if loss != "lost"]) >= steps - 1, out
+        for k, (loss, total) in got.items():
+            if loss != "lost":
+                assert float(loss) == pytest.approx(float(want[k][0]), rel=1e-5), (k, out)
+                assert float(total) == float(want[k][1]), (k, out)
+        assert first.state == "COMPLETED" and grown.state == "CANCELLED", (first.state,
+                                                                            grown.state)
+        assert not settle(s) and s.squeue() == [], (settle(s), s.squeue())

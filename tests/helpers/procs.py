@@ -1,7 +1,10 @@
 """Helpers for tests that kill, stop or outlive processes: their segments, exits and deadlines."""
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytensor.tensor as pt
@@ -11,6 +14,19 @@ from pytensor.graph.op import Op
 from synkhronos.runtime.state import get_runtime
 
 DEADLINE_S = 10.0    # "within a few seconds", with room for a loaded 2-core machine
+
+
+@contextlib.contextmanager
+def busy_loops(n=None):
+    """Spin ``n`` Python loops (default: one more than the cores) for the ``with`` block."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(n or (os.cpu_count() or 2) + 1)]
+    try:
+        yield busy
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
 
 
 def my_segments(pid=None):

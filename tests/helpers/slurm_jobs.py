@@ -51,9 +51,9 @@ def batch_script(launch, args, limit=LIMIT_S):
             "echo \"LAUNCHER EXIT $?\"\n")
 
 
-def sbatch(slurm, script, nodes, per_node, env=None):
+def sbatch(slurm, script, nodes, per_node, env=None, extra=()):
     """Submit the batch script text ``script`` from the head node (``sbatch -N nodes
-    --ntasks-per-node per_node``, from tests/); return its ``Job``."""
+    --ntasks-per-node per_node``, then ``extra``, from tests/); return its ``Job``."""
     jobs = os.path.join(slurm.dir, "jobs")
     os.makedirs(jobs, exist_ok=True)
     k = len(os.listdir(jobs))
@@ -62,7 +62,7 @@ def sbatch(slurm, script, nodes, per_node, env=None):
         f.write(script)
     t0 = time.monotonic()
     p = slurm.run_head(["sbatch", "--parsable", "-N", str(nodes), f"--ntasks-per-node={per_node}",
-                        "-o", out, path], env=env, cwd=TESTS, timeout=30)
+                        *extra, "-o", out, path], env=env, cwd=TESTS, timeout=30)
     if p.returncode != 0:
         raise RuntimeError(f"sbatch: {p.stderr.strip()}")
     return Job(slurm, p.stdout.strip().split(";")[0], out, t0)
