@@ -127,3 +127,16 @@ def warm_jit():
         cpu_target.target_context.refresh()
     except Exception as exc:  # noqa: BLE001 - only memory is at stake: each worker builds its own
         logger.debug("numba's contexts were not built before forking: %r", exc)
+
+
+def trim_heap():
+    """Give the heap's free pages back to the system (glibc's ``malloc_trim``); else nothing.
+
+    glibc keeps what a process freed (a model's compile, its data's copies) for
+    later allocations; before a long phase that will not need it, returning it
+    lowers the process's memory for the whole phase.
+    """
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
