@@ -224,6 +224,32 @@ def test_async_jax_calls_finish_before_inputs_are_reused(n):
     child.run(_case_inputs_reused_at_once, n)
 
 
+def _case_hand_overs():
+    child.enable_jax()
+    import jax
+
+    from synkhronos.runtime import devices
+
+    # NumPy to JAX: small arrays go without a wait, large ones with one; neither may see
+    # the source change afterwards (it may be a communication buffer the next call reuses).
+    for n in (4, 1 << 19):
+        src = np.arange(n, dtype="float32")
+        got = devices.to_jax(src)
+        src[:] = -1
+        assert isinstance(got, jax.Array)
+        np.testing.assert_array_equal(np.asarray(got), np.arange(n, dtype="float32"))
+    # wait(): the values computed, the fetched ones already on their way to the host.
+    x = jax.numpy.arange(6.0)
+    updated, result = x * 2, x.sum()
+    devices.wait([updated], fetch=[result, np.ones(2)])      # other arrays pass
+    assert updated.is_ready() and result.is_ready()
+    assert float(result) == 15.0 and np.asarray(updated)[5] == 10.0
+
+
+def test_hand_overs_between_numpy_and_jax():
+    child.run(_case_hand_overs)
+
+
 # ---- the NCCL path, on a CPU stand-in for CuPy ----------------------------------------
 
 def _nccl_log(rt, marks, names):
