@@ -180,8 +180,8 @@ def wait(values, fetch=()):
 
     The JAX arrays in ``fetch`` start their copies to the host first: the
     caller reads them next, and a copy queued behind the computation is
-    waited for in the same round trip (on a GPU each wait costs a round
-    trip of 0.1-0.3 ms, bench/gpu.py --profile).
+    waited for in the same round trip (on an H200 each wait cost 0.2-0.5 ms,
+    bench/gpu.py --profile).
     """
     jax = sys.modules.get("jax")
     if jax is None:
@@ -198,8 +198,10 @@ def to_jax(value):
     JAX arrays come back as they are; other device arrays (CuPy) are wrapped
     without a copy through DLPack; NumPy arrays are copied, since they may be
     views into communication buffers that the next collective overwrites.
-    Returns once the copy (if any) is done: JAX copies asynchronously, and
-    after a DLPack hand-over it does not keep the source alive for a copy.
+    A NumPy array of up to 1 MiB is first copied on the host, and JAX reads
+    that private copy when it likes (no wait); a larger one is copied by JAX
+    and waited for, as is a DLPack hand-over, after which JAX does not keep
+    the source alive for a copy.
     """
     import jax
     import jax.numpy as jnp
