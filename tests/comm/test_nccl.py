@@ -15,7 +15,7 @@ import pytest
 from helpers import fake_cupy
 from synkhronos.runtime import devices
 from synkhronos.comm import choose_backend, get_backend
-from synkhronos.comm import nccl_backend
+from synkhronos.comm import nccl_backend, nccl_wire
 from synkhronos.comm.base import Wiring
 from synkhronos.errors import BackendUnavailableError
 
@@ -49,32 +49,32 @@ def _wiring(n_parallel=2):
 @pytest.mark.parametrize("op", ["avg", "sum", "prod", "max", "min"])
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
 def test_every_op_on_floats(op, dtype):
-    nop, ndt = nccl_backend.nccl_op_name(op, dtype)
+    nop, ndt = nccl_wire.nccl_op_name(op, dtype)
     assert nop == ("NCCL_SUM" if op == "avg" else f"NCCL_{op.upper()}")
     assert ndt == f"NCCL_{dtype.upper()}"
 
 
 @pytest.mark.parametrize("dtype", ["int8", "uint8", "int32", "uint32", "int64", "uint64"])
 def test_integers_reduce_but_do_not_average(dtype):
-    assert nccl_backend.nccl_op_name("sum", dtype) == ("NCCL_SUM", f"NCCL_{dtype.upper()}")
-    assert nccl_backend.nccl_op_name("max", dtype)[0] == "NCCL_MAX"
-    assert nccl_backend.nccl_op_name("avg", dtype) is None      # avg scales in place: floats only
+    assert nccl_wire.nccl_op_name("sum", dtype) == ("NCCL_SUM", f"NCCL_{dtype.upper()}")
+    assert nccl_wire.nccl_op_name("max", dtype)[0] == "NCCL_MAX"
+    assert nccl_wire.nccl_op_name("avg", dtype) is None      # avg scales in place: floats only
 
 
 @pytest.mark.parametrize("dtype", ["bool", "int16", "uint16", "complex64"])
 def test_dtypes_nccl_cannot_reduce(dtype):
     for op in ("sum", "max"):
-        assert nccl_backend.nccl_op_name(op, dtype) is None
+        assert nccl_wire.nccl_op_name(op, dtype) is None
 
 
 def test_unknown_op():
-    assert nccl_backend.nccl_op_name("mean", "float32") is None
-    assert nccl_backend.nccl_op_name(None, "float32") is None
+    assert nccl_wire.nccl_op_name("mean", "float32") is None
+    assert nccl_wire.nccl_op_name(None, "float32") is None
 
 
 def test_constant_names_exist_in_the_stand_in(cupy_stub):
     # The stand-in copies cupy.cuda.nccl's names; every name the tables use must be there.
-    names = list(nccl_backend.NCCL_OPS.values()) + list(nccl_backend.NCCL_DTYPES.values())
+    names = list(nccl_wire.NCCL_OPS.values()) + list(nccl_wire.NCCL_DTYPES.values())
     for name in names + ["NCCL_UINT8"]:
         assert isinstance(getattr(cupy_stub, name), int), name
 
@@ -82,12 +82,12 @@ def test_constant_names_exist_in_the_stand_in(cupy_stub):
 def test_header_round_trip():
     values = [np.zeros((2, 3), "float32"), np.array(1.5), np.zeros(0, "int16"),
               np.zeros((4,), "datetime64[s]")]
-    hdr = nccl_backend.header(values)
+    hdr = nccl_wire.header(values)
     assert hdr.dtype == np.int64
-    assert nccl_backend.parse_header(hdr) == [("float32", (2, 3)), ("float64", ()), ("int16", (0,)),
+    assert nccl_wire.parse_header(hdr) == [("float32", (2, 3)), ("float64", ()), ("int16", (0,)),
                                     (None, (4,))]
-    assert nccl_backend.parse_header(nccl_backend.header(None)) == []
-    assert nccl_backend.dtype_code("complex128") >= 0 and nccl_backend.dtype_code("U3") == -1
+    assert nccl_wire.parse_header(nccl_wire.header(None)) == []
+    assert nccl_wire.dtype_code("complex128") >= 0 and nccl_wire.dtype_code("U3") == -1
 
 
 @pytest.mark.parametrize("uid", [
@@ -96,7 +96,7 @@ def test_header_round_trip():
 ], ids=["bytes", "ints"])
 def test_unique_id_round_trip(uid):
     # Each CuPy's communicator takes the unique id in the form its get_unique_id gave.
-    got = nccl_backend.decode_unique_id(nccl_backend.encode_unique_id(uid))
+    got = nccl_wire.decode_unique_id(nccl_wire.encode_unique_id(uid))
     assert type(got) is type(uid) and got == uid
 
 
