@@ -79,7 +79,7 @@ test-lowest: $(OLD_STAMP)
 # PyMC models (skipped in the main environment, which has no PyMC), on the newest
 # supported PyMC; nutpie and MPICH (the 2-machine sampling test) come with it.
 PYMC_TESTS := tests/test_compat.py tests/test_floatx.py tests/extensions/test_pymc_internals.py \
-	tests/extensions/test_pymc.py tests/extensions/test_pymc_terms.py
+	tests/extensions/test_pymc.py tests/extensions/test_pymc_terms.py tests/extensions/test_pymc_batching.py
 test-pymc: $(PYMC_STAMP)
 	$(PYMC_VENV)/bin/python -m pytest -q $(PYMC_TESTS)
 

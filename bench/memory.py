@@ -19,7 +19,8 @@ Parts:
   sample   the same model at each ``--sample-rows``, 2 chains sampled (``--draws`` tuning
            and kept draws each): ``dp.sample`` on each ``--sample-ranks`` against
            ``pm.sample`` (its chain processes); the peak PSS of the whole process tree,
-           sampled every 250 ms from this process.
+           sampled every 100 ms from this process and read once more when the call
+           has returned, its result (the InferenceData) still held.
 
 For the data-parallel runs each process is read three times: after ``fork()``, after
 ``distribute()`` and after the calls; the tables show the last (the others are in
@@ -200,8 +201,8 @@ def child_sample(n, rows, draws):
               compute_convergence_checks=False)
     if n == 0:
         emit(event="sampling")
-        pm.sample(model=model, cores=2, **kw)
-        emit(event="sampled")
+        idata = pm.sample(model=model, cores=2, **kw)
+        sampled(idata)
         return
     import synkhronos as synk
     from synkhronos.extensions import pymc as synk_pymc
@@ -211,16 +212,22 @@ def child_sample(n, rows, draws):
     x = dp.initial_x()
     dp.logp_dlogp(x)  # compiled before the measured part, as pymc_sampling.py does
     emit(event="sampling")
-    dp.sample(**kw)
-    emit(event="sampled")
+    idata = dp.sample(**kw)
+    sampled(idata)
     synk.close()
+
+
+def sampled(idata):
+    """Say the call returned, and hold its result until the parent has read the tree."""
+    emit(event="sampled", draws=int(idata.posterior.sizes["draw"]))
+    sys.stdin.readline()
 
 
 # -- the parent: runs children, reads their records --------------------------------------------------
 class Peak:
     """The peak total PSS of a process tree, sampled every ``every_s`` while ``on``."""
 
-    def __init__(self, pid, every_s=0.25):
+    def __init__(self, pid, every_s=0.1):
         self.pid, self.every_s = pid, every_s
         self.on = False
         self.peak = 0.0
@@ -235,6 +242,7 @@ class Peak:
                 self.read()
 
     def read(self):
+        """Read the tree now; return its total PSS."""
         procs = [(p, rollup(p)) for p in tree(self.pid)]
         procs = [(p, r) for p, r in procs if r is not None]
         total = sum(r.get("Pss", 0.0) for _, r in procs)
@@ -242,6 +250,7 @@ class Peak:
             self.peak = total
             self.peak_procs = [{"pid": p, "uss": r["USS"], "pss": r.get("Pss", 0.0)}
                                for p, r in procs]
+        return total
 
     def stop(self):
         self._stop.set()
@@ -254,7 +263,8 @@ def run_child(python, tree_dir, args, timeout):
     env["PYTHONPATH"] = (tree_dir or ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("PYTHONWARNINGS", "ignore")
     proc = subprocess.Popen([python, os.path.abspath(__file__), "--child"] + args, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
                             cwd=tree_dir or ROOT)
     peak = Peak(proc.pid)
     records, other = [], []
@@ -271,10 +281,12 @@ def run_child(python, tree_dir, args, timeout):
             peak.on = True
             peak.read()
         elif rec.get("event") == "sampled":
-            peak.read()
+            at_return = peak.read()     # the result still held by the child
             peak.on = False
+            proc.stdin.write("\n")
+            proc.stdin.flush()
             records.append({"stage": "sampling", "peak_pss": peak.peak,
-                            "procs": peak.peak_procs})
+                            "at_return_pss": at_return, "procs": peak.peak_procs})
         else:
             records.append(rec)
         if time.monotonic() > deadline:
@@ -387,8 +399,9 @@ def main():
         for r in args.sample_rows.split(","):
             print(f"\n### Sampling, {float(r):.0e} rows, 2 chains, {args.draws}+{args.draws} "
                   "draws: peak PSS of the process tree (MiB)\n")
-            print("| system | peak total PSS | processes at the peak (PSS each) | vs pm.sample |")
-            print("| --- | --- | --- | --- |")
+            print("| system | peak total PSS | at return (result held) | processes at the peak "
+                  "(PSS each) | vs pm.sample |")
+            print("| --- | --- | --- | --- | --- |")
             base = None
             for n in [0] + [int(k) for k in args.sample_ranks.split(",")]:
                 recs = run_child(py, tree_dir, ["sample", str(n), r, str(args.draws)], 1800)
@@ -397,8 +410,8 @@ def main():
                 base = got["peak_pss"] if n == 0 else base
                 name = "pm.sample, cores=2" if n == 0 else f"dp.sample, {n} ranks"
                 each = ", ".join(fmt(p["pss"]) for p in got["procs"])
-                print(f"| {name} | {fmt(got['peak_pss'])} | {each} | "
-                      f"{got['peak_pss'] / base:.2f}x |")
+                print(f"| {name} | {fmt(got['peak_pss'])} | {fmt(got['at_return_pss'])} | "
+                      f"{each} | {got['peak_pss'] / base:.2f}x |")
     print(f"\nload at the end {os.getloadavg()[0]:.2f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -6,6 +6,7 @@ what it builds first so that its children share it (``warm_jit``).
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -129,15 +130,21 @@ def warm_jit():
         logger.debug("numba's contexts were not built before forking: %r", exc)
 
 
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
 def trim_heap():
     """Give the heap's free pages back to the system (glibc's ``malloc_trim``); else nothing.
 
-    glibc keeps what a process freed (a model's compile, its data's copies) for
-    later allocations; before a long phase that will not need it, this returns
-    it (dp.sample at 10^6 rows: a peak 2% lower, within run-to-run noise;
-    bench/RESULTS.md, History, 2026-11-28).
+    glibc keeps what a process freed (a model's compile, a call's intermediates)
+    for later allocations.  Called where a long phase begins or a process goes
+    idle: dp.sample before and after its chains, a worker idle for 50 ms.
     """
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

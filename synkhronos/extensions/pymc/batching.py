@@ -1,19 +1,29 @@
-"""Every chain's (logp, dlogp) request in one data-parallel call: a batcher for sampler threads.
+"""Every chain's (logp, dlogp) request in one data-parallel call: a batcher for sampler chains.
 
-Chains run as threads of the master.  Each asks for (logp, dlogp) at its
-position and waits; when every chain that is sampling has asked, the last
-one to ask makes one call over all positions and hands each chain its row.
-So C chains cost one call's fixed overhead and one pass over the rows per
-step, not C.
+Each chain asks for (logp, dlogp) at its position and waits; once every
+chain that is sampling has asked, one call evaluates all positions and each
+chain gets its row.  So C chains cost one call's fixed overhead and one pass
+over the rows per step, not C.
 
-Two ways to know who is sampling: ``expect(n)`` / ``leave()`` from a driver
-that starts the threads itself (PyMC's chains); or, for threads started by
-someone else (nutpie's), the callers seen in the last few calls, with a
-short wait after which a batch goes without a caller that stopped asking.
+Two ways to run the chains:
+
+- ``run_together(bodies)``: the chains (PyMC's) are greenlets of the calling
+  thread.  A request suspends its chain; once every live chain waits, the
+  calling thread makes the call and resumes each with its row.  One thread
+  makes every call, so the master's share of the rows is computed in one
+  malloc arena (a thread per chain kept a freed copy of its intermediates
+  in an arena of its own: 58 MiB at 10^6 rows, 2 chains; bench/RESULTS.md),
+  and no request waits for a thread to wake.
+- Threads started by someone else (nutpie's): who asked in the last few
+  calls tells who is sampling; the last one to ask makes the call, and a
+  batch goes after a short wait without a caller that stopped asking.
 """
 
+import signal
 import threading
 import time
+
+import greenlet
 
 _RECENT_CALLS = 3
 
@@ -29,8 +39,8 @@ class Batcher:
         evaluate: ``evaluate(positions)`` for a sequence of k position vectors
             returns ``(logps, grads)`` of shapes (k,) and (k, size), fresh
             arrays (each chain keeps its row past the next call).
-        max_wait_s: in the heuristic mode, how long a batch waits for callers
-            seen recently but not yet asking.
+        max_wait_s: for threads started elsewhere, how long a batch waits for
+            callers seen recently but not yet asking.
         one: ``one(x)`` returns ``(logp, grad)`` at one position (a fresh
             gradient); default: ``evaluate`` on a batch of one.  A request
             that finds no other chain sampling goes straight to it.
@@ -43,7 +53,6 @@ class Batcher:
         # takes it twice a step); nothing here takes it twice in one thread.
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._members = None           # explicit membership (expect/leave), or None
         self._pending = {}             # ticket -> position
         self._results = {}             # ticket -> (logp, grad) or an exception
         self._busy = False
@@ -51,7 +60,7 @@ class Batcher:
         self._tickets = 0
         self._calls = 0
         self._seen = {}                # thread id -> last call it took part in
-        self._aborted = None
+        self._hub = None               # the greenlet of run_together, while it runs
         self.max_wait_s = max_wait_s
         self.calls = 0                 # data-parallel calls made
         self.positions = 0             # positions evaluated by them
@@ -60,55 +69,115 @@ class Batcher:
         logps, grads = self._evaluate([x])
         return logps[0], grads[0]
 
-    def expect(self, n):
-        """Say that ``n`` threads will ask until each calls ``leave()``."""
-        with self._cond:
-            self._members = n
-            self._aborted = None
-
-    def leave(self):
-        """One expected thread stops asking (it finished or failed)."""
-        with self._cond:
-            if self._members:
-                self._members -= 1
-            self._cond.notify_all()
-
-    def abort(self, exc):
-        """Make every waiting and later request raise ``BatchAborted`` from ``exc``."""
-        with self._cond:
-            self._aborted = exc
-            self._cond.notify_all()
-
     def reset(self):
-        """Back to the heuristic mode (no expected threads)."""
+        """Forget which threads asked lately (a new sampling run starts)."""
         with self._cond:
-            self._members = None
-            self._aborted = None
             self._seen.clear()
 
     def _expected(self):
-        if self._members is not None:
-            return max(self._members, 1)
         floor, recent = self._calls - _RECENT_CALLS, 0
         for last in self._seen.values():
             if last >= floor:
                 recent += 1
         return recent or 1
 
+    # -- chains as greenlets of one thread --------------------------------------------------------
+    def run_together(self, bodies):
+        """Run each of ``bodies`` (no-argument callables) as a greenlet of this thread, to the end.
+
+        A body's requests (``self(x)``) suspend it; once every body still
+        running has asked, one call serves them all and each resumes with its
+        row.  A body that raises stops the others: each is resumed with
+        ``BatchAborted`` (its cause the error) at its request.  Ctrl-C stops
+        every body the same way once the call in progress returned or the
+        running body asked: it is held till then, as PyMC's chain loop would
+        swallow it (ending that chain alone) and a call cut midway would
+        leave the ranks to be waited for.
+
+        Returns:
+            ``(errors, interrupted)``: the exceptions the bodies ended with,
+            in the order they happened, and whether Ctrl-C stopped them.
+        """
+        hub = greenlet.getcurrent()
+        chains = [greenlet.greenlet(body, parent=hub) for body in bodies]
+        asking, errors = {}, []
+        state = {"stop": None, "held": False}
+
+        def resume(i, *value, exc=None):
+            try:
+                x = chains[i].throw(exc) if exc is not None else chains[i].switch(*value)
+            except BaseException as e:  # noqa: BLE001 - the body's end, reported to the caller
+                errors.append(e)
+                if state["stop"] is None:
+                    state["stop"] = e
+                return
+            if not chains[i].dead:
+                asking[i] = x
+
+        def on_sigint(signum, frame):
+            state["held"] = True
+
+        previous = _install_sigint(on_sigint)
+        self._hub = hub
+        try:
+            for i in range(len(chains)):
+                resume(i)
+            while asking:
+                if state["held"] and state["stop"] is None:
+                    state["stop"] = KeyboardInterrupt()
+                if state["stop"] is not None:
+                    batch, asking = asking, {}
+                    for i in batch:
+                        aborted = BatchAborted("sampling stopped")
+                        aborted.__cause__ = state["stop"]
+                        resume(i, exc=aborted)
+                    continue
+                try:
+                    results = self._serve(asking)
+                except KeyboardInterrupt as exc:   # someone else's SIGINT handler raised
+                    state["stop"] = exc
+                    continue
+                asking = {}
+                for i, out in results.items():
+                    if isinstance(out, BaseException):
+                        resume(i, exc=out)
+                    else:
+                        resume(i, out)
+        finally:
+            self._hub = None
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+        interrupted = isinstance(state["stop"], KeyboardInterrupt)
+        return [e for e in errors if not isinstance(e, KeyboardInterrupt)], interrupted
+
+    def _serve(self, asking):
+        """One call for the positions in ``asking`` (chain -> x): chain -> (logp, grad) or error."""
+        try:
+            if len(asking) == 1:
+                ((i, x),) = asking.items()
+                results = {i: self._one(x)}
+            else:
+                logps, grads = self._evaluate(list(asking.values()))
+                results = {i: (logps[k], grads[k]) for k, i in enumerate(asking)}
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to every chain of the batch
+            results = {i: exc for i in asking}
+        self.calls += 1
+        self.positions += len(asking)
+        return results
+
+    # -- requests -------------------------------------------------------------------------------------
     def __call__(self, x):
         """Return ``(logp, grad)`` at position ``x`` (blocks until its batch ran)."""
+        hub = self._hub
+        if hub is not None and greenlet.getcurrent().parent is hub:
+            return hub.switch(x)
         lock = self._lock
         with lock:
-            if self._aborted is not None:
-                raise BatchAborted("sampling stopped") from self._aborted
-            members = self._members
-            if members is None:
-                # Threads started elsewhere: who asked lately tells who is sampling.
-                self._seen[threading.get_ident()] = self._calls
-                alone = self._expected() == 1
-            else:
-                alone = members <= 1
-            alone = alone and not self._busy and not self._pending
+            # Threads started elsewhere: who asked lately tells who is sampling.
+            self._seen[threading.get_ident()] = self._calls
+            alone = self._expected() == 1 and not self._busy and not self._pending
             if alone:
                 # One chain (or the others finished): no batch to wait for or build.
                 self._busy = True
@@ -126,7 +195,7 @@ class Batcher:
                     self._cond.notify_all()
 
     def _batched(self, x):
-        """Wait for the other chains' requests; the last one to ask makes the call."""
+        """Wait for the other threads' requests; the last one to ask makes the call."""
         with self._cond:
             ticket = self._tickets
             self._tickets += 1
@@ -135,17 +204,13 @@ class Batcher:
             while True:
                 if ticket in self._results:
                     return self._take(ticket)
-                if self._aborted is not None:
-                    self._pending.pop(ticket, None)
-                    raise BatchAborted("sampling stopped") from self._aborted
                 if not self._busy and ticket in self._pending:
                     waited = time.monotonic() - first
-                    if (len(self._pending) >= self._expected()
-                            or (self._members is None and waited >= self.max_wait_s)):
+                    if len(self._pending) >= self._expected() or waited >= self.max_wait_s:
                         break
                 self._waiting += 1
                 try:
-                    self._cond.wait(self.max_wait_s if self._members is None else 0.5)
+                    self._cond.wait(self.max_wait_s)
                 finally:
                     self._waiting -= 1
             batch, self._pending = self._pending, {}
@@ -172,3 +237,18 @@ class Batcher:
         if isinstance(out, BaseException):
             raise out
         return out
+
+
+def _install_sigint(handler):
+    """Install ``handler`` for SIGINT if Python's own is installed (main thread); return the old one.
+
+    Returns None (nothing installed) where SIGINT is ignored or handled by
+    someone else's handler, or off the main thread: theirs stays.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:
+        return None
+    signal.signal(signal.SIGINT, handler)
+    return previous

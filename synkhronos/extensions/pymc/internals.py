@@ -12,7 +12,8 @@ rely on:
   ``LogpDlogp`` for the duration of one ``pm.sample`` call, on this model only.
 - ``pm.sample(cores=1)`` runs its chains through
   ``pymc.sampling.mcmc._sample_many``; ``driving()`` swaps in one that runs
-  each chain's ``_sample`` in a thread of its own, on a copy of the step.
+  every chain's ``_sample`` at once (greenlets of the calling thread, each on
+  a copy of the step), their progress through ``progress_manager.update``.
 - ``pm.sample(nuts_sampler="nutpie")`` calls ``nutpie.compile_pymc_model``;
   ``driving()`` makes it return a ``nutpie.compiled_pyfunc.from_pyfunc``
   model on the data-parallel (logp, dlogp).
@@ -37,6 +38,8 @@ import pytensor.tensor as pt
 from pymc.initial_point import make_initial_point_fn
 from pymc.pytensorf import rewrite_pregrad as _rewrite_pregrad
 from pymc.sampling import mcmc
+
+from ...runtime import process_setup
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +124,8 @@ class LogpDlogp:
         return {}
 
 
-def _threaded_sample_many(batcher, model):
-    """A ``_sample_many`` that runs every chain at once, each in a thread on its own step copy."""
+def _sample_many_together(batcher, model):
+    """A ``_sample_many`` that runs every chain at once, each a greenlet on its own step copy."""
 
     def sample_many(*, draws, chains, traces, start, rngs, step, callback=None, **kwargs):
         # Copies made before any chain runs: each starts from the step's initial state,
@@ -133,53 +136,18 @@ def _threaded_sample_many(batcher, model):
             step_method=step, chains=chains, draws=draws - kwargs.get("tune", 0),
             tune=kwargs.get("tune", 0), progressbar=kwargs.get("progressbar", True),
             progressbar_theme=kwargs.get("progressbar_theme", mcmc.default_progress_theme))
-        progress = _Locked(manager)
-        errors = []
-        # Each chain says it is done by an Event, not by its thread's end: Thread.join
-        # interrupted by Ctrl-C (CPython before 3.13) can mark a running thread stopped,
-        # and the chains must have stopped calling before this returns.
-        done = [threading.Event() for _ in range(chains)]
 
-        def run(i):
-            try:
-                mcmc._sample(draws=draws, chain=i, start=start[i], step=steps[i],
-                             trace=traces[i], rng=rngs[i], callback=callback,
-                             progress_manager=progress, **kwargs)
-            except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
-                errors.append(exc)
-                batcher.abort(exc)
-            finally:
-                batcher.leave()
-                done[i].set()
+        def chain(i):
+            return lambda: mcmc._sample(draws=draws, chain=i, start=start[i], step=steps[i],
+                                        trace=traces[i], rng=rngs[i], callback=callback,
+                                        progress_manager=manager, **kwargs)
 
-        def wait_all():
-            for t, d in zip(threads, done):
-                if t.ident is not None:      # started
-                    d.wait()
-
-        batcher.expect(chains)
-        threads = [threading.Thread(target=run, args=(i,), name=f"synk-chain-{i}", daemon=True)
-                   for i in range(chains)]
-        interrupted = False
-        try:
-            with manager:
-                for t in threads:
-                    t.start()
-                for d in done:
-                    while not d.wait(0.1):
-                        pass
-        except KeyboardInterrupt as exc:
-            # Ctrl-C (in this, the main thread): as pm.sample, stop every chain and keep
-            # the draws each has recorded; pm.sample then returns them.
-            batcher.abort(exc)
-            wait_all()
-            interrupted = True
-        except BaseException as exc:
-            batcher.abort(exc)
-            wait_all()
-            raise
-        finally:
-            batcher.reset()
+        # What PyMC's set-up freed (initial points, traces compiled) goes back before the
+        # chains' working set is made, and the chains' before PyMC converts the draws.
+        process_setup.trim_heap()
+        with manager:
+            errors, interrupted = batcher.run_together([chain(i) for i in range(chains)])
+        process_setup.trim_heap()
         if interrupted:
             logger.warning("sampling interrupted (KeyboardInterrupt): returning the draws made "
                            "so far (%s per chain)", [len(t) for t in traces])
@@ -199,21 +167,6 @@ def progress_manager_class():
 def _is_abort(exc):
     from .batching import BatchAborted
     return isinstance(exc, BatchAborted)
-
-
-class _Locked:
-    """The progress bar manager, one chain at a time (rich's counters are not thread-safe)."""
-
-    def __init__(self, manager):
-        self._manager = manager
-        self._lock = threading.Lock()
-
-    def update(self, *args, **kwargs):
-        with self._lock:
-            return self._manager.update(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._manager, name)
 
 
 _driving = [0]  # driving() contexts open: dp.sample's own calls never warn
@@ -267,7 +220,7 @@ def driving(dp):
     saved_many = mcmc._sample_many
     nutpie_mod, saved_compile = _nutpie_module()
     model.logp_dlogp_function = logp_dlogp_function
-    mcmc._sample_many = _threaded_sample_many(batcher, model)
+    mcmc._sample_many = _sample_many_together(batcher, model)
     if nutpie_mod is not None:
         nutpie_mod.compile_pymc_model = lambda m, **kw: nutpie_model(dp, **kw)
     _driving[0] += 1

@@ -394,8 +394,8 @@ class DataParallelModel:
         Takes ``pm.sample``'s arguments and returns what it returns (an
         ``arviz.InferenceData`` by default, with the same groups, sample
         statistics and convergence checks, and its progress bar).  The chains
-        run as threads of this process; each step of every chain is one
-        call over all ranks.  As ``pm.sample``: ``chains`` defaults to
+        run together in this process (greenlets of the calling thread); each
+        step of every chain is one call over all ranks.  As ``pm.sample``: ``chains`` defaults to
         ``max(2, min(4, CPUs))``, and Ctrl-C stops the chains and returns the
         draws made so far (PyMC's NUTS).  ``cores=`` and ``model=`` (other than
         ``dp.model``) are ignored with a warning saying why.
