@@ -9,6 +9,7 @@ simulated machines; tests/test_pymc_terms.py has the cases that used to be
 silently wrong.  Skipped where PyMC is not installed.
 """
 
+import threading
 import types
 
 import numpy as np
@@ -184,12 +185,25 @@ SAMPLED = [("radon", "pymc"), ("negbin", "pymc"), ("survival", "pymc"),
 
 
 @pytest.mark.parametrize("name,sampler", SAMPLED)
-def test_posterior_equals_serial_pm_sample(env, name, sampler):
+def test_posterior_equals_serial_pm_sample(env, name, sampler, monkeypatch):
     if sampler == "nutpie":
         pytest.importorskip("nutpie")
     model, dp = env.models[name], env.dps[name]
+    threads = set()
+
+    def recorded(call):
+        def wrapper(*args):
+            threads.add(threading.get_ident())
+            return call(*args)
+        return wrapper
+
+    monkeypatch.setattr(dp.batcher, "_evaluate", recorded(dp.batcher._evaluate))
+    monkeypatch.setattr(dp.batcher, "_one", recorded(dp.batcher._one))
     idata = dp.sample(DRAWS, tune=DRAWS, chains=2, random_seed=5, nuts_sampler=sampler,
                       progressbar=False)
+    if sampler == "pymc":
+        # PyMC's chains run as greenlets: this thread made every call (one malloc arena).
+        assert threads == {threading.get_ident()}, threads
     # The same groups and statistics as pm.sample's own result.
     assert {"posterior", "sample_stats", "observed_data"} <= set(idata.groups())
     assert idata.posterior.sizes["chain"] == 2 and idata.posterior.sizes["draw"] == DRAWS
@@ -217,7 +231,7 @@ def test_sample_defaults_warnings_and_counters_as_pm_sample(env):
                           progressbar=False, compute_convergence_checks=False,
                           discard_tuned_samples=False)
     text = " ".join(str(w.message) for w in warned)
-    assert "cores=3 ignored: the 2 chain(s) run as threads" in text, text
+    assert "cores=3 ignored: the 2 chain(s) run in this process" in text, text
     assert "model= ignored: dp samples the model it was built on" in text, text
     # pm.sample's rule (pymc/sampling/mcmc.py: cores = min(4, CPUs), chains = max(2, cores),
     # CPUs counted as half the hardware threads; test_pymc_internals checks that source).

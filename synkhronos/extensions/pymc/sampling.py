@@ -32,8 +32,8 @@ def sample(dp, draws, tune, chains, nuts_sampler, random_seed, **kwargs):
                       "to sample another", UserWarning, stacklevel=3)
     cores = kwargs.pop("cores", None)
     if cores is not None:
-        warnings.warn(f"{where}: cores={cores} ignored: the {chains} chain(s) run as threads "
-                      "of this process, every step of all of them one call over the ranks, "
+        warnings.warn(f"{where}: cores={cores} ignored: the {chains} chain(s) run in this "
+                      "process, every step of all of them one call over the ranks, "
                       "and the ranks use the cores (synk.fork(n) sets how many)",
                       UserWarning, stacklevel=3)
     if nuts_sampler == "nutpie":
