@@ -281,11 +281,12 @@ def run_child(python, tree_dir, args, timeout):
             peak.on = True
             peak.read()
         elif rec.get("event") == "sampled":
+            running = peak.peak         # read while the call ran
             at_return = peak.read()     # the result still held by the child
             peak.on = False
             proc.stdin.write("\n")
             proc.stdin.flush()
-            records.append({"stage": "sampling", "peak_pss": peak.peak,
+            records.append({"stage": "sampling", "peak_pss": peak.peak, "running_pss": running,
                             "at_return_pss": at_return, "procs": peak.peak_procs})
         else:
             records.append(rec)
@@ -399,9 +400,9 @@ def main():
         for r in args.sample_rows.split(","):
             print(f"\n### Sampling, {float(r):.0e} rows, 2 chains, {args.draws}+{args.draws} "
                   "draws: peak PSS of the process tree (MiB)\n")
-            print("| system | peak total PSS | at return (result held) | processes at the peak "
-                  "(PSS each) | vs pm.sample |")
-            print("| --- | --- | --- | --- | --- |")
+            print("| system | peak total PSS | while it ran | at return (result held) | "
+                  "processes at the peak (PSS each) | vs pm.sample |")
+            print("| --- | --- | --- | --- | --- | --- |")
             base = None
             for n in [0] + [int(k) for k in args.sample_ranks.split(",")]:
                 recs = run_child(py, tree_dir, ["sample", str(n), r, str(args.draws)], 1800)
@@ -410,8 +411,8 @@ def main():
                 base = got["peak_pss"] if n == 0 else base
                 name = "pm.sample, cores=2" if n == 0 else f"dp.sample, {n} ranks"
                 each = ", ".join(fmt(p["pss"]) for p in got["procs"])
-                print(f"| {name} | {fmt(got['peak_pss'])} | {fmt(got['at_return_pss'])} | "
-                      f"{each} | {got['peak_pss'] / base:.2f}x |")
+                print(f"| {name} | {fmt(got['peak_pss'])} | {fmt(got['running_pss'])} | "
+                      f"{fmt(got['at_return_pss'])} | {each} | {got['peak_pss'] / base:.2f}x |")
     print(f"\nload at the end {os.getloadavg()[0]:.2f}")
     if args.json:
         with open(args.json, "w") as f:
