@@ -20,7 +20,9 @@ Parts:
            and kept draws each): ``dp.sample`` on each ``--sample-ranks`` against
            ``pm.sample`` (its chain processes); the peak PSS of the whole process tree,
            sampled every 100 ms from this process and read once more when the call
-           has returned, its result (the InferenceData) still held.
+           has returned, its result (the InferenceData) still held.  ``--sampler
+           nutpie``: both with ``nuts_sampler="nutpie"`` (pm.sample then compiles
+           nutpie's own model; its chains are Rust threads of the one process).
 
 For the data-parallel runs each process is read three times: after ``fork()``, after
 ``distribute()`` and after the calls; the tables show the last (the others are in
@@ -190,7 +192,7 @@ def child_pymc(n, rows):
     synk.close()
 
 
-def child_sample(n, rows, draws):
+def child_sample(n, rows, draws, sampler="pymc"):
     import warnings
     warnings.filterwarnings("ignore")
     sys.path.insert(0, HERE)
@@ -198,7 +200,7 @@ def child_sample(n, rows, draws):
     from pymc_calls import logistic
     model = logistic(rows)
     kw = dict(draws=draws, tune=draws, chains=2, random_seed=1, progressbar=False,
-              compute_convergence_checks=False)
+              compute_convergence_checks=False, nuts_sampler=sampler)
     if n == 0:
         emit(event="sampling")
         idata = pm.sample(model=model, cores=2, **kw)
@@ -358,6 +360,8 @@ def main():
     parser.add_argument("--sample-rows", default="1e6")
     parser.add_argument("--sample-ranks", default="2,4")
     parser.add_argument("--draws", type=int, default=10, help="tuning and kept draws per chain")
+    parser.add_argument("--sampler", default="pymc",
+                        help="sample part: pm.sample's nuts_sampler, pymc or nutpie (both systems)")
     parser.add_argument("--tree", default=None, help="a checkout whose synkhronos to measure")
     parser.add_argument("--pymc-python", default=None)
     parser.add_argument("--json", default=None, help="write every record here")
@@ -370,7 +374,7 @@ def main():
         elif what == "pymc":
             child_pymc(n, int(float(args.child[2])))
         else:
-            child_sample(n, int(float(args.child[2])), int(args.child[3]))
+            child_sample(n, int(float(args.child[2])), int(args.child[3]), args.child[4])
         return
 
     parts = args.parts.split(",")
@@ -398,18 +402,20 @@ def main():
             run_table(f"PyMC logistic regression, {float(r):.0e} rows (MiB)", rows)
     if "sample" in parts:
         for r in args.sample_rows.split(","):
-            print(f"\n### Sampling, {float(r):.0e} rows, 2 chains, {args.draws}+{args.draws} "
-                  "draws: peak PSS of the process tree (MiB)\n")
+            print(f"\n### Sampling ({args.sampler}), {float(r):.0e} rows, 2 chains, "
+                  f"{args.draws}+{args.draws} draws: peak PSS of the process tree (MiB)\n")
             print("| system | peak total PSS | while it ran | at return (result held) | "
                   "processes at the peak (PSS each) | vs pm.sample |")
             print("| --- | --- | --- | --- | --- | --- |")
             base = None
             for n in [0] + [int(k) for k in args.sample_ranks.split(",")]:
-                recs = run_child(py, tree_dir, ["sample", str(n), r, str(args.draws)], 1800)
+                recs = run_child(py, tree_dir, ["sample", str(n), r, str(args.draws),
+                                                args.sampler], 1800)
                 everything[f"sample {r} {n}"] = recs
                 got = recs[-1]
                 base = got["peak_pss"] if n == 0 else base
-                name = "pm.sample, cores=2" if n == 0 else f"dp.sample, {n} ranks"
+                name = (f"pm.sample, cores=2 ({args.sampler})" if n == 0
+                        else f"dp.sample, {n} ranks")
                 each = ", ".join(fmt(p["pss"]) for p in got["procs"])
                 print(f"| {name} | {fmt(got['peak_pss'])} | {fmt(got['running_pss'])} | "
                       f"{fmt(got['at_return_pss'])} | {each} | {got['peak_pss'] / base:.2f}x |")
