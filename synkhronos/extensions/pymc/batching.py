@@ -101,21 +101,22 @@ class Batcher:
         hub = greenlet.getcurrent()
         chains = [greenlet.greenlet(body, parent=hub) for body in bodies]
         asking, errors = {}, []
-        state = {"stop": None, "held": False}
+        stop, held = None, False
 
         def resume(i, *value, exc=None):
+            nonlocal stop
             try:
                 x = chains[i].throw(exc) if exc is not None else chains[i].switch(*value)
             except BaseException as e:  # noqa: BLE001 - the body's end, reported to the caller
                 errors.append(e)
-                if state["stop"] is None:
-                    state["stop"] = e
+                stop = e if stop is None else stop
                 return
             if not chains[i].dead:
                 asking[i] = x
 
         def on_sigint(signum, frame):
-            state["held"] = True
+            nonlocal held
+            held = True
 
         previous = _install_sigint(on_sigint)
         self._hub = hub
@@ -123,19 +124,19 @@ class Batcher:
             for i in range(len(chains)):
                 resume(i)
             while asking:
-                if state["held"] and state["stop"] is None:
-                    state["stop"] = KeyboardInterrupt()
-                if state["stop"] is not None:
+                if held and stop is None:
+                    stop = KeyboardInterrupt()
+                if stop is not None:
                     batch, asking = asking, {}
                     for i in batch:
                         aborted = BatchAborted("sampling stopped")
-                        aborted.__cause__ = state["stop"]
+                        aborted.__cause__ = stop
                         resume(i, exc=aborted)
                     continue
                 try:
                     results = self._serve(asking)
                 except KeyboardInterrupt as exc:   # someone else's SIGINT handler raised
-                    state["stop"] = exc
+                    stop = exc
                     continue
                 asking = {}
                 for i, out in results.items():
@@ -147,7 +148,7 @@ class Batcher:
             self._hub = None
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
-        interrupted = isinstance(state["stop"], KeyboardInterrupt)
+        interrupted = isinstance(stop, KeyboardInterrupt)
         return [e for e in errors if not isinstance(e, KeyboardInterrupt)], interrupted
 
     def _serve(self, asking):

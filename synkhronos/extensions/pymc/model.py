@@ -395,10 +395,10 @@ class DataParallelModel:
         ``arviz.InferenceData`` by default, with the same groups, sample
         statistics and convergence checks, and its progress bar).  The chains
         run together in this process (greenlets of the calling thread); each
-        step of every chain is one call over all ranks.  As ``pm.sample``: ``chains`` defaults to
-        ``max(2, min(4, CPUs))``, and Ctrl-C stops the chains and returns the
-        draws made so far (PyMC's NUTS).  ``cores=`` and ``model=`` (other than
-        ``dp.model``) are ignored with a warning saying why.
+        step of every chain is one call over all ranks.  As ``pm.sample``:
+        ``chains`` defaults to ``max(2, min(4, CPUs))``, and Ctrl-C stops the
+        chains and returns the draws made so far (PyMC's NUTS).  ``cores=`` and
+        ``model=`` (other than ``dp.model``) are ignored with a warning saying why.
 
         ``dp.batcher.calls`` and ``dp.batcher.positions`` count the data-parallel
         calls and the positions they evaluated since this call began (reset by

@@ -5,7 +5,6 @@ import warnings
 
 import pymc as pm
 
-from ...runtime import process_setup
 from . import internals
 
 logger = logging.getLogger(__name__)
@@ -48,7 +47,6 @@ def sample(dp, draws, tune, chains, nuts_sampler, random_seed, **kwargs):
         kwargs["nuts_sampler_kwargs"] = nsk
     dp.batcher.reset()
     dp.batcher.calls = dp.batcher.positions = 0    # counters per sample() call
-    process_setup.trim_heap()   # what building dp freed, before the long phase
     with internals.driving(dp):
         return pm.sample(draws, tune=tune, chains=chains, cores=1, random_seed=random_seed,
                          nuts_sampler=nuts_sampler, model=dp.model, **kwargs)
