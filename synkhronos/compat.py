@@ -146,6 +146,74 @@ def ancestors(variables):
     return _ancestors(variables)
 
 
+def clone_replace(output, replace):
+    """Return a copy of the graph ``output`` with the variables in ``replace`` substituted.
+
+    ``pytensor.clone_replace`` is gone from PyTensor 3.1's top level; the
+    function lives in ``pytensor.graph.replace`` in every supported release.
+    """
+    from pytensor.graph.replace import clone_replace as _clone_replace
+    return _clone_replace(output, replace=replace)
+
+
+def scan(fn, sequences, mode=None):
+    """``pytensor.scan(fn, sequences)``'s outputs (no updates), the loop's body compiled in ``mode``.
+
+    PyTensor 2.38+ warn unless told the new return form
+    (``return_updates=False``), which 2.36-2.37 lack.  3.3 compiles the body
+    as the function around it and warns that ``mode=`` is deprecated (it
+    still honours it): the warning is this module's business, not the
+    user's; where the argument is gone, the body inherits the mode anyway.
+    """
+    params = inspect.signature(pytensor.scan).parameters
+    kwargs = {"return_updates": False} if "return_updates" in params else {}
+    if mode is not None and "mode" in params:
+        kwargs["mode"] = mode
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The `mode` argument of `scan` is deprecated",
+                                FutureWarning)
+        out = pytensor.scan(fn, sequences=sequences, **kwargs)
+    return out if "return_updates" in kwargs else out[0]
+
+
+def infer_shape(method):
+    """Decorate an Op's ``infer_shape(self, node, shapes)`` so that every supported PyTensor can call it.
+
+    PyTensor before 3.3 calls ``infer_shape(fgraph, node, shapes)``; 3.3 calls
+    ``infer_shape(node, shapes)`` and warns (DeprecationWarning, at class
+    creation) about a method whose signature still names ``fgraph``.  The
+    signature seen is the method's own (``__wrapped__``), without it.
+    """
+    @functools.wraps(method)
+    def either(self, *args):
+        return method(self, *args[-2:])
+    return either
+
+
+def axis_and_operands(op, inputs):
+    """Split a ``Join`` or ``Split`` node's inputs into its axis and its operands.
+
+    PyTensor 3.1 made the axis a property of the Op (``Join(axis)``,
+    ``Split(n, axis)``, always a non-negative int); before, it was the first
+    input of a Join and the second of a Split, a symbolic scalar.
+
+    Returns:
+        ``(axis, operands)``: ``axis`` an int, or None where it is not a
+        constant; ``operands`` the parts of a Join, ``[x, sizes]`` of a Split.
+    """
+    inputs = list(inputs)
+    if getattr(op, "axis", None) is not None:
+        return int(op.axis), inputs
+    from pytensor.tensor.basic import Split, get_underlying_scalar_constant_value
+    from pytensor.tensor.exceptions import NotScalarConstantError
+
+    axis = inputs.pop(1 if isinstance(op, Split) else 0)
+    try:
+        return int(get_underlying_scalar_constant_value(axis)), inputs
+    except NotScalarConstantError:
+        return None, inputs
+
+
 def precompile(fn):
     """Have a Numba-linked ``fn`` compile (or load from Numba's cache) its code now.
 

@@ -34,6 +34,7 @@ from pytensor.gradient import grad_undefined
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 
+from . import compat
 from .runtime.state import get_runtime
 
 logger = logging.getLogger(__name__)
@@ -154,7 +155,9 @@ class AllReduceOp(_CollectiveOp):
     def perform(self, node, inputs, output_storage):
         output_storage[0][0] = _all_reduce(inputs[0], self.kind)
 
-    def infer_shape(self, fgraph, node, shapes):
+    @compat.infer_shape
+
+    def infer_shape(self, node, shapes):
         return [shapes[0]]
 
     def pullback(self, inputs, outputs, output_grads):
@@ -203,7 +206,9 @@ class _GatherGradOp(_CollectiveOp):
         x, g = inputs
         output_storage[0][0] = _gather_grad(len(x), x.dtype, g)
 
-    def infer_shape(self, fgraph, node, shapes):
+    @compat.infer_shape
+
+    def infer_shape(self, node, shapes):
         return [shapes[0]]
 
     def pullback(self, inputs, outputs, output_grads):

@@ -197,7 +197,7 @@ def _start_workers(rt, segments=None):
     last = rt.control.seq  # a worker serves the commands posted after it started
     rank = None
     try:
-        with process_setup.logging_held():
+        with process_setup.forking("distribute()" if segments is not None else "fork()"):
             _freeze(rt)
             for rank in rt.worker_ranks:
                 proc = ctx.Process(target=_worker_main, args=(rt, rank, tie, last, segments),

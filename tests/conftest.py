@@ -32,6 +32,21 @@ if TEST_MODE:
         jax.config.update("jax_enable_x64", True)
 
 
+def pytest_terminal_summary(terminalreporter):
+    """Say which stack this run tested, at the end of its log, with -q too (docs/installation.md's table)."""
+    import importlib.metadata
+    import platform
+
+    found = []
+    for dist in ("pytensor", "numpy", "numba", "pymc", "nutpie", "arviz", "jax", "mpi4py"):
+        try:
+            found.append(f"{dist} {importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    terminalreporter.write_line(f"synkhronos stack: Python {platform.python_version()}, "
+                                + ", ".join(found))
+
+
 def _segments():
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith("synk_"))
 

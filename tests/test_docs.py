@@ -239,3 +239,40 @@ def test_tables_fit_in_the_browser(site):
     p = subprocess.run([sys.executable, os.path.join(HELPERS, "browser_pages.py"), site, *pages],
                        capture_output=True, text=True, timeout=150)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def _tested_versions():
+    """docs/installation.md's "Tested versions" table: environment -> {column: text}."""
+    text = open(os.path.join(ROOT, "docs", "installation.md")).read()
+    table = text.split("## Tested versions", 1)[1].split("\n\n| environment", 1)[1]
+    lines = ("| environment" + table).split("\n\n", 1)[0].splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {}
+    for line in lines[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0].strip("`")] = dict(zip(head, cells))
+    return rows
+
+
+def test_tested_versions_table_is_this_environment():
+    """The row of the environment this run is in names what is installed here (major.minor),
+    and "-" what is not."""
+    import importlib.metadata
+    import platform
+
+    rows = _tested_versions()
+    assert {".venv-current", ".venv", ".venv-pt236", ".venv-pymc", ".venv-openmpi"} <= set(rows)
+    env = os.path.basename(sys.prefix)
+    if env not in rows:
+        pytest.skip(f"{sys.prefix} is not one of make test's environments")
+    row = rows[env]
+    assert row["Python"] == ".".join(platform.python_version_tuple()[:2]), row
+    for column, dist in (("PyTensor", "pytensor"), ("NumPy", "numpy"), ("Numba", "numba"),
+                         ("PyMC", "pymc"), ("nutpie", "nutpie"), ("ArviZ", "arviz")):
+        try:
+            installed = ".".join(importlib.metadata.version(dist).split(".")[:2])
+        except importlib.metadata.PackageNotFoundError:
+            installed = "-"
+        assert row[column] == installed, (
+            f"docs/installation.md's Tested versions say {column} {row[column]} for {env}; it has "
+            f"{installed}: a new release came (or went), so run the suite and update the table")

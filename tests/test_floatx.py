@@ -80,7 +80,7 @@ def test_pytensor_loading_pymc_from_its_cache_changes_nothing(tmp_path):
         with pm.Model() as m:
             pm.Normal("y", pm.Normal("mu"), pm.HalfNormal("s"), observed=[0.1, 0.2])
         # Compiled as plain PyTensor: PyMC's parameter checks stay, C Ops of PyMC's own.
-        f = pytensor.function(m.value_vars, m.logp(), mode="FAST_RUN")
+        f = pytensor.function(m.value_vars, m.logp(), mode="CVM")
         f(*m.initial_point().values())
         """, flags)
     got = _floatx(tmp_path, """
@@ -90,7 +90,7 @@ def test_pytensor_loading_pymc_from_its_cache_changes_nothing(tmp_path):
         import pytensor.tensor as pt
         import synkhronos
         x = pt.vector("x")
-        pytensor.function([x], x * 2, mode="FAST_RUN")(np.ones(2, pytensor.config.floatX))
+        pytensor.function([x], x * 2, mode="CVM")(np.ones(2, pytensor.config.floatX))
         assert "pymc" in sys.modules, "the cache did not load PyMC: the case did not happen"
         """, flags)
     assert got == "float32"

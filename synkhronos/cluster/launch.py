@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 from ..errors import SynkError
 from ..runtime.liveness import proc_start_time, proc_stat, stop_process
+from ..runtime.process_setup import fork_quietly
 from .elastic_env import elastic_launch
 from .slurm import cancel_step, slurm_step, slurm_task, warn_batch_step
 
@@ -368,7 +369,7 @@ def _end_launcher(pid, why):
     # SIGTERM ends Hydra's mpiexec; PRRTE's waits on for the daemon it cannot reach, so
     # a process of its own (this one may be ended by mpiexec meanwhile) kills it after
     # LAUNCHER_GRACE_S.
-    if os.fork() == 0:
+    if fork_quietly() == 0:
         try:
             os.setsid()
             stop_process(pid, started=started, grace_s=LAUNCHER_GRACE_S)

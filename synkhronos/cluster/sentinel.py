@@ -24,6 +24,7 @@ import time
 
 from ..errors import MachineLostError, SynkError, WorkerStalledError
 from ..runtime.liveness import proc_start_time, proc_state, stop_process
+from ..runtime.process_setup import fork_quietly
 from .auth import NONCE_BYTES, mac, proves, recv_exact
 from .doorbell import RING, make_pipe, ring
 from .launch import close_launcher_fds, parent_and_name
@@ -50,7 +51,7 @@ def start_sentinel(close_fds=()):
     read_fd, write_fd = os.pipe()
     bell_r, bell_w = make_pipe()
     parent = os.getpid()
-    pid = os.fork()
+    pid = fork_quietly()
     if pid == 0:
         try:
             for fd in close_fds:

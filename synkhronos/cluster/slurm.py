@@ -12,6 +12,8 @@ import socket
 import subprocess
 import time
 
+from ..runtime.process_setup import fork_quietly
+
 logger = logging.getLogger(__name__)
 
 
@@ -68,7 +70,7 @@ def cancel_step(step, why, grace_s):
     """
     logger.warning("cancelling Slurm step %s, whose srun would wait for a machine it cannot "
                    "reach: %s", step, why)
-    if os.fork() == 0:
+    if fork_quietly() == 0:
         try:
             os.setsid()
             time.sleep(grace_s)

@@ -105,17 +105,26 @@ def _combine_scalars(op, parts, weights, dtype):
     return combine_floats(op, [float(p) for p in parts], weights, dtype)
 
 
+def _added(values):
+    # Left to right, as the C code adds: Python 3.12+'s sum() of floats compensates
+    # (Neumaier), which can differ in the last bit.
+    total = 0.0
+    for v in values:
+        total += v
+    return total
+
+
 def combine_floats(op, values, weights, dtype):
     """``combine`` of 0-d float parts given as Python floats; returns a 0-d array of ``dtype``."""
     if op == "avg":
         if weights is not None and values.count(values[0]) == len(values):
             result = values[0]  # equal values (an in-graph psum) stay exact
         elif weights is None:
-            result = sum(values) / len(values)
+            result = _added(values) / len(values)
         else:
-            result = sum(v * w for v, w in zip(values, weights)) / float(sum(weights))
+            result = _added(v * w for v, w in zip(values, weights)) / _added(weights)
     elif op == "sum":
-        result = sum(values)
+        result = _added(values)
     elif op == "prod":
         result = math.prod(values)
     elif op == "max":

@@ -19,6 +19,7 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 from pytensor.link.numba.dispatch import basic as numba_basic
 
+from .. import compat
 from . import kernels as K
 
 _c = np.ascontiguousarray   # kernels then compile for C-ordered arrays only
@@ -122,7 +123,9 @@ class BatchNormTrain(_BatchNorm):
         for storage, value in zip(output_storage, outs):
             storage[0] = value
 
-    def infer_shape(self, fgraph, node, shapes):
+    @compat.infer_shape
+
+    def infer_shape(self, node, shapes):
         c = shapes[0][self.axis]
         return [shapes[0], (c,), (c,)]
 
@@ -160,7 +163,9 @@ class BatchNormGrad(_BatchNorm):
         for storage, value in zip(output_storage, outs):
             storage[0] = value
 
-    def infer_shape(self, fgraph, node, shapes):
+    @compat.infer_shape
+
+    def infer_shape(self, node, shapes):
         return [shapes[0], shapes[1], shapes[1]]
 
 

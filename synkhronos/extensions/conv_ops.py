@@ -9,6 +9,7 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 from pytensor.link.numba.dispatch import basic as numba_basic
 
+from .. import compat
 from . import kernels as K
 from .op_geometry import (channel_axis, check_layout, conv_out_len, disconnected, filter_hw,
                           float_dtype, geometry_constant, image_shape, int_pair, register_numba,
@@ -90,7 +91,9 @@ class Conv2d(_Geometry):
         x, w, _ = inputs
         output_storage[0][0] = K.conv_forward(_c(x), _c(w), self.layout == "NCHW", *self._geom())
 
-    def infer_shape(self, fgraph, node, shapes):
+    @compat.infer_shape
+
+    def infer_shape(self, node, shapes):
         xs, ws = shapes[:2]
         h, w = (xs[a] for a in spatial_axes(self.layout))
         fh, fw = filter_hw(self.layout, ws)
@@ -137,7 +140,9 @@ class Conv2dGradInput(_Geometry):
         output_storage[0][0] = K.conv_grad_input(_c(gy), _c(w), self.layout == "NCHW", *self.in_hw,
                                                  *self._geom())
 
-    def infer_shape(self, fgraph, node, shapes):
+    @compat.infer_shape
+
+    def infer_shape(self, node, shapes):
         gys, ws = shapes[:2]
         c = weight_io(self.layout, ws)[0] * self.groups
         return [image_shape(self.layout, gys[0], c, *self.in_hw)]
@@ -167,7 +172,9 @@ class Conv2dGradWeights(_Geometry):
         output_storage[0][0] = K.conv_grad_weights(_c(x), _c(gy), self.layout == "NCHW",
                                                    *self.kernel_hw, *self._geom())
 
-    def infer_shape(self, fgraph, node, shapes):
+    @compat.infer_shape
+
+    def infer_shape(self, node, shapes):
         xs, gys = shapes[:2]
         ca = channel_axis(self.layout)
         return [weight_shape(self.layout, gys[ca], xs[ca] // self.groups, *self.kernel_hw)]

@@ -9,6 +9,7 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 from pytensor.link.numba.dispatch import basic as numba_basic
 
+from .. import compat
 from . import kernels as K
 from .op_geometry import (channel_axis, check_layout, conv_out_len, disconnected, float_dtype,
                           geometry_constant, image_shape, int_pair, register_numba, spatial_axes,
@@ -70,7 +71,9 @@ class MaxPool2d(_Pool):
         output_storage[0][0] = K.max_pool_forward(_c(inputs[0]), self.layout == "NCHW",
                                                   *self._geom())
 
-    def infer_shape(self, fgraph, node, shapes):
+    @compat.infer_shape
+
+    def infer_shape(self, node, shapes):
         return [self._out_shape(shapes[0])]
 
     def pullback(self, inputs, outputs, output_grads):
@@ -91,7 +94,9 @@ class MaxPool2dGrad(_Pool):
         x, gy, _ = inputs
         output_storage[0][0] = K.max_pool_grad(_c(x), _c(gy), self.layout == "NCHW", *self._geom())
 
-    def infer_shape(self, fgraph, node, shapes):
+    @compat.infer_shape
+
+    def infer_shape(self, node, shapes):
         return [shapes[0]]
 
 
@@ -108,7 +113,9 @@ class AvgPool2d(_Pool):
         output_storage[0][0] = K.avg_pool_forward(_c(inputs[0]), self.layout == "NCHW",
                                                   *self._geom())
 
-    def infer_shape(self, fgraph, node, shapes):
+    @compat.infer_shape
+
+    def infer_shape(self, node, shapes):
         return [self._out_shape(shapes[0])]
 
     def pullback(self, inputs, outputs, output_grads):
@@ -141,7 +148,9 @@ class AvgPool2dGrad(_Pool):
         output_storage[0][0] = K.avg_pool_grad(_c(inputs[0]), self.layout == "NCHW", *self.in_hw,
                                                *self._geom())
 
-    def infer_shape(self, fgraph, node, shapes):
+    @compat.infer_shape
+
+    def infer_shape(self, node, shapes):
         gys = shapes[0]
         return [image_shape(self.layout, gys[0], gys[channel_axis(self.layout)],
                              *self.in_hw)]

@@ -11,7 +11,9 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
+import warnings
 
 from . import devices
 
@@ -102,6 +104,68 @@ def logging_held(wait_s=LOGGING_WAIT_S):
     finally:
         while held:
             held.pop().release()
+
+
+# CPython 3.12+ warns at every os.fork() of a process with more than one OS thread.
+FORK_WARNING = r"This process \(pid=\d+\) is multi-threaded, use of fork\(\) may lead to deadlocks"
+OWN_THREADS = "synk-"
+"""The name prefix of synkhronos's own threads (door, heartbeats, overlap, gloo groups)."""
+
+_said = []  # the Python threads forking() has warned about, once per process
+
+
+@contextlib.contextmanager
+def forking(what):
+    """Fork inside this: no log record half written, no warning for what is safe, one for what is not.
+
+    synkhronos forks on purpose (its ranks, sentinels, helpers).  What makes
+    a fork unsafe is a lock some other thread holds at that moment: the child
+    keeps it held, with no thread to release it.  Native pools (BLAS, OpenMP,
+    Numba's), limited to one thread per rank before the fork, take no lock
+    the child needs, and neither do synkhronos's own threads (``synk-*``); so
+    CPython's DeprecationWarning ("this process is multi-threaded") is not
+    shown for them.  Other Python threads (the program's own, a notebook's,
+    a library's) are named once per process, with what to do.
+
+    Args:
+        what: what forks, for the warning (``"fork()"``, ``"distribute()"``).
+    """
+    me = threading.current_thread()
+    others = sorted(t.name for t in threading.enumerate()
+                    if t is not me and t.is_alive() and not t.name.startswith(OWN_THREADS)
+                    and not isinstance(t, threading._DummyThread))
+    if others and not _said:
+        _said.append(others)
+        warn_caller(
+            f"synkhronos {what} forks the ranks while {len(others)} other thread(s) run in this "
+            f"process ({', '.join(others)}): a lock one of them holds at that moment stays held "
+            "in every rank, which would hang there if the rank needs it. Start such threads "
+            "after synk.distribute() (which forks the ranks again), or stop them before",
+            RuntimeWarning)
+    with logging_held(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", FORK_WARNING, DeprecationWarning)
+        yield
+
+
+def fork_quietly():
+    """``os.fork()`` for a helper process whose child runs only code of ours, needing no other thread's lock.
+
+    Returns what ``os.fork()`` returns; CPython 3.12+'s warning about other
+    threads is not shown (see ``forking``).
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", FORK_WARNING, DeprecationWarning)
+        return os.fork()
+
+
+def warn_caller(message, category):
+    """``warnings.warn`` at the line of the program that called into synkhronos."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 2
+    while frame is not None and (frame.f_code.co_filename.startswith(package)
+                                 or frame.f_code.co_filename == contextlib.__file__):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def set_pdeathsig():

@@ -170,18 +170,28 @@ def _z_scores(a, b, var_names):
     out = []
     for v in var_names:
         xa, xb = a.posterior[v], b.posterior[v]
-        ess_a = np.asarray(az.ess(a, var_names=[v])[v])
-        ess_b = np.asarray(az.ess(b, var_names=[v])[v])
+        # Each estimate's own effective sample size: NUTS's anticorrelated draws can
+        # give the mean more than the draws, the sd fewer.
+        ea, eb = (np.asarray(az.ess(d, var_names=[v], method="mean")[v]) for d in (a, b))
+        fa, fb = (np.asarray(az.ess(d, var_names=[v], method="sd")[v]) for d in (a, b))
         ma, mb = np.asarray(xa.mean(("chain", "draw"))), np.asarray(xb.mean(("chain", "draw")))
         sa, sb = np.asarray(xa.std(("chain", "draw"))), np.asarray(xb.std(("chain", "draw")))
-        z_mean = np.abs(ma - mb) / np.sqrt(sa ** 2 / ess_a + sb ** 2 / ess_b)
-        z_sd = np.abs(sa - sb) / np.sqrt(sa ** 2 / (2 * ess_a) + sb ** 2 / (2 * ess_b))
+        z_mean = np.abs(ma - mb) / np.sqrt(sa ** 2 / ea + sb ** 2 / eb)
+        z_sd = np.abs(sa - sb) / np.sqrt(sa ** 2 / (2 * fa) + sb ** 2 / (2 * fb))
         out.append((v, float(np.max(z_mean)), float(np.max(z_sd))))
     return out
 
 
-SAMPLED = [("radon", "pymc"), ("negbin", "pymc"), ("survival", "pymc"),
-           ("studentt_dims", "nutpie"), ("negbin", "nutpie")]
+def _groups(idata):
+    """The groups of ``pm.sample``'s result: ArviZ 1's DataTree (PyMC 6) or an InferenceData (PyMC 5)."""
+    groups = idata.groups
+    return {g.strip("/") for g in (groups() if callable(groups) else groups)} - {""}
+
+
+# The hierarchical and the logistic model with both samplers, and as pm.sample chooses (None:
+# PyMC 6 picks nutpie where it is installed, PyMC 5 its own NUTS).
+SAMPLED = [("radon", "pymc"), ("radon", "nutpie"), ("logistic", "pymc"), ("logistic", "nutpie"),
+           ("logistic", None), ("negbin", "pymc"), ("survival", "pymc"), ("studentt_dims", "nutpie")]
 
 
 @pytest.mark.parametrize("name,sampler", SAMPLED)
@@ -204,18 +214,40 @@ def test_posterior_equals_serial_pm_sample(env, name, sampler, monkeypatch):
     if sampler == "pymc":
         # PyMC's chains run as greenlets: this thread made every call (one malloc arena).
         assert threads == {threading.get_ident()}, threads
-    # The same groups and statistics as pm.sample's own result.
-    assert {"posterior", "sample_stats", "observed_data"} <= set(idata.groups())
     assert idata.posterior.sizes["chain"] == 2 and idata.posterior.sizes["draw"] == DRAWS
-    assert "diverging" in idata.sample_stats
     # Every chain's request went into shared calls: two chains, fewer calls than positions.
     assert dp.batcher.positions > 1.3 * dp.batcher.calls, (dp.batcher.positions, dp.batcher.calls)
     with model:
         ref = pm.sample(DRAWS, tune=DRAWS, chains=2, cores=1, random_seed=6, progressbar=False,
-                        compute_convergence_checks=False)
+                        compute_convergence_checks=False,
+                        **({} if sampler is None else {"nuts_sampler": sampler}))
+    # What pm.sample returns: the same type, groups and sample statistics.
+    assert type(idata) is type(ref)
+    assert _groups(idata) == _groups(ref) and {"posterior", "sample_stats"} <= _groups(idata)
+    assert set(idata.sample_stats.data_vars) == set(ref.sample_stats.data_vars)
+    assert set(idata.posterior.data_vars) == set(ref.posterior.data_vars)
     names = [v.name for v in model.free_RVs]
     z = _z_scores(idata, ref, names)
     assert all(zm < 4.5 and zs < 4.5 for _, zm, zs in z), z
+
+
+def test_arviz_and_pymc_take_the_result(env):
+    """What users do next with the result: az.summary, the log-likelihood and az.loo, and
+    posterior predictive draws, on the installed PyMC and ArviZ."""
+    model, dp = env.models["logistic"], env.dps["logistic"]
+    idata = dp.sample(200, tune=200, chains=2, random_seed=8, nuts_sampler="pymc",
+                      progressbar=False, compute_convergence_checks=False)
+    summary = az.summary(idata, var_names=["a", "b"])
+    assert len(summary) == 4 and np.all(np.isfinite(np.asarray(summary["mean"], dtype=float)))
+    with model:
+        idata = pm.compute_log_likelihood(idata, progressbar=False)
+        ppc = pm.sample_posterior_predictive(idata, random_seed=9, progressbar=False)
+    assert "log_likelihood" in _groups(idata)
+    loo = az.loo(idata)
+    assert np.isfinite(float(getattr(loo, "elpd", getattr(loo, "elpd_loo", np.nan))))
+    y = ppc.posterior_predictive["y_obs"]
+    assert y.sizes["chain"] == 2 and y.sizes["draw"] == 200 and y.shape[-1] == N_ROWS
+    assert set(np.unique(np.asarray(y))) <= {0, 1}
 
 
 def test_sample_defaults_warnings_and_counters_as_pm_sample(env):
@@ -224,12 +256,12 @@ def test_sample_defaults_warnings_and_counters_as_pm_sample(env):
     import multiprocessing
 
     dp = env.dps["negbin"]
-    dp.sample(10, tune=10, chains=1, random_seed=2, progressbar=False,
+    dp.sample(10, tune=10, chains=1, random_seed=2, progressbar=False, nuts_sampler="pymc",
               compute_convergence_checks=False)
     with pytest.warns(UserWarning) as warned:
         idata = dp.sample(30, tune=20, cores=3, model=env.models["radon"], random_seed=3,
                           progressbar=False, compute_convergence_checks=False,
-                          discard_tuned_samples=False)
+                          discard_tuned_samples=False, nuts_sampler="pymc")
     text = " ".join(str(w.message) for w in warned)
     assert "cores=3 ignored: the 2 chain(s) run in this process" in text, text
     assert "model= ignored: dp samples the model it was built on" in text, text

@@ -17,6 +17,7 @@ pm = pytest.importorskip("pymc", reason="PyMC is not installed (pip install -e '
 
 import pytensor  # noqa: E402
 import pytensor.tensor as pt  # noqa: E402
+from pytensor.graph.replace import clone_replace  # noqa: E402
 from pymc.sampling import mcmc  # noqa: E402
 
 from synkhronos.extensions.pymc import internals  # noqa: E402
@@ -26,8 +27,9 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_pymc_version_supported():
-    lo, hi = internals.SUPPORTED_PYMC
-    assert lo <= internals.pymc_version() <= hi, pm.__version__
+    assert internals.is_supported(internals.pymc_version()), pm.__version__
+    assert internals.is_supported((5, 27)) and internals.is_supported((6, 4))
+    assert not internals.is_supported((5, 26)) and not internals.is_supported((7, 0))
 
 
 def test_names_the_hooks_use():
@@ -49,6 +51,16 @@ def test_names_the_hooks_use():
     from pymc.sampling import parallel
     assert mcmc._cpu_count is parallel._cpu_count
     assert internals.default_chains() == max(2, min(4, parallel._cpu_count()))
+    if internals.pymc_version() >= (6, 0):
+        # PyMC 6's choice of sampler (internals.nuts_sampler makes the same).
+        assert isinstance(mcmc.NUTPIE_INSTALLED, bool) and callable(mcmc._nutpie_meets_min_version)
+        assert "can_use_nutpie" in src and "cores=cores" in inspect.getsource(mcmc._sample_external_nuts)
+        from pymc.pytensorf import resolve_backend_compile_kwargs  # noqa: F401
+    try:
+        from nutpie import compile_pymc
+    except ImportError:
+        return
+    assert callable(compile_pymc._prepare_dims_and_coords)
 
 
 def _stand_in(model):
@@ -62,7 +74,7 @@ def _stand_in(model):
         size = int(np.prod(shape, dtype=int))
         replace[v] = x[lo:lo + size].reshape(shape)
         lo += size
-    logp = pytensor.clone_replace(model.logp(), replace=replace)
+    logp = clone_replace(model.logp(), replace=replace)
     fn = pytensor.function([x], [logp, pytensor.grad(logp, x)])
 
     def evaluate(P):
@@ -103,11 +115,11 @@ def test_pm_sample_runs_every_chain_through_the_batcher(sampler):
         pytest.importorskip("nutpie")
     model = _model()
     dp = _stand_in(model)
-    kw = {"nuts_sampler_kwargs": {"cores": 3}} if sampler == "nutpie" else {}
+    kw = internals.sample_kwargs(sampler, 3, {"progressbar": False,
+                                             "compute_convergence_checks": False})
     with internals.driving(dp):
-        idata = pm.sample(100, tune=100, chains=3, cores=1, random_seed=1, model=model,
-                          nuts_sampler=sampler, progressbar=False,
-                          compute_convergence_checks=False, **kw)
+        idata = pm.sample(100, tune=100, chains=3, random_seed=1, model=model,
+                          nuts_sampler=sampler, **kw)
     assert idata.posterior.sizes["chain"] == 3 and idata.posterior.sizes["draw"] == 100
     assert {"b", "s", "b_sum"} <= set(idata.posterior.data_vars)
     np.testing.assert_allclose(idata.posterior["b_sum"], idata.posterior["b"].sum("b_dim_0"))
@@ -115,6 +127,39 @@ def test_pm_sample_runs_every_chain_through_the_batcher(sampler):
     # The hooks are gone afterwards: PyMC's own functions again.
     assert "logp_dlogp_function" not in vars(model)
     assert mcmc._sample_many.__module__ == "pymc.sampling.mcmc"
+
+
+class _Ran(Exception):
+    pass
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"init": "adapt_diag"}, {"initvals": [{}, {}]},
+                                    {"backend": "c"}, {"return_inferencedata": False},
+                                    {"callback": lambda trace, draw: None}])
+def test_the_default_sampler_is_pm_samples(monkeypatch, kwargs):
+    """internals.nuts_sampler(None, ...) names what pm.sample itself would run."""
+    model = _model()
+    ran = []
+
+    def external(*args, sampler, **kw):
+        ran.append(sampler)
+        raise _Ran
+
+    def own(*args, **kw):
+        ran.append("pymc")
+        raise _Ran
+
+    monkeypatch.setattr(mcmc, "_sample_external_nuts", external)
+    monkeypatch.setattr(mcmc, "_sample_many", own)
+    expected = internals.nuts_sampler(None, kwargs)
+    kwargs = dict(kwargs)
+    if "initvals" in kwargs:
+        kwargs["initvals"] = [model.initial_point()] * 2
+    with pytest.raises(_Ran), pytensor.config.change_flags(floatX="float64"):
+        pm.sample(10, tune=10, chains=2, cores=1, model=model, progressbar=False, **kwargs)
+    assert ran == [expected]
+    if internals.pymc_version() >= (6, 0) and not kwargs:
+        assert expected == ("nutpie" if mcmc.NUTPIE_INSTALLED else "pymc")
 
 
 def test_total_size_is_found():

@@ -1,8 +1,8 @@
 """Synthetic versions of PyMC's example models, for tests/extensions/test_pymc.py and bench/pymc_sampling.py.
 
 Each function returns a ``pm.Model`` with its data in ``pm.Data`` containers:
-the radon multilevel model (non-centred county intercepts), a
-negative-binomial GLM, a censored survival model (``pm.Censored``,
+the radon multilevel model (non-centred county intercepts), a logistic
+regression, a negative-binomial GLM, a censored survival model (``pm.Censored``,
 ``pm.CustomDist`` and ``pm.Potential``), and a Student-t regression with
 named dims and a container used whole.
 """
@@ -29,6 +29,20 @@ def radon(n, n_counties=12, seed=0):
         b = pm.Normal("b", 0, 2)
         sigma_y = pm.HalfNormal("sigma_y", 2)
         pm.Normal("y_obs", mu=a_c[county_d] + b * floor_d, sigma=sigma_y, observed=y_d)
+    return model
+
+
+def logistic(n, seed=0):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, 3))
+    p = 1 / (1 + np.exp(-(0.3 + X @ np.array([1.0, -0.5, 0.25]))))
+    y = rng.binomial(1, p)
+    with pm.Model() as model:
+        X_d = pm.Data("X", X)
+        y_d = pm.Data("y", y)
+        a = pm.Normal("a", 0, 2)
+        b = pm.Normal("b", 0, 1, shape=3)
+        pm.Bernoulli("y_obs", logit_p=a + X_d @ b, observed=y_d)
     return model
 
 
@@ -98,4 +112,5 @@ def studentt_dims(n, seed=0):
     return model
 
 
-MODELS = {"radon": radon, "negbin": negbin, "survival": survival, "studentt_dims": studentt_dims}
+MODELS = {"radon": radon, "logistic": logistic, "negbin": negbin, "survival": survival,
+          "studentt_dims": studentt_dims}

@@ -70,9 +70,10 @@ class Batcher:
         return logps[0], grads[0]
 
     def reset(self):
-        """Forget which threads asked lately (a new sampling run starts)."""
+        """Start a new sampling run: forget which threads asked lately, zero ``calls`` and ``positions``."""
         with self._cond:
             self._seen.clear()
+            self.calls = self.positions = 0
 
     def _expected(self):
         floor, recent = self._calls - _RECENT_CALLS, 0

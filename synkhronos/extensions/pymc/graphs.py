@@ -22,6 +22,8 @@ import pytensor.tensor as pt
 from pytensor.compile import SharedVariable
 from pytensor.graph.replace import vectorize_graph
 
+from ... import compat
+
 
 def row_inputs(containers):
     """One symbolic input per split container: its rows on a rank (any number)."""
@@ -56,10 +58,10 @@ def rank_terms(model, plan, inputs, whole_copies, n_total):
     replace.update(whole_copies)
     split_exprs = []
     for term in plan.split_terms:
-        expr = pytensor.clone_replace(term.graph, replace=replace)
+        expr = compat.clone_replace(term.graph, replace=replace)
         split_exprs.append(expr * frac if term.scaled else expr)
     whole = [t.graph for t in plan.whole_terms]
-    whole_expr = (pytensor.clone_replace(pt.add(*whole) if len(whole) > 1 else whole[0],
+    whole_expr = (compat.clone_replace(pt.add(*whole) if len(whole) > 1 else whole[0],
                                          replace=dict(whole_copies))
                   if whole else None)
     return split_exprs, whole_expr, frac
@@ -91,7 +93,7 @@ def joined(logp, value_vars, shapes, position, pregrad=None):
         part = position[lo:lo + size].reshape(shape)
         replace[v] = part.astype(v.dtype) if part.dtype != v.dtype else part
         lo += size
-    out = pytensor.clone_replace([logp, *grads], replace=replace)
+    out = compat.clone_replace([logp, *grads], replace=replace)
     parts = [out[0].astype(position.dtype)[None]]
     parts += [g.reshape((-1,)).astype(position.dtype) for g in out[1:]]
     return without_shape_checks(pt.concatenate(parts) if len(parts) > 1 else parts[0])
@@ -110,14 +112,8 @@ def scanned(one, position, positions, mode=None):
             (else the body compiles in PyTensor's default and keeps PyMC's
             parameter checks as errors instead of -inf).
     """
-    import inspect
-
-    # PyTensor 2.38 warns unless told the new return form; 2.36-2.37 lack the argument.
-    new_api = "return_updates" in inspect.signature(pytensor.scan).parameters
-    out = pytensor.scan(lambda q: pytensor.clone_replace(one, replace={position: q}),
-                        sequences=[positions], mode=mode,
-                        **({"return_updates": False} if new_api else {}))
-    out = out if new_api else out[0]
+    out = compat.scan(lambda q: compat.clone_replace(one, replace={position: q}), [positions],
+                      mode=mode)
     return without_shape_checks(out)
 
 
@@ -133,7 +129,6 @@ def without_shape_checks(graph):
     from pytensor.graph.replace import graph_replace
     from pytensor.tensor.shape import SpecifyShape
 
-    from ... import compat
 
     checks = {v: v.owner.inputs[0]
               for v in compat.ancestors(graph if isinstance(graph, list) else [graph])
@@ -179,17 +174,8 @@ def _join_in_batches(outputs):
     distribute() says it cannot pickle them).
     """
     from pytensor.graph.replace import graph_replace
-    from pytensor.tensor.basic import Join, Split, get_underlying_scalar_constant_value
+    from pytensor.tensor.basic import Join, Split
     from pytensor.tensor.blockwise import Blockwise
-    from pytensor.tensor.exceptions import NotScalarConstantError
-
-    from ... import compat
-
-    def constant(v):
-        try:
-            return int(get_underlying_scalar_constant_value(v))
-        except NotScalarConstantError:
-            return None
 
     def one(outputs):
         """The replacements for one Blockwise Join or Split node, or None."""
@@ -199,27 +185,24 @@ def _join_in_batches(outputs):
             if node is None or not isinstance(node.op, Blockwise):
                 continue
             core, nb = node.op.core_op, node.op.batch_ndim(node)
+            if not isinstance(core, (Join, Split)):
+                continue
+            core_axis, operands = compat.axis_and_operands(core, node.inputs)
+            if core_axis is None:
+                continue
+            x_axis = core_axis + nb if core_axis >= 0 else core_axis
             if isinstance(core, Join):
-                axis, *parts = node.inputs
-                core_axis = constant(axis)
-                if core_axis is None:
-                    continue
                 out = node.outputs[0]
                 # The batch shape from the parts (1 broadcasts), never from out: no cycle.
-                batch = tuple(pt.max(pt.stack([p.shape[i] for p in parts])) for i in range(nb))
+                batch = tuple(pt.max(pt.stack([p.shape[i] for p in operands])) for i in range(nb))
                 parts = [pt.broadcast_to(p, (*batch, *(p.shape[i] for i in range(nb, p.ndim))))
-                         for p in parts]
-                return {out: pt.join(core_axis + nb if core_axis >= 0 else core_axis, *parts)}
-            if isinstance(core, Split):
-                x, axis, sizes = node.inputs
-                core_axis = constant(axis)
-                if core_axis is None:
-                    continue
-                sizes = sizes[(0,) * (sizes.ndim - 1)] if sizes.ndim > 1 else sizes
-                x_axis = core_axis + nb if core_axis >= 0 else core_axis
-                pieces = core(x, pt.constant(x_axis), sizes)
-                pieces = pieces if isinstance(pieces, list) else [pieces]
-                return {o: p for o, p in zip(node.outputs, pieces) if o in in_graph}
+                         for p in operands]
+                return {out: pt.join(x_axis, *parts)}
+            x, sizes = operands
+            sizes = sizes[(0,) * (sizes.ndim - 1)] if sizes.ndim > 1 else sizes
+            pieces = pt.split(x, sizes, n_splits=core.len_splits, axis=x_axis)
+            pieces = pieces if isinstance(pieces, list) else [pieces]
+            return {o: p for o, p in zip(node.outputs, pieces) if o in in_graph}
         return None
 
     for _ in range(100):

@@ -1,9 +1,10 @@
 """Everything the integration needs from PyMC's (and nutpie's) internals, in one place.
 
-Supported: PyMC 5.27-5.28 with the PyTensor each pins (2.36, 2.38); nutpie 0.15+.
+Supported: PyMC 5.27-5.28 with the PyTensor each pins (2.36, 2.38), and PyMC 6.x
+(PyTensor 3.x, ArviZ 1); nutpie 0.15+ (PyMC 6 asks for 0.16.10+).
 ``tests/extensions/test_pymc_internals.py`` checks every name used here against the
-installed versions (``make test-pymc-versions`` runs it on each).  What we
-rely on:
+installed versions (``make test`` runs it on PyMC 5.28 and 6.x, ``make
+test-pymc-versions`` on 5.27).  What we rely on:
 
 - ``pm.sample`` asks ``model.logp_dlogp_function(ravel_inputs=True, ...)``
   for the NUTS step's (logp, dlogp) (``init_nuts``); PyMC's leapfrog reads
@@ -16,16 +17,27 @@ rely on:
   a copy of the step), their progress through ``progress_manager.update``.
 - ``pm.sample(nuts_sampler="nutpie")`` calls ``nutpie.compile_pymc_model``;
   ``driving()`` makes it return a ``nutpie.compiled_pyfunc.from_pyfunc``
-  model on the data-parallel (logp, dlogp).
+  model on the data-parallel (logp, dlogp).  nutpie runs ``cores`` chains at
+  once: PyMC 5 passes ``nuts_sampler_kwargs`` on to ``nutpie.sample``, PyMC 6
+  passes ``cores`` itself (``sample_kwargs()``).
+- PyMC 6 samples with nutpie when not told otherwise, where nutpie
+  (``mcmc.NUTPIE_INSTALLED``, ``mcmc._nutpie_meets_min_version``) and the
+  mode's linker allow it; ``nuts_sampler()`` makes the same choice.
 - ``pm.sample`` runs parallel chains through ``mcmc._mp_sample`` (processes)
   and external samplers through ``mcmc._sample_external_nuts`` (nutpie's
   threads); ``warn_when_pinned()`` wraps both, once, to warn when they would
   start on a synkhronos master pinned to one core.
+- PyMC 6 returns ArviZ 1's ``DataTree``, PyMC 5 an ``InferenceData``: what
+  ``pm.sample`` returns is returned as it is.
+
+Over 400 lines: one job, every PyMC and nutpie internal the integration touches, for
+both lines of PyMC, kept together so that a new release is checked in one place.
 """
 
 import contextlib
 import copy
 import functools
+import inspect
 import logging
 import os
 import threading
@@ -39,18 +51,84 @@ from pymc.initial_point import make_initial_point_fn
 from pymc.pytensorf import rewrite_pregrad as _rewrite_pregrad
 from pymc.sampling import mcmc
 
+from ... import compat
 from ...runtime import process_setup
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_PYMC = ((5, 27), (5, 28))
-"""PyMC 5.25 and 5.26 pin PyTensor 2.31 and 2.35, below synkhronos's 2.36 (compat.MIN_PYTENSOR)."""
+SUPPORTED_PYMC = (((5, 27), (5, 28)), ((6, 0), (6, 99)))
+"""The supported (major, minor) ranges, inclusive.  PyMC 5.25 and 5.26 pin PyTensor 2.31 and
+2.35, below synkhronos's 2.36 (compat.MIN_PYTENSOR)."""
 
 
 def pymc_version():
     """The installed PyMC as (major, minor)."""
     parts = pm.__version__.split(".")
     return int(parts[0]), int(parts[1])
+
+
+def is_supported(version):
+    """Whether PyMC ``version`` (major, minor) lies in one of ``SUPPORTED_PYMC``'s ranges."""
+    return any(lo <= tuple(version[:2]) <= hi for lo, hi in SUPPORTED_PYMC)
+
+
+def nuts_sampler(name, kwargs):
+    """The NUTS implementation ``pm.sample(nuts_sampler=name, **kwargs)`` runs: "pymc" or another.
+
+    PyMC 5 runs its own unless told.  PyMC 6 runs nutpie when it is
+    installed (and new enough, else it warns and runs its own), the mode
+    compiles with Numba or JAX, and no argument asks for PyMC's own sampler
+    (``init``, ``trace``, ``callback``, per-chain ``initvals``,
+    ``return_inferencedata=False``); a data-parallel model has no step of
+    its own and only continuous variables, so NUTS alone samples it.
+    """
+    if name is not None or pymc_version() < (6, 0):
+        return "pymc" if name is None else name
+    from pytensor.compile.mode import get_mode
+    from pytensor.link.jax.linker import JAXLinker
+    from pytensor.link.numba.linker import NumbaLinker
+    from pymc.pytensorf import resolve_backend_compile_kwargs
+
+    initvals = kwargs.get("initvals")
+    compile_kwargs = resolve_backend_compile_kwargs(kwargs.get("backend"),
+                                                    dict(kwargs.get("compile_kwargs") or {}))
+    usable = (mcmc.NUTPIE_INSTALLED and kwargs.get("init", "auto") == "auto"
+              and kwargs.get("return_inferencedata", True) and kwargs.get("trace") is None
+              and kwargs.get("callback") is None and (initvals is None or isinstance(initvals, dict))
+              and isinstance(get_mode(compile_kwargs.get("mode")).linker, NumbaLinker | JAXLinker))
+    if usable and not mcmc._nutpie_meets_min_version():
+        warnings.warn(f"pymc requires nutpie>={'.'.join(map(str, mcmc.NUTPIE_MIN_VERSION))}. "
+                      "Falling back to the pymc NUTS sampler. Upgrade with `pip install -U nutpie`",
+                      UserWarning, stacklevel=4)
+        usable = False
+    return "nutpie" if usable else "pymc"
+
+
+def sample_kwargs(name, chains, kwargs):
+    """``pm.sample``'s arguments that make every chain of sampler ``name`` run at once here.
+
+    PyMC's own NUTS: ``cores=1`` (its chains in ``_sample_many``, which
+    ``driving()`` replaces).  nutpie: ``chains`` threads, so that their
+    requests meet in one call; PyMC 5 passes ``nuts_sampler_kwargs`` on to
+    ``nutpie.sample``, PyMC 6 its own ``cores``.  PyMC 6 would raise the BLAS
+    threads to ``cores`` while sampling: ``blas_cores=None`` keeps this
+    process at the one thread its rank has.
+
+    Returns:
+        A copy of ``kwargs`` with those arguments set.
+    """
+    kwargs = dict(kwargs)
+    if name != "nutpie":
+        kwargs["cores"] = 1
+    elif pymc_version() >= (6, 0):
+        kwargs["cores"] = chains
+        kwargs.setdefault("blas_cores", None)
+    else:
+        kwargs["cores"] = 1
+        nsk = dict(kwargs.pop("nuts_sampler_kwargs", None) or {})
+        nsk.setdefault("cores", chains)
+        kwargs["nuts_sampler_kwargs"] = nsk
+    return kwargs
 
 
 def default_chains():
@@ -245,7 +323,6 @@ def _nutpie_module():
 def nutpie_model(dp, var_names=None, initial_points=None, jitter_rvs=None,
                  default_initialization_strategy="support_point", **unused):
     """A nutpie model (``from_pyfunc``) on ``dp``'s batched (logp, dlogp)."""
-    import pandas as pd
     from nutpie.compiled_pyfunc import from_pyfunc
 
     model, batcher = dp.model, dp.batcher
@@ -294,19 +371,27 @@ def nutpie_model(dp, var_names=None, initial_points=None, jitter_rvs=None,
                     for n, v, s in zip(all_names, [*values, *extra], all_shapes)}
         return expand
 
-    coords = {}
-    for name, vals in model.coords.items():
-        if vals is None:
-            vals = pd.RangeIndex(int(model.dim_lengths[name].eval()))
-        coords[name] = pd.Index(vals)
-    labels = []
-    for base, shape in zip(names, shapes):
-        for idx in np.ndindex(*shape):
-            labels.append(base if not idx else f"{base}_{'.'.join(map(str, idx))}")
-    coords["unconstrained_parameter"] = pd.Index(labels)
+    # The coordinates, dims and hidden transformed variables as nutpie's own PyMC model has
+    # them: 0.16.10 moved the transformed values out of the posterior (reparameterized_names).
+    from nutpie import compile_pymc as nutpie_pymc
+
+    slices, lo = [], 0
+    for shape in all_shapes:
+        size = int(np.prod(shape, dtype=int))
+        slices.append(slice(lo, lo + size))
+        lo += size
+    shape_info = (all_names, slices, all_shapes)
+    extra = {}
+    if "reparameterized_names" in inspect.signature(from_pyfunc).parameters:
+        hidden = [model.rvs_to_values[rv].name for rv in model.free_RVs
+                  if model.rvs_to_transforms.get(rv) is not None]
+        dims, coords = nutpie_pymc._prepare_dims_and_coords(model, shape_info, hidden)
+        extra["reparameterized_names"] = hidden
+    else:
+        dims, coords = nutpie_pymc._prepare_dims_and_coords(model, shape_info)
     return from_pyfunc(dp.size, make_logp, make_expand, [np.dtype("float64")] * len(all_names),
-                       all_shapes, all_names, coords=coords, dims=dict(model.named_vars_to_dims),
-                       make_initial_point_fn=initial_point)
+                       all_shapes, all_names, coords=coords, dims=dict(dims),
+                       make_initial_point_fn=initial_point, **extra)
 
 
 def map_functions(model, value_names, shapes, dtype):
@@ -326,7 +411,7 @@ def map_functions(model, value_names, shapes, dtype):
         part = x[lo:lo + size].reshape(shape) if shape else x[lo]
         replace[v] = part.astype(v.dtype)
         lo += size
-    jac_x = pytensor.clone_replace(jac, replace=replace)
+    jac_x = compat.clone_replace(jac, replace=replace)
     grad = pytensor.grad(jac_x, x, disconnected_inputs="ignore")
     jac_fn = pytensor.function([x], [jac_x, grad], mode=pymc_mode(model))
 

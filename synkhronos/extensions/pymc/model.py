@@ -15,6 +15,7 @@ import pytensor.tensor as pt
 
 import synkhronos as synk
 
+from ... import compat
 from . import graphs, internals, rowcheck, terms
 from .batching import Batcher
 from .calls import Calls
@@ -119,7 +120,7 @@ class DataParallelModel:
         split_exprs, whole_expr, frac = graphs.rank_terms(model, plan, inputs, self._whole_copies,
                                                           n_sym)
         logp = graphs.rank_logp(split_exprs, whole_expr, frac, self.dtype)
-        logp = pytensor.clone_replace(logp, replace={n_sym: self._n_total})
+        logp = compat.clone_replace(logp, replace={n_sym: self._n_total})
         # Three functions, each with one output (logp first, then the gradient): one
         # reduction per call.  A lone position (one chain, find_map, logp_dlogp) runs
         # PyMC's own graph on the rank's rows; several run either the graph vectorised
@@ -387,28 +388,33 @@ class DataParallelModel:
         if not self._scattered or self._stale():
             self.scatter()
 
-    def sample(self, draws=1000, *, tune=1000, chains=None, nuts_sampler="pymc", random_seed=None,
+    def sample(self, draws=1000, *, tune=None, chains=None, nuts_sampler=None, random_seed=None,
                **kwargs):
         """Sample the posterior as ``pm.sample`` does, every chain in one data-parallel call per step.
 
-        Takes ``pm.sample``'s arguments and returns what it returns (an
-        ``arviz.InferenceData`` by default, with the same groups, sample
-        statistics and convergence checks, and its progress bar).  The chains
-        run together in this process (greenlets of the calling thread); each
-        step of every chain is one call over all ranks.  As ``pm.sample``:
-        ``chains`` defaults to ``max(2, min(4, CPUs))``, and Ctrl-C stops the
-        chains and returns the draws made so far (PyMC's NUTS).  ``cores=`` and
-        ``model=`` (other than ``dp.model``) are ignored with a warning saying why.
+        Takes the installed ``pm.sample``'s arguments and returns what it
+        returns (PyMC 6: an ArviZ ``DataTree``; PyMC 5: an
+        ``arviz.InferenceData``), with the same groups, sample statistics,
+        convergence checks and progress bar.  The chains run together in this
+        process (PyMC's NUTS: greenlets of the calling thread; nutpie: its
+        threads); each step of every chain is one call over all ranks.  As
+        ``pm.sample``: ``chains`` defaults to ``max(2, min(4, CPUs))``, PyMC 6
+        picks nutpie where it is installed and the mode allows it, and Ctrl-C
+        stops the chains and returns the draws made so far (PyMC's NUTS).
+        ``cores=`` and ``model=`` (other than ``dp.model``) are ignored with a
+        warning saying why.
 
         ``dp.batcher.calls`` and ``dp.batcher.positions`` count the data-parallel
         calls and the positions they evaluated since this call began (reset by
         each ``sample``).
 
         Args:
+            tune: tuning steps; None: ``pm.sample``'s default.
             chains: chains to run; None: as ``pm.sample``.
-            nuts_sampler: ``"pymc"`` (PyMC's NUTS) or ``"nutpie"`` (needs nutpie).
+            nuts_sampler: ``"pymc"`` (PyMC's NUTS), ``"nutpie"`` (needs nutpie) or
+                None: as the installed ``pm.sample`` chooses.
             **kwargs: any other ``pm.sample`` argument (``init``, ``target_accept``,
-                ``var_names``, ``idata_kwargs``, ``nuts_sampler_kwargs``...).
+                ``var_names``, ``idata_kwargs``, ``backend``, ``nuts``...).
 
         Raises:
             ValueError: a sampler other than "pymc" or "nutpie", or a ``step``.

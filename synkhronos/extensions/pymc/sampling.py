@@ -15,8 +15,9 @@ SAMPLERS = ("pymc", "nutpie")
 def sample(dp, draws, tune, chains, nuts_sampler, random_seed, **kwargs):
     """Run ``pm.sample`` on ``dp.model`` with ``dp``'s (logp, dlogp); see ``DataParallelModel.sample``."""
     where = "DataParallelModel.sample"
-    if nuts_sampler not in SAMPLERS:
-        raise ValueError(f"{where}: nuts_sampler must be 'pymc' or 'nutpie'; got {nuts_sampler!r}")
+    if nuts_sampler is not None and nuts_sampler not in SAMPLERS:
+        raise ValueError(f"{where}: nuts_sampler must be 'pymc', 'nutpie' or None (as pm.sample "
+                         f"chooses); got {nuts_sampler!r}")
     if kwargs.get("step") is not None:
         raise ValueError(f"{where}: step= is not supported: the data-parallel (logp, dlogp) "
                          "drives NUTS (pass NUTS's arguments, e.g. target_accept=, instead)")
@@ -35,18 +36,17 @@ def sample(dp, draws, tune, chains, nuts_sampler, random_seed, **kwargs):
                       "process, every step of all of them one call over the ranks, "
                       "and the ranks use the cores (synk.fork(n) sets how many)",
                       UserWarning, stacklevel=3)
+    nuts_sampler = internals.nuts_sampler(nuts_sampler, kwargs)
     if nuts_sampler == "nutpie":
         try:
             import nutpie  # noqa: F401
         except ImportError as exc:
             raise ImportError(f"{where}: nuts_sampler='nutpie' needs nutpie: "
                               "pip install -e '.[nutpie]'") from exc
-        # Every chain at once, so that their requests meet in one call.
-        nsk = dict(kwargs.pop("nuts_sampler_kwargs", None) or {})
-        nsk.setdefault("cores", chains)
-        kwargs["nuts_sampler_kwargs"] = nsk
+    if tune is not None:   # None: pm.sample's own default (1000; PyMC 6 may choose)
+        kwargs["tune"] = tune
+    kwargs = internals.sample_kwargs(nuts_sampler, chains, kwargs)
     dp.batcher.reset()
-    dp.batcher.calls = dp.batcher.positions = 0    # counters per sample() call
     with internals.driving(dp):
-        return pm.sample(draws, tune=tune, chains=chains, cores=1, random_seed=random_seed,
+        return pm.sample(draws, chains=chains, random_seed=random_seed,
                          nuts_sampler=nuts_sampler, model=dp.model, **kwargs)
