@@ -102,6 +102,7 @@ test-lowest: $(OLD_STAMP)
 # PyMC models (skipped in the main environment, which has no PyMC), on the newest
 # PyMC 5 (Python 3.11); nutpie and MPICH (the 2-machine sampling test) come with it.
 PYMC_ONLY := tests/extensions/test_pymc_internals.py tests/extensions/test_pymc.py \
+	tests/extensions/test_pymc_gallery.py \
 	tests/extensions/test_pymc_terms.py tests/extensions/test_pymc_batching.py
 PYMC_TESTS := tests/test_compat.py tests/test_floatx.py $(PYMC_ONLY)
 test-pymc: $(PYMC_STAMP)

@@ -146,14 +146,17 @@ def ancestors(variables):
     return _ancestors(variables)
 
 
-def clone_replace(output, replace):
+def clone_replace(output, replace, strict=True):
     """Return a copy of the graph ``output`` with the variables in ``replace`` substituted.
 
     ``pytensor.clone_replace`` is gone from PyTensor 3.1's top level; the
     function lives in ``pytensor.graph.replace`` in every supported release.
+    ``strict=False`` rebuilds every node above a replacement whose type
+    differs (a constant's static shape replaced by an input of any length),
+    instead of asserting the old static shape on the new variable.
     """
     from pytensor.graph.replace import clone_replace as _clone_replace
-    return _clone_replace(output, replace=replace)
+    return _clone_replace(output, replace=replace, rebuild_strict=strict)
 
 
 def scan(fn, sequences, mode=None):

@@ -78,8 +78,9 @@ class _WatchPyMC:
     """A finder that never finds: it notices ``import pymc`` and restores float64 first."""
 
     def find_spec(self, name, path=None, target=None):
-        # Only a PyMC that is there: a probe (try: import pymc) changes nothing.
-        if (name == "pymc" and not _imported_by_pytensor()
+        # Only a PyMC that is there and imported: a probe (try: import pymc, or
+        # importlib.util.find_spec("pymc"), as nutpie and test suites ask) changes nothing.
+        if (name == "pymc" and not _imported_by_pytensor() and not _probed()
                 and importlib.machinery.PathFinder.find_spec(name, path) is not None):
             _restore_for_pymc()
         return None
@@ -99,6 +100,23 @@ def _imported_by_pytensor():
         path = frame.f_code.co_filename
         if not path.startswith("<frozen") and path != __file__:
             return os.path.abspath(path).startswith(_PYTENSOR)
+        frame = frame.f_back
+    return False
+
+
+_UTIL = os.path.join("importlib", "util.py")
+
+
+def _probed():
+    """Whether ``importlib.util.find_spec`` asks (whether PyMC is there), not an import."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "find_spec" and (code.co_filename.endswith(_UTIL)
+                                             or code.co_filename == "<frozen importlib.util>"):
+            return True
+        if code.co_name == "_find_and_load":   # the import system: a real import
+            return False
         frame = frame.f_back
     return False
 

@@ -60,6 +60,22 @@ def test_pymc_before_or_after_keeps_float64(tmp_path):
 
 
 @pytest.mark.skipif(not _has_pymc(), reason="PyMC is not installed")
+def test_asking_whether_pymc_is_there_changes_nothing(tmp_path):
+    # nutpie and test suites probe with importlib.util.find_spec; only the import counts.
+    assert _floatx(tmp_path, """
+        import importlib.util
+        import synkhronos
+        assert importlib.util.find_spec("pymc") is not None
+        """) == "float32"
+    assert _floatx(tmp_path, """
+        import importlib.util
+        import synkhronos
+        importlib.util.find_spec("pymc")
+        import pymc
+        """) == "float64"
+
+
+@pytest.mark.skipif(not _has_pymc(), reason="PyMC is not installed")
 def test_explicit_float32_stands_when_pymc_comes_later(tmp_path):
     assert _floatx(tmp_path, """
         import synkhronos, pytensor

@@ -165,23 +165,6 @@ def test_data_split_and_kept_whole(env):
     assert sorted(c.name for c in radon.containers) == ["county_idx", "floor", "log_radon"]
 
 
-def _z_scores(a, b, var_names):
-    """|mean difference| and |sd difference| over their Monte Carlo standard errors."""
-    out = []
-    for v in var_names:
-        xa, xb = a.posterior[v], b.posterior[v]
-        # Each estimate's own effective sample size: NUTS's anticorrelated draws can
-        # give the mean more than the draws, the sd fewer.
-        ea, eb = (np.asarray(az.ess(d, var_names=[v], method="mean")[v]) for d in (a, b))
-        fa, fb = (np.asarray(az.ess(d, var_names=[v], method="sd")[v]) for d in (a, b))
-        ma, mb = np.asarray(xa.mean(("chain", "draw"))), np.asarray(xb.mean(("chain", "draw")))
-        sa, sb = np.asarray(xa.std(("chain", "draw"))), np.asarray(xb.std(("chain", "draw")))
-        z_mean = np.abs(ma - mb) / np.sqrt(sa ** 2 / ea + sb ** 2 / eb)
-        z_sd = np.abs(sa - sb) / np.sqrt(sa ** 2 / (2 * fa) + sb ** 2 / (2 * fb))
-        out.append((v, float(np.max(z_mean)), float(np.max(z_sd))))
-    return out
-
-
 def _groups(idata):
     """The groups of ``pm.sample``'s result: ArviZ 1's DataTree (PyMC 6) or an InferenceData (PyMC 5)."""
     groups = idata.groups
@@ -227,7 +210,7 @@ def test_posterior_equals_serial_pm_sample(env, name, sampler, monkeypatch):
     assert set(idata.sample_stats.data_vars) == set(ref.sample_stats.data_vars)
     assert set(idata.posterior.data_vars) == set(ref.posterior.data_vars)
     names = [v.name for v in model.free_RVs]
-    z = _z_scores(idata, ref, names)
+    z = pymc_models.z_scores(idata, ref, names)
     assert all(zm < 4.5 and zs < 4.5 for _, zm, zs in z), z
 
 

@@ -1,10 +1,11 @@
 """PyMC models, data-parallel: every case that used to be silently wrong is now exact or refused.
 
-Refusals name the variable (pm.Minibatch, a term combining rows, per-row NumPy
-arrays outside pm.Data, NumPy observed data, masks); total_size, a centred
-term kept whole and an observed time series kept whole are exact on 3 ranks
-(uneven split) against PyMC's own functions; a float32 model stays float32.
-Skipped where PyMC is not installed.
+Refusals name the variable (pm.Minibatch, a term combining rows, masks that
+select rows); total_size, a centred term kept whole, an observed time series
+kept whole, and models as their users write them (NumPy arrays as observed
+data, covariates, index arrays and pm.Censored bounds, a likelihood in a
+pm.Potential) are exact on 3 ranks (uneven split) against PyMC's own
+functions; a float32 model stays float32.  Skipped where PyMC is not installed.
 """
 
 import types
@@ -62,18 +63,83 @@ def _centred_model(second=False):
     return m
 
 
-def _random_walk_model():
+def _random_walk_model(numpy=False):
     y = np.cumsum(np.random.default_rng(4).normal(size=N_ROWS))
     X, y2 = _regression()
     with pm.Model() as m:
         X_d, y2_d = pm.Data("X", X), pm.Data("y2", y2)
-        series = pm.Data("series", y)
+        series = y if numpy else pm.Data("series", y)
         b = pm.Normal("b", 0, 1, shape=2)
         s = pm.HalfNormal("s", 1)
         pm.Normal("y_obs", mu=X_d @ b, sigma=1.0, observed=y2_d)
         pm.GaussianRandomWalk("walk", sigma=s, init_dist=pm.Normal.dist(0, 10),
                               observed=series, steps=N_ROWS - 1)
     return m
+
+
+# -- models as their users write them: NumPy arrays where the rows are ------------------------
+def _numpy_model():
+    """observed= and the covariates NumPy arrays, no pm.Data at all."""
+    X, y = _regression()
+    with pm.Model() as m:
+        b = pm.Normal("b", 0, 1, shape=2)
+        s = pm.HalfNormal("s", 1)
+        pm.Normal("y_obs", mu=X @ b, sigma=s, observed=y)
+    return m
+
+
+def _indexed_model(wrapped=False):
+    """Rows indexed by a NumPy array of groups, dims named for the rows (as the radon notebook
+    writes it); ``wrapped``: only the observed array in a pm.Data container."""
+    rng = np.random.default_rng(6)
+    county = rng.integers(0, 12, size=N_ROWS)
+    y = np.linspace(-1, 1, 12)[county] + rng.normal(size=N_ROWS)
+    with pm.Model(coords={"county": np.arange(12), "obs_id": np.arange(N_ROWS)}) as m:
+        a = pm.Normal("a", 0, 1, dims="county")
+        s = pm.HalfNormal("s", 1)
+        obs = pm.Data("y", y, dims="obs_id") if wrapped else y
+        pm.Normal("y_obs", mu=a[county], sigma=s, observed=obs, dims="obs_id")
+    return m
+
+
+def _censored_model():
+    """pm.Censored with NumPy bounds and NumPy observed data."""
+    X, y = _regression()
+    upper = np.where(np.arange(N_ROWS) % 3 == 0, 0.5, 1.5)
+    with pm.Model() as m:
+        b = pm.Normal("b", 0, 1, shape=2)
+        pm.Censored("y_obs", pm.Normal.dist(X @ b, 1.0), lower=-np.full(N_ROWS, 2.0),
+                    upper=upper, observed=np.clip(y, -2.0, upper))
+    return m
+
+
+def _potential_model():
+    """The likelihood as a pm.Potential over rows of NumPy arrays: no observed variable."""
+    X, y = _regression()
+    with pm.Model() as m:
+        b = pm.Normal("b", 0, 1, shape=2)
+        s = pm.HalfNormal("s", 1)
+        pm.Potential("lik", pm.logp(pm.Normal.dist(X @ b, s), y).sum())
+    return m
+
+
+def _schools_model():
+    """Eight schools, non-centred, as PyMC's gallery writes it: one parameter per row."""
+    y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
+    sigma = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
+    with pm.Model() as m:
+        mu = pm.Normal("mu", mu=0, sigma=5)
+        tau = pm.HalfCauchy("tau", beta=5)
+        theta_tilde = pm.Normal("theta_t", mu=0, sigma=1, shape=8)
+        theta = pm.Deterministic("theta", mu + tau * theta_tilde)
+        pm.Normal("obs", mu=theta, sigma=sigma, observed=y)
+    return m
+
+
+AS_WRITTEN = {"schools": (_schools_model, {}), "numpy": (_numpy_model, {}), "indexed": (_indexed_model, {}),
+              "indexed_wrapped": (lambda: _indexed_model(wrapped=True), {}),
+              "censored": (_censored_model, {}), "potential": (_potential_model, {}),
+              "walk_numpy": (lambda: _random_walk_model(numpy=True), {"unsplit": ["walk_data"]})}
 
 
 def test_refusals_name_the_variable(exact):
@@ -93,22 +159,15 @@ def test_refusals_name_the_variable(exact):
                   r"NumPy before building the model, pm\.Data\(\"X\", X - X\.mean\(0\)\)"))
     cases.append((_centred_model(), {"unsplit": ["X", "y"]}, r"no pm.Data container to split"))
     cases.append((_random_walk_model(), {}, r"'walk' fails on its first rows.*unsplit"))
-    with pm.Model() as m:     # a NumPy covariate
-        y_d = pm.Data("y", y)
-        b = pm.Normal("b", 0, 1, shape=2)
-        pm.Normal("y_obs", mu=X @ b, sigma=1.0, observed=y_d)
-    cases.append((m, {}, r"'y_obs' reads a NumPy array of float64 .*\(301, 2\)"))
-    with pm.Model() as m:     # NumPy observed next to pm.Data covariates
+    # A NumPy time series: lifted like a container, refused the same way, its name given.
+    cases.append((_random_walk_model(numpy=True), {}, r"'walk' fails on its first rows.*"
+                  r"unsplit.*'walk_data'"))
+    with pm.Model() as m:     # rows made elsewhere (data= Data) beside a NumPy observed array
         X_d = pm.Data("X", X)
         b = pm.Normal("b", 0, 1, shape=2)
         pm.Normal("y_obs", mu=X_d @ b, sigma=1.0, observed=y)
-    cases.append((m, {}, r"observed data of \['y_obs'\] are NumPy arrays.*pm.Data\(\"y_obs_data\""))
-    with pm.Model() as m:     # a NumPy upper= of pm.Censored
-        X_d, y_d = pm.Data("X", X), pm.Data("y", np.minimum(y, 1.0))
-        b = pm.Normal("b", 0, 1, shape=2)
-        pm.Censored("y_obs", pm.Normal.dist(X_d @ b, 1.0), lower=None,
-                    upper=np.full(N_ROWS, 1.0) + 0 * rng.random(N_ROWS), observed=y_d)
-    cases.append((m, {}, r"'y_obs' reads a NumPy array.*pm.Censored"))
+    cases.append((m, {"data": {"X": synk.data(X)}},
+                  r"observed data of 'y_obs' is a NumPy array.*observed=pm.Data"))
     mask = rng.random(N_ROWS) < 0.7
     with pm.Model() as m:     # observed rows a masked subset of the covariate rows
         X_d, y_d = pm.Data("X", X), pm.Data("y", y[mask])
@@ -120,11 +179,11 @@ def test_refusals_name_the_variable(exact):
             synk_pymc.data_parallel(model, **kw)
 
 
-def test_numpy_observed_names_the_fix(exact):
+def test_no_likelihood_is_refused(exact):
     with pm.Model() as m:
-        b = pm.Normal("b", 0, 1)
-        pm.Normal("y_like", mu=b, sigma=1.0, observed=np.zeros(5))
-    with pytest.raises(ValueError, match=r'pm.Data\("y_like_data", values\)'):
+        pm.Normal("b", 0, 1)
+    with pytest.raises(ValueError, match=r"no likelihood \(no observed variables and no "
+                                         r"pm.Potential\)"):
         synk_pymc.data_parallel(m)
 
 
@@ -144,12 +203,15 @@ def exact(runtime_keeper):
         e = types.SimpleNamespace()
         e.models = {"total_size": _total_size_model(), "centred": _centred_model(second=True),
                     "walk": _random_walk_model()}
+        e.models.update({k: make() for k, (make, _) in AS_WRITTEN.items()})
         runtime_keeper.close()       # any runtime a module before left open
         runtime_keeper.fork(3)
         try:
             e.dps = {"total_size": synk_pymc.data_parallel(e.models["total_size"]),
                      "centred": synk_pymc.data_parallel(e.models["centred"], unsplit=["X", "y"]),
                      "walk": synk_pymc.data_parallel(e.models["walk"], unsplit=["series"])}
+            e.dps.update({k: synk_pymc.data_parallel(e.models[k], name=f"pymc_{k}", **kw)
+                          for k, (_, kw) in AS_WRITTEN.items()})
             synk.distribute()
         except BaseException:
             runtime_keeper.close()
@@ -158,7 +220,7 @@ def exact(runtime_keeper):
         runtime_keeper.close()
 
 
-@pytest.mark.parametrize("name", ["total_size", "centred", "walk"])
+@pytest.mark.parametrize("name", ["total_size", "centred", "walk", *AS_WRITTEN])
 def test_now_exact_on_uneven_ranks(exact, name):
     model, dp = exact.models[name], exact.dps[name]
     logp, dlogp = model.compile_logp(), model.compile_dlogp()
@@ -166,8 +228,16 @@ def test_now_exact_on_uneven_ranks(exact, name):
         np.testing.assert_allclose(dp.logp(point), logp(point), rtol=1e-10)
         np.testing.assert_allclose(dp.dlogp(point), dlogp(point), rtol=1e-9, atol=1e-10)
     whole_terms = {"total_size": ["prior"], "centred": ["y_obs", "prior"],
-                   "walk": ["walk", "prior"]}[name]
+                   "walk": ["walk", "prior"], "walk_numpy": ["walk", "prior"]}.get(name, ["prior"])
     assert [t.name for t in dp._plan.whole_terms] == whole_terms
+    # What is split: the NumPy arrays with the rows as well as the containers.
+    split = {"numpy": ["y_obs_array1", "y_obs_data"], "indexed": ["y_obs_array1", "y_obs_data"],
+             "indexed_wrapped": ["y", "y_obs_array1"], "potential": ["lik_array1", "lik_array2"],
+             "censored": ["y_obs_array1", "y_obs_array2", "y_obs_array3", "y_obs_data"],
+             "schools": ["obs_array1", "obs_data", "row_ids"]}
+    if name in split:
+        assert sorted(c.name for c in dp.containers) == split[name]
+        assert dp.n_rows == (8 if name == "schools" else N_ROWS)
 
 
 def test_float32_model_keeps_its_precision(runtime_keeper):

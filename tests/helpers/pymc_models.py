@@ -7,6 +7,7 @@ regression, a negative-binomial GLM, a censored survival model (``pm.Censored``,
 named dims and a container used whole.
 """
 
+import arviz as az
 import numpy as np
 import pymc as pm
 import pytensor.tensor as pt
@@ -114,3 +115,20 @@ def studentt_dims(n, seed=0):
 
 MODELS = {"radon": radon, "logistic": logistic, "negbin": negbin, "survival": survival,
           "studentt_dims": studentt_dims}
+
+
+def z_scores(a, b, var_names):
+    """|mean difference| and |sd difference| over their Monte Carlo standard errors."""
+    out = []
+    for v in var_names:
+        xa, xb = a.posterior[v], b.posterior[v]
+        # Each estimate's own effective sample size: NUTS's anticorrelated draws can
+        # give the mean more than the draws, the sd fewer.
+        ea, eb = (np.asarray(az.ess(d, var_names=[v], method="mean")[v]) for d in (a, b))
+        fa, fb = (np.asarray(az.ess(d, var_names=[v], method="sd")[v]) for d in (a, b))
+        ma, mb = np.asarray(xa.mean(("chain", "draw"))), np.asarray(xb.mean(("chain", "draw")))
+        sa, sb = np.asarray(xa.std(("chain", "draw"))), np.asarray(xb.std(("chain", "draw")))
+        z_mean = np.abs(ma - mb) / np.sqrt(sa ** 2 / ea + sb ** 2 / eb)
+        z_sd = np.abs(sa - sb) / np.sqrt(sa ** 2 / (2 * fa) + sb ** 2 / (2 * fb))
+        out.append((v, float(np.max(z_mean)), float(np.max(z_sd))))
+    return out

@@ -33,11 +33,15 @@ __all__ = ["DataParallelModel", "data_parallel"]
 def data_parallel(model=None, data=None, unsplit=None, name="pymc_logp", mode=None):
     """Build the data-parallel log-density of a PyMC model.  Master only.
 
-    Call after ``synk.fork()`` and before ``synk.distribute()``.  Checks the
-    model first and refuses, naming the variable, what would be silently
-    wrong when split by rows: ``pm.Minibatch``, per-row NumPy arrays outside
-    ``pm.Data``, and terms that combine rows (a mean over rows, a sort, a
-    time series) unless their containers are in ``unsplit``.  From then on,
+    Call after ``synk.fork()`` and before ``synk.distribute()``.  The model
+    runs as written: NumPy arrays with one row per observation (observed
+    data, covariates, index arrays, ``pm.Censored`` bounds) are split as
+    ``pm.Data`` containers are.  Checks the model first and refuses, naming
+    the variable, what would be silently wrong when split by rows:
+    ``pm.Minibatch``, NumPy masks selecting rows of a longer container, and
+    terms that combine rows (a mean over rows, a sort, a time series) unless
+    their containers (or arrays, by the names the refusal gives) are in
+    ``unsplit``.  From then on,
     ``pm.sample`` called while forked warns where its chains would share the
     master's one pinned core (sample with ``dp.sample`` instead).
 
@@ -60,10 +64,11 @@ def data_parallel(model=None, data=None, unsplit=None, name="pymc_logp", mode=No
 
     Raises:
         SynkStateError: not forked, or already distributed.
-        ValueError: no observed variables, observed data outside ``pm.Data``,
+        ValueError: no likelihood (no observed variable or ``pm.Potential``),
             a discrete free variable (no gradient), ``data``/``unsplit``
-            naming something else than a container, or a likelihood that
-            cannot be split exactly (the message names the variable).
+            naming something else than a container (or a lifted array), or a
+            likelihood that cannot be split exactly (the message names the
+            variable).
     """
     import pymc as pm
 

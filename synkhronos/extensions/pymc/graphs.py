@@ -20,9 +20,11 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 from pytensor.compile import SharedVariable
+from pytensor.graph.basic import Constant
 from pytensor.graph.replace import vectorize_graph
 
 from ... import compat
+from . import terms
 
 
 def row_inputs(containers):
@@ -32,13 +34,18 @@ def row_inputs(containers):
 
 
 def row_dims(model, containers, rows):
-    """Dims named for the split rows whose length is a shared variable: ``rows`` on a rank."""
+    """The lengths of the dims named for the split rows: ``rows`` on a rank.
+
+    A container's own dims, or a lifted observed array's variable's (``observed=y,
+    dims="obs"``); the length is a shared variable, or a constant equal to the rows.
+    """
     out = {}
     for c in containers:
-        dims = model.named_vars_to_dims.get(c.name) or ()
+        dims = model.named_vars_to_dims.get(getattr(c, "dims_of", c.name)) or ()
         if dims and dims[0] is not None:
             length = model.dim_lengths.get(dims[0])
-            if isinstance(length, SharedVariable):
+            if isinstance(length, SharedVariable) or (
+                    isinstance(length, Constant) and int(length.data) == len(c.get_value(borrow=True))):
                 out[length] = rows.astype(length.dtype)
     return out
 
@@ -53,12 +60,21 @@ def rank_terms(model, plan, inputs, whole_copies, n_total):
     """
     rows = inputs[0].shape[0]
     frac = rows.astype("float64") / n_total
-    replace = dict(zip(plan.split, inputs))
+    replace = {terms.graph_var(c): inp for c, inp in zip(plan.split, inputs)}
+    for size in plan.row_sizes:   # [n_rows, ...] -> [rows, ...]
+        here = rows.astype(size.dtype)[None]
+        replace[size] = pt.concatenate([here, size[1:]]) if len(size.data) > 1 else here
+    if plan.row_params:           # a per-row parameter: the rank's rows' entries
+        ids = replace[terms.graph_var(plan.row_ids)]
+        replace.update({v: v[ids] for v in plan.row_params})
     replace.update(row_dims(model, plan.split, rows))
     replace.update(whole_copies)
+    # A lifted array's constant has its rows in its static shape: the nodes above it are
+    # rebuilt for the rank's rows (containers' shapes already say "any number").
+    strict = not any(isinstance(c, terms.Lifted) for c in plan.split)
     split_exprs = []
     for term in plan.split_terms:
-        expr = compat.clone_replace(term.graph, replace=replace)
+        expr = compat.clone_replace(term.graph, replace=replace, strict=strict)
         split_exprs.append(expr * frac if term.scaled else expr)
     whole = [t.graph for t in plan.whole_terms]
     whole_expr = (compat.clone_replace(pt.add(*whole) if len(whole) > 1 else whole[0],

@@ -61,7 +61,8 @@ class DataParallelModel:
 
     Attributes:
         model: the PyMC model.
-        containers: the ``pm.Data`` containers split by rows.
+        containers: what is split by rows: ``pm.Data`` containers, and NumPy arrays
+            of the likelihood with one row per observation (``terms.Lifted``).
         whole: the containers every rank reads whole.
         n_rows: rows of the split data.
         value_names, size, dtype: the flat parameter vector.
@@ -75,8 +76,9 @@ class DataParallelModel:
             raise synk.SynkStateError("data_parallel() needs synk.fork() first") from None
         self.mode = _rank_mode(mode)
         self.model = model
-        if not model.observed_RVs:
-            raise ValueError("data_parallel: the model has no observed variables")
+        if not model.observed_RVs and not model.potentials:
+            raise ValueError("data_parallel: the model has no likelihood (no observed "
+                             "variables and no pm.Potential)")
         value_vars = list(model.value_vars)
         discrete = [v.name for v in value_vars
                     if not np.issubdtype(np.dtype(v.dtype), np.floating)]
@@ -99,7 +101,8 @@ class DataParallelModel:
         given = data if isinstance(data, dict) else None
         all_terms = terms.model_terms(model)
         terms.refuse_random_draws(all_terms)
-        plan = terms.choose(model, all_terms, list(given) if given else data, unsplit)
+        plan = terms.choose(model, all_terms, list(given) if given else data, unsplit,
+                            lift=not given)
         terms.refuse_numpy_rows(model, plan)
         rank_mode = internals.pymc_mode(model, base=self.mode)
         rowcheck.check_rows(model, plan, value_vars, self._check_point,
@@ -216,7 +219,7 @@ class DataParallelModel:
                 self._data = self._shared_rows()
             else:
                 for d, c, v in zip(self._data, self.containers, values):
-                    if v is not d.data:        # pm.set_data gave it new rows
+                    if v is not d.data and not isinstance(c, terms.Lifted):  # pm.set_data
                         d.set_value(v)
                         self._point_at(c, d)
             self.n_rows = len(values[0])
@@ -246,8 +249,8 @@ class DataParallelModel:
         Not if it already holds another DataParallelModel's (of the same model): that
         one would see its rows changed.
         """
-        if synk.layout().n_machines != 1:
-            return
+        if synk.layout().n_machines != 1 or isinstance(container, terms.Lifted):
+            return  # a lifted array stays a constant of the model's graph
         held = _POINTED.get(container)
         if held is not None and held() is container.get_value(borrow=True):
             return

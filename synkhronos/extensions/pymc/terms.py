@@ -7,13 +7,17 @@ every rank over that rank's rows ("split term"); every other term is the
 same on every rank and counts once ("whole term").  This module decides
 which is which and refuses, naming the variable, what cannot be split
 without a wrong result: random draws inside the likelihood (``pm.Minibatch``)
-and per-row NumPy arrays outside ``pm.Data``.  ``rowcheck.py`` then checks
-that each split term really is a sum over its rows.
+and per-row NumPy arrays that cannot follow the rows.  NumPy arrays with one
+row per observation (``observed=``, covariates, index arrays, ``pm.Censored``
+bounds) are split as containers are (``Lifted``): a model runs as its user
+wrote it.  ``rowcheck.py`` then checks that each split term really is a sum
+over its rows.
 """
 
 from typing import NamedTuple
 
 import numpy as np
+import pytensor.tensor as pt
 from pytensor.compile import SharedVariable
 from pytensor.graph.basic import Constant
 from pytensor.tensor.random.op import RandomVariable
@@ -33,14 +37,48 @@ class Term(NamedTuple):
     scaled: bool       # PyMC scales it by total_size / (its rows): exact over ranks only rescaled
 
 
+class Lifted:
+    """A NumPy array of the model's graph with one row per observation, split as a container is.
+
+    The model holds it as a constant of its graph (``observed=`` a NumPy
+    array, a covariate, an index array, a ``pm.Censored`` bound); the ranks
+    get its rows.  It offers what the rest of the extension reads of a
+    ``pm.Data`` container: ``name``, ``type``, ``dtype``, ``ndim`` and
+    ``get_value``; it never changes (``pm.set_data`` cannot reach it).
+    """
+
+    def __init__(self, constant, name, dims_of=None):
+        self.constant = constant
+        self.name = name
+        self.dims_of = dims_of or name   # the model variable whose dims describe its rows
+        self.type = constant.type
+        self.dtype = constant.dtype
+        self.ndim = constant.ndim
+
+    def get_value(self, borrow=False):
+        data = self.constant.data
+        return data if borrow else data.copy()
+
+    def __repr__(self):
+        return f"Lifted({self.name!r}, shape={self.constant.data.shape})"
+
+
+def graph_var(c):
+    """The variable of the model's graph that holds container (or ``Lifted``) ``c``'s rows."""
+    return c.constant if isinstance(c, Lifted) else c
+
+
 class Plan(NamedTuple):
     """How the log-density splits."""
 
-    split: list        # pm.Data containers split by rows
+    split: list        # pm.Data containers and Lifted arrays split by rows
     whole: list        # pm.Data containers every rank reads whole
     split_terms: list  # Terms that read split rows
     whole_terms: list  # Terms computed whole (counted once)
     n_rows: int        # rows of the split containers
+    row_sizes: tuple = ()   # constant shapes [n_rows, ...] of variables over lifted rows
+    row_params: tuple = ()  # value variables with one entry per row (eight schools' theta)
+    row_ids: object = None  # the Lifted row numbers that index them on a rank
 
 
 def _ancestors(graph):
@@ -90,25 +128,33 @@ def refuse_random_draws(terms):
                 "sample minibatches yourself with synk.function(...)(batch=rows)")
 
 
-def choose(model, terms, data=None, unsplit=None):
+def choose(model, terms, data=None, unsplit=None, lift=True):
     """Decide the containers to split and the terms that read them; return a ``Plan``.
 
     Args:
         data: containers to split (names or variables); default: every
             container a term reads whose first axis has the observed rows.
-        unsplit: containers to keep whole on every rank even so.
+        unsplit: containers (or lifted arrays, by name) to keep whole on every rank even so.
+        lift: split the NumPy arrays with one row per observation too (``Lifted``);
+            False where the rows come from elsewhere (``data=`` a dict of ``synk.Data``).
     """
     by_name = containers_of(model)
-    keep = _resolve(by_name, unsplit, "unsplit")
-    if data is not None:
-        split = [c for c in _resolve(by_name, data, "data") if c not in keep]
+    chosen = _resolve(by_name, data, "data") if data is not None else None
+    if chosen:
+        n_obs = _rows(chosen[0])   # differing lengths are refused below, by name
     else:
-        n_obs = _observed_rows(model, by_name)
+        n_obs = _observed_rows(model, by_name, terms, lift)
+    lifted = lift_rows(model, terms, n_obs) if lift else []
+    keep = _resolve({**by_name, **{a.name: a for a in lifted}}, unsplit, "unsplit")
+    if data is not None:
+        split = [c for c in chosen if c not in keep]
+    else:
         read = set()
         for term in terms:
             read.update(_ancestors(term.graph))
         split = [c for c in by_name.values()
                  if c in read and c not in keep and _rows(c) == n_obs]
+    split += [a for a in lifted if a not in keep]
     if not split:
         raise ValueError(f"{WHERE}: no pm.Data container to split by rows"
                          + (f" (all of them are in unsplit={[c.name for c in keep]}; "
@@ -120,12 +166,82 @@ def choose(model, terms, data=None, unsplit=None):
                          f"different lengths {[_rows(c) for c in split]}; they must share "
                          "their rows (pass data= to say which to split)")
     n_rows = lengths.pop()
-    split_set = set(split)
+    split_set = {graph_var(c) for c in split}
     split_terms, whole_terms = [], []
     for term in terms:
         (split_terms if split_set & set(_ancestors(term.graph)) else whole_terms).append(term)
     whole = [c for c in by_name.values() if c not in split_set]
-    return Plan(split, whole, split_terms, whole_terms, n_rows)
+    sizes = _row_sizes(split_terms, n_rows, split_set) if lifted else ()
+    params = _row_params(model, split_terms, n_rows) if lift else ()
+    ids = None
+    if params:   # a rank reads its entries of them, by row number
+        ids = Lifted(pt.as_tensor_variable(np.arange(n_rows)), "row_ids")
+        split.append(ids)
+    return Plan(split, whole, split_terms, whole_terms, n_rows, sizes, params, ids)
+
+
+def _row_params(model, split_terms, n_rows):
+    """The free variables a split term reads with one entry per row (``theta`` of eight schools).
+
+    A rank then reads its rows' entries; the prior of the whole vector stays
+    a whole term.  The additivity check refuses one that is not per row.
+    """
+    if n_rows < 2:
+        return ()
+    read = set()
+    for term in split_terms:
+        read.update(_ancestors(term.graph))
+    point = model.initial_point()
+    return tuple(v for v in model.value_vars
+                 if v in read and np.ndim(point[v.name]) >= 1 and np.shape(point[v.name])[0] == n_rows)
+
+
+def _row_sizes(split_terms, n_rows, split_set):
+    """The constant shapes that start with the rows: an observed NumPy array's variable's size.
+
+    PyMC gives a variable observed on a NumPy array the array's shape as a
+    constant (``Alloc(logp, [n_rows])``); on a rank it is the rank's rows.
+    """
+    out = {}
+    for term in split_terms:
+        for v in _ancestors(term.graph):
+            if (isinstance(v, Constant) and v not in split_set and getattr(v.type, "ndim", 0) == 1
+                    and v.dtype[:3] in ("int", "uin") and 0 < len(v.data) <= 8
+                    and int(v.data[0]) == n_rows):
+                out[id(v)] = v
+    return tuple(out.values())
+
+
+def lift_rows(model, terms, n_rows):
+    """The NumPy arrays of the likelihood's terms with ``n_rows`` rows, as ``Lifted`` s.
+
+    Only the observed variables' and potentials' terms: a prior's constants
+    (a hyperparameter vector) are not rows, even of the same length.  An
+    observed value is named ``<variable>_data``, any other array
+    ``<term>_array<k>`` (or its own name).
+    """
+    if n_rows is None or n_rows < 2:
+        return []
+    observed = {model.rvs_to_values[rv]: rv.name for rv in model.observed_RVs}
+    out, seen, count = [], set(), {}
+    for term in terms:
+        if term.name == "prior":
+            continue
+        for var in _ancestors(term.graph):
+            if (not isinstance(var, Constant) or getattr(var.type, "ndim", 0) < 1
+                    or id(var) in seen or np.shape(var.data)[0] != n_rows):
+                continue
+            seen.add(id(var))
+            dims_of = None
+            if var in observed:
+                name, dims_of = f"{observed[var]}_data", observed[var]
+            elif var.name:
+                name = var.name
+            else:
+                count[term.name] = count.get(term.name, 0) + 1
+                name = f"{term.name}_array{count[term.name]}"
+            out.append(Lifted(var, name, dims_of))
+    return out
 
 
 def _resolve(by_name, items, arg):
@@ -147,23 +263,39 @@ def _rows(container):
     return len(value) if np.ndim(value) else None
 
 
-def _observed_rows(model, by_name):
-    """The number of observed rows, from the containers that hold the observed data."""
+def _observed_rows(model, by_name, terms, lift):
+    """The number of observed rows: of the containers, or NumPy arrays, holding the observed data.
+
+    A model without observed variables (a likelihood in ``pm.Potential`` terms)
+    takes the longest first axis among the arrays and containers its
+    potentials read (``rowcheck`` then checks that they split).
+    """
     lengths, numpy_observed = set(), []
     containers = set(by_name.values())
     for rv in model.observed_RVs:
         value = model.rvs_to_values[rv]
         mine = [c for c in _ancestors(value) if c in containers]
-        if not mine:
+        if mine:
+            lengths.update(n for n in (_rows(c) for c in mine) if n is not None)
+        elif lift and isinstance(value, Constant) and np.ndim(value.data) >= 1:
+            lengths.add(len(value.data))
+        else:
             numpy_observed.append(rv.name)
-            continue
-        lengths.update(n for n in (_rows(c) for c in mine) if n is not None)
+    if not model.observed_RVs:
+        firsts = [np.shape(v.data)[0] if isinstance(v, Constant) else _rows(v)
+                  for term in terms if term.name != "prior" for v in _ancestors(term.graph)
+                  if (isinstance(v, Constant) and lift and np.ndim(v.data) >= 1)
+                  or v in containers]
+        lengths = {max((n for n in firsts if n), default=None)} - {None}
     if not lengths:
         names = numpy_observed or [rv.name for rv in model.observed_RVs]
         raise ValueError(
             f"{WHERE}: the observed data of {names} are NumPy arrays, constants of the graph "
-            "that cannot be split by rows. Put each in a pm.Data container and pass that as "
-            f"observed=, e.g. pm.Normal(..., observed=pm.Data(\"{names[0]}_data\", values))")
+            "that cannot be split by rows here. Put each in a pm.Data container and pass that as "
+            f"observed=, e.g. pm.Normal(..., observed=pm.Data(\"{names[0]}_data\", values))"
+            if names else
+            f"{WHERE}: the model's likelihood (its pm.Potential terms) reads no array with "
+            "rows; put the rows in pm.Data containers, or observe them: observed=values")
     if len(lengths) != 1:
         raise ValueError(f"{WHERE}: the observed data have different lengths "
                          f"{sorted(lengths)}; pass data= to say which containers to split")
@@ -176,12 +308,14 @@ def refuse_numpy_rows(model, plan):
         return
     observed = {rv.name: model.rvs_to_values[rv] for rv in model.observed_RVs}
     containers = set(containers_of(model).values())
+    lifted = {a.constant for a in plan.split if isinstance(a, Lifted)}
     for term in plan.split_terms:
         ancestors = _ancestors(term.graph)
         # Masks and index lists select rows: of the observations, or of any container.
         select_rows = {plan.n_rows} | {_rows(c) for c in ancestors if c in containers}
         for var in ancestors:
-            if not isinstance(var, Constant) or getattr(var.type, "ndim", 0) < 1:
+            if (not isinstance(var, Constant) or getattr(var.type, "ndim", 0) < 1
+                    or var in lifted):
                 continue
             shape = np.shape(var.data)
             kind = np.asarray(var.data).dtype
