@@ -156,8 +156,8 @@ def start(p):
         rt.processes.restore.append(devices.keep_jax_on_cpu())
     try:
         _start_workers(rt)
-        rt.processes.monitor = Monitor(rt.processes.procs, p.timeout_s, rt.control.pending,
-                                       rt.place, lambda: rt.peers.late_ranks())
+        rt.processes.monitor = Monitor(rt.processes.procs, p.timeout_s, rt.control.pending, rt.place,
+                                       lambda: rt.peers.late_ranks(), also=rt.processes.check_janitor)
         rt.check = _leader_check(rt)
         rt.backend.bind_check(command_check(rt.check, rt.control.aborted_now))
         rt.processes.janitor = Janitor(prefix, rt.processes.cleanup_dirs,

@@ -329,7 +329,16 @@ MASTER_SCRIPT = textwrap.dedent("""
     print(" ".join(n for n in os.listdir("/dev/shm") if n.startswith(f"synk_{os.getpid()}_")),
           flush=True)
     how = sys.argv[1]
-    if how == "sleep":
+    if how == "janitor":   # the janitor killed: noticed at the next segment, started again
+        import logging, signal
+        logging.basicConfig()
+        os.kill(rt.processes.janitor.pid, signal.SIGKILL)
+        rt.processes.janitor.proc.wait(30)
+        d2 = synk.data(np.ones((5, 2)))
+        assert f(d2) == 10.0
+        print(rt.processes.janitor.pid, flush=True)
+        time.sleep(120)
+    elif how == "sleep":
         time.sleep(120)
     elif how == "raise":
         raise SystemExit("leaving with an error, no close()")
@@ -373,6 +382,27 @@ def test_exit_without_close_cleans_up(how):
         assert "Traceback" not in err
         assert wait_for(lambda: all(gone(p) for p in pids))
         assert my_segments(proc.pid) == []
+    finally:
+        close_process(proc)
+
+
+def test_a_killed_janitor_is_started_again_and_still_cleans_up():
+    proc = _start_master("janitor")
+    try:
+        pids, segments = _read_pids_and_segments(proc)
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        janitor = int(line)
+        assert janitor != pids[0] and gone(pids[0]) and not gone(janitor)
+        # The master killed: the new janitor stops the workers and unlinks every segment,
+        # those made before its start and the one made after.
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(DEADLINE_S)
+        assert wait_for(lambda: all(gone(p) for p in [janitor, *pids[1:]]))
+        assert wait_for(lambda: my_segments(proc.pid) == [])
+        err = proc.stderr.read()
+        assert err.count("started another") == 1, err
+        assert f"the janitor (pid {pids[0]}), which cleans up after a crash, ended (signal 9)" in err
     finally:
         close_process(proc)
 

@@ -8,6 +8,7 @@ files the leader named (the segments MPI made, which a killed MPI process leaves
 """
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from .liveness import proc_start_time
 # multiprocessing in the user's program): the janitor would wait for such a child to end
 # before cleaning up, and the run's lock it keeps would make the run look alive.
 _WATCHED = weakref.WeakSet()
+
+logger = logging.getLogger(__name__)
 
 
 def _close_in_child():
@@ -50,6 +53,14 @@ class Janitor:
     """
 
     def __init__(self, prefix, dirs, pids, keep_fds=()):
+        self._start(prefix, dirs, pids, keep_fds)
+        self.child_closes = ()
+        # What a janitor started again (``check``) must hold as well.
+        self._prefix, self._dirs, self._keep = prefix, dirs, tuple(keep_fds)
+        self._pids, self._told = list(pids), []
+        self._warned = False
+
+    def _start(self, prefix, dirs, pids, keep_fds):
         # With each start time: a pid the kernel gave to another process since is left alone.
         pids = [(pid, proc_start_time(pid)) for pid in pids]
         read_fd, write_fd = os.pipe()
@@ -69,7 +80,36 @@ class Janitor:
             os.close(read_fd)
         self.pid = self.proc.pid
         self.fd = write_fd  # children must not keep it open, or the janitor never sees EOF
-        self.child_closes = ()
+
+    def check(self):
+        """Start the janitor again if it has ended (killed, say), saying so once.  Leader only.
+
+        Without it a crash would leave the run's segments in /dev/shm: the
+        janitor started again sweeps by the run's prefix, and holds the
+        workers, directories and files this one held.  Where it cannot start,
+        one warning says what is lost.
+        """
+        status = self.proc.poll()
+        if status is None:
+            return
+        old, old_fd = self.pid, self.fd
+        how = f"signal {-status}" if status < 0 else f"exit code {status}"
+        try:
+            self._start(self._prefix, self._dirs, self._pids, self._keep)
+        except OSError as exc:
+            if not self._warned:
+                self._warned = True
+                logger.warning("the janitor (pid %d) ended (%s) and could not start again (%s): "
+                               "if this process is killed now, its shared memory stays in "
+                               "/dev/shm (the next fork() sweeps it)", old, how, exc)
+            return
+        os.close(old_fd)
+        if self.child_closes:
+            self.child_closes = (self.fd, *self.child_closes[1:])
+        if self._told:
+            os.write(self.fd, ("\n".join(self._told) + "\n").encode())
+        logger.warning("the janitor (pid %d), which cleans up after a crash, ended (%s); "
+                       "started another (pid %d)", old, how, self.pid)
 
     def close_in_children(self, *fds):
         """Have every child this process forks from now on close the pipe and ``fds``.
@@ -82,10 +122,12 @@ class Janitor:
 
     def tell(self, paths):
         """Have the janitor also remove these files (under /dev/shm) when the leader goes."""
+        self._told.extend(paths)
         os.write(self.fd, ("\n".join(paths) + "\n").encode())
 
     def watch(self, pids):
         """Have the janitor also stop these workers (started after it) when the leader goes."""
+        self._pids.extend(pids)
         lines = [f"pid {pid} {proc_start_time(pid)}" for pid in pids]
         os.write(self.fd, ("\n".join(lines) + "\n").encode())
 

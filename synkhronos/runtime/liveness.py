@@ -113,11 +113,13 @@ class Monitor:
         place: where this machine's ranks stand (its ``rank_offset`` turns local
             indices into the global ranks that messages name), read live.
         remote: returns the global ranks of other machines still busy (a cluster).
+        also: called at each slower check too (the janitor's: ``Janitor.check``).
     """
 
-    def __init__(self, procs, timeout_s, pending, place, remote):
+    def __init__(self, procs, timeout_s, pending, place, remote, also=None):
         self.place = place
         self.remote = remote
+        self.also = also
         self.procs = procs
         self.timeout_s = timeout_s
         self.pending = pending
@@ -150,6 +152,8 @@ class Monitor:
         if now < self.next_slow:
             return
         self.next_slow = now + SLOW_CHECK_S
+        if self.also is not None:
+            self.also()
         ran = now - self.started
         for rank, p in self.procs.items():
             if proc_state(p.pid) in ("T", "t"):

@@ -100,6 +100,11 @@ class Processes:
     cleanup_dirs: list = field(default_factory=list)  # removed by the janitor after a crash
     lock_fd: int = -1                               # the run's lock (shmem.hold_run_lock)
 
+    def check_janitor(self):
+        """Start the janitor again if it ended (``Janitor.check``); nothing where there is none."""
+        if self.janitor is not None:
+            self.janitor.check()
+
 
 class MachineRanks:
     """This machine's ranks, as a backend that moves bytes inside one machine sees them.
@@ -176,7 +181,11 @@ class Runtime:
             self.in_call = False
 
     def segment_name(self, tag):
-        """Return a fresh segment name: the run's prefix, rank, counter, tag."""
+        """Return a fresh segment name: the run's prefix, rank, counter, tag.
+
+        In the leader, first sees that its janitor still lives to clean the segment up.
+        """
+        self.processes.check_janitor()
         return f"{self.config.prefix}{self.place.rank}_{next(self.counter)}{tag}"
 
 
