@@ -193,6 +193,14 @@ def infer_shape(method):
     return either
 
 
+def indexing_ops():
+    """The Ops of ``x[index_array]``: ``AdvancedSubtensor``, and before PyTensor 3.3 also
+    ``AdvancedSubtensor1`` (a vector index on the first axis), which 3.3 folded into it."""
+    from pytensor.tensor import subtensor
+    return tuple(op for op in (getattr(subtensor, name, None)
+                               for name in ("AdvancedSubtensor", "AdvancedSubtensor1")) if op)
+
+
 def axis_and_operands(op, inputs):
     """Split a ``Join`` or ``Split`` node's inputs into its axis and its operands.
 

@@ -136,7 +136,26 @@ def _schools_model():
     return m
 
 
-AS_WRITTEN = {"schools": (_schools_model, {}), "numpy": (_numpy_model, {}), "indexed": (_indexed_model, {}),
+def _schools_indexed_model(numpy=False):
+    """Eight schools with each row's effect picked by an index (``theta[school]``): as
+    many effects as rows, but read through the index, not by position."""
+    y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
+    sigma = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
+    school = np.array([3, 1, 0, 2, 7, 5, 4, 6])
+    with pm.Model() as m:
+        idx = school if numpy else pm.Data("school_idx", school)
+        y_d, s_d = (y, sigma) if numpy else (pm.Data("y", y), pm.Data("sigma", sigma))
+        mu = pm.Normal("mu", 0, 5)
+        tau = pm.HalfCauchy("tau", 5)
+        theta_z = pm.Normal("theta_z", 0, 1, shape=8)
+        theta = pm.Deterministic("theta", mu + tau * theta_z)
+        pm.Normal("y_obs", theta[idx], s_d, observed=y_d)
+    return m
+
+
+AS_WRITTEN = {"schools": (_schools_model, {}), "schools_indexed": (_schools_indexed_model, {}),
+              "schools_indexed_numpy": (lambda: _schools_indexed_model(numpy=True), {}),
+              "numpy": (_numpy_model, {}), "indexed": (_indexed_model, {}),
               "indexed_wrapped": (lambda: _indexed_model(wrapped=True), {}),
               "censored": (_censored_model, {}), "potential": (_potential_model, {}),
               "walk_numpy": (lambda: _random_walk_model(numpy=True), {"unsplit": ["walk_data"]})}
@@ -234,10 +253,12 @@ def test_now_exact_on_uneven_ranks(exact, name):
     split = {"numpy": ["y_obs_array1", "y_obs_data"], "indexed": ["y_obs_array1", "y_obs_data"],
              "indexed_wrapped": ["y", "y_obs_array1"], "potential": ["lik_array1", "lik_array2"],
              "censored": ["y_obs_array1", "y_obs_array2", "y_obs_array3", "y_obs_data"],
-             "schools": ["obs_array1", "obs_data", "row_ids"]}
+             "schools": ["obs_array1", "obs_data", "row_ids"],
+             "schools_indexed": ["school_idx", "sigma", "y"],
+             "schools_indexed_numpy": ["y_obs_array1", "y_obs_array2", "y_obs_data"]}
     if name in split:
         assert sorted(c.name for c in dp.containers) == split[name]
-        assert dp.n_rows == (8 if name == "schools" else N_ROWS)
+        assert dp.n_rows == (8 if name.startswith("schools") else N_ROWS)
 
 
 def test_float32_model_keeps_its_precision(runtime_keeper):

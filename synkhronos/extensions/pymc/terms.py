@@ -190,10 +190,30 @@ def _row_params(model, split_terms, n_rows):
         return ()
     read = set()
     for term in split_terms:
-        read.update(_ancestors(term.graph))
+        read.update(_read_by_position(term.graph))
     point = model.initial_point()
     return tuple(v for v in model.value_vars
                  if v in read and np.ndim(point[v.name]) >= 1 and np.shape(point[v.name])[0] == n_rows)
+
+
+def _read_by_position(graph):
+    """The variables ``graph`` reads other than through an index: ``theta[school]`` reads
+    ``school``, not ``theta`` (a rank picks its rows' entries by the index it holds)."""
+    indexing = compat.indexing_ops()
+    seen, todo = set(), [graph]
+    while todo:
+        var = todo.pop()
+        if var in seen:
+            continue
+        seen.add(var)
+        node = var.owner
+        if node is None:
+            continue
+        inputs = node.inputs
+        if isinstance(node.op, indexing):
+            inputs = inputs[1:]
+        todo.extend(inputs)
+    return seen
 
 
 def _row_sizes(split_terms, n_rows, split_set):
