@@ -12,10 +12,15 @@ Two parts, each model in a child process of its own (own memory, a quiet start):
             one-position graph.  The rank's values are checked against PyMC's first.
   sample    draws/s of pm.sample, nutpie, and dp.sample with PyMC's NUTS and with nutpie
             (2 ranks), 1 and 2 chains, per model and row count.
+  startup   seconds to the first draw, cold (empty PyTensor and Numba caches) then warm
+            (the same caches again), each in a fresh process: pm.sample against
+            synk.fork(2) + data_parallel() + distribute() + dp.sample, PyMC's NUTS, one
+            chain of one tuning step and one draw (compiling is all but all of it).
 
     python bench/pymc_gallery.py --parts graphs                  # about 3 minutes here
     python bench/pymc_gallery.py --parts graphs --rows 1e5 --models radon,logistic
     python bench/pymc_gallery.py --parts sample --rows 1e4,1e5 --draws 200 --tune 200
+    python bench/pymc_gallery.py --parts startup --rows 1e3           # about 10 minutes here
 """
 
 import argparse
@@ -29,7 +34,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-PARTS = ("graphs", "sample")
+PARTS = ("graphs", "sample", "startup")
 SYSTEMS = ("pymc", "nutpie", "synk-pymc", "synk-nutpie")
 
 
@@ -209,8 +214,9 @@ def child_sample(system, which, n_rows, chains, draws, tune):
     secs = float(idata.posterior.attrs.get("sampling_time", wall))
     # Gradient evaluations (NUTS's leapfrog steps, tuning included): draws/s depends on the
     # trees the sampler happened to build; evaluations/s compares the systems' speed.
+    groups = idata.groups() if callable(idata.groups) else [g.strip("/") for g in idata.groups]
     steps = sum(int(idata[g]["n_steps"].sum()) for g in ("sample_stats", "warmup_sample_stats")
-                if g in idata.groups() and "n_steps" in idata[g])
+                if g in groups and "n_steps" in idata[g])
     _emit("SAMPLE", {"system": system, "model": which, "rows": n_rows, "chains": chains,
                      "secs": secs, "wall_s": wall, "draws_s": draws * chains / secs,
                      "steps": steps, "steps_s": steps / secs, "setup_s": setup_s})
@@ -239,11 +245,82 @@ def _sample_table(results, draws, tune):
     print(flush=True)
 
 
+# -- time to the first draw ----------------------------------------------------------------------
+def child_startup(system, which, n_rows):
+    """Seconds from nothing compiled to one draw (the caches are the parent's to say)."""
+    import pymc_gallery_models as gm
+    _quiet()
+    model = gm.MODELS[which](n_rows)
+    kw = dict(draws=1, tune=1, chains=1, random_seed=1, progressbar=False,
+              compute_convergence_checks=False, nuts_sampler="pymc")
+    t0 = time.perf_counter()
+    if system == "pymc":
+        import pymc as pm
+        with model:
+            pm.sample(cores=1, **kw)
+        parts = {}
+    else:
+        import synkhronos as synk
+        from synkhronos.extensions import pymc as synk_pymc
+        synk.fork(2)
+        try:
+            dp = synk_pymc.data_parallel(model)
+            t1 = time.perf_counter()
+            synk.distribute()
+            t2 = time.perf_counter()
+            dp.sample(**kw)
+            parts = {"data_parallel_s": t1 - t0, "distribute_s": t2 - t1}
+        finally:
+            synk.close()
+    _emit("STARTUP", {"system": system, "model": which, "rows": n_rows,
+                      "secs": time.perf_counter() - t0, **parts})
+
+
+def _startup(models, n_rows):
+    import tempfile
+    results = []
+    with tempfile.TemporaryDirectory(prefix="synk-startup-") as tmp:
+        for m in models:
+            row = {"model": m, "rows": n_rows}
+            for system in ("pymc", "synk"):
+                cache = os.path.join(tmp, f"{m}-{system}")
+                env = dict(os.environ, PYTENSOR_FLAGS=f"base_compiledir={cache}",
+                           NUMBA_CACHE_DIR=os.path.join(cache, "numba"))
+                for when in ("cold", "warm"):
+                    r = _run_child(["startup", system, m, n_rows], env=env)
+                    row[f"{system} {when}"] = r
+                    if r is not None:
+                        print(f"# {system} {m} {when}: {r['secs']:.1f} s "
+                              f"({time.strftime('%H:%M:%S', time.gmtime())}, load "
+                              f"{os.getloadavg()[0]:.1f})", flush=True)
+            results.append(row)
+    print(f"\n### Seconds to the first draw, {n_rows} rows (pm.sample; synkhronos: fork(2), "
+          "data_parallel, distribute, dp.sample; PyMC's NUTS, 1 chain)\n")
+    print("| model | pm.sample cold | synk cold (data_parallel + distribute) | synk / pm, cold | "
+          "pm.sample warm | synk warm (data_parallel + distribute) | synk / pm, warm |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+
+    def cell(r):
+        if r is None:
+            return "-"
+        return f"{r['secs']:.1f} ({r['data_parallel_s']:.1f} + {r['distribute_s']:.1f})"
+
+    def ratio(a, b):
+        return f"{a['secs'] / b['secs']:.2f}x" if a and b else "-"
+    for row in results:
+        pc, pw, sc, sw = (row[k] for k in ("pymc cold", "pymc warm", "synk cold", "synk warm"))
+        print(f"| {row['model']} | {pc['secs']:.1f} | {cell(sc)} | {ratio(sc, pc)} | "
+              f"{pw['secs']:.1f} | {cell(sw)} | {ratio(sw, pw)} |" if pc and pw else
+              f"| {row['model']} | - | {cell(sc)} | - | - | {cell(sw)} | - |")
+    print(flush=True)
+
+
 # -- driver --------------------------------------------------------------------------------------
-def _run_child(args):
+def _run_child(args, env=None):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", *map(str, args)]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    found = [line for line in out.stdout.splitlines() if line.startswith(("GRAPHS ", "SAMPLE "))]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    found = [line for line in out.stdout.splitlines()
+             if line.startswith(("GRAPHS ", "SAMPLE ", "STARTUP "))]
     if out.returncode or not found:
         sys.stderr.write(f"child {args} failed ({out.returncode}):\n{out.stderr[-3000:]}\n")
         return None
@@ -267,6 +344,8 @@ def main():
         kind, *rest = a.child
         if kind == "graphs":
             child_graphs(rest[0], int(rest[1]), rest[2])
+        elif kind == "startup":
+            child_startup(rest[0], rest[1], int(rest[2]))
         else:
             child_sample(rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]), int(rest[5]))
         return
@@ -300,6 +379,8 @@ def main():
                                   f"{time.strftime('%H:%M:%S', time.gmtime())}, load "
                                   f"{os.getloadavg()[0]:.1f})", flush=True)
         _sample_table(results, a.draws, a.tune)
+    if "startup" in parts:
+        _startup(models, int(float(a.rows or "1e3")))
 
 
 if __name__ == "__main__":
