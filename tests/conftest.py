@@ -1,6 +1,7 @@
 """Shared fixtures: forked runtimes that always close, and leak checks."""
 
 import faulthandler
+import contextlib
 import os
 import sys
 
@@ -103,6 +104,19 @@ class RuntimeKeeper:
         n = synk.fork(n_parallel, use_gpu=False, **kwargs)
         _kept["runtime"] = get_runtime()
         return n
+
+    @contextlib.contextmanager
+    def distributed(self, n_parallel, build):
+        """Fork ``n_parallel`` ranks, ``build()`` the functions, distribute; yield what
+        ``build`` returned, and close at the end (or when building fails)."""
+        self.close()   # any runtime a module before left open
+        self.fork(n_parallel)
+        try:
+            built = build()
+            synk.distribute()
+            yield built
+        finally:
+            self.close()
 
     def close(self):
         rt, _kept["runtime"] = _kept["runtime"], None

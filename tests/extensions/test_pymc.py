@@ -65,19 +65,16 @@ def env(runtime_keeper):
     with pytensor.config.change_flags(floatX="float64"):
         e = types.SimpleNamespace()
         e.models = {k: f(N_ROWS) for k, f in pymc_models.MODELS.items()}
-        runtime_keeper.fork(2)
-        try:
+        # The radon model again, its graphs compiled in the mode that is not the default.
+        e.other_mode = "CVM" if synk_pymc.model.DEFAULT_MODE == "NUMBA" else "NUMBA"
+
+        def build():
             e.dps = {k: synk_pymc.data_parallel(m) for k, m in e.models.items()}
-            # The radon model again, its graphs compiled in the mode that is not the default.
-            e.other_mode = "CVM" if synk_pymc.model.DEFAULT_MODE == "NUMBA" else "NUMBA"
             e.other = synk_pymc.data_parallel(e.models["radon"], mode=e.other_mode,
                                               name="pymc_other_mode")
-            synk.distribute()
-        except BaseException:
-            runtime_keeper.close()
-            raise
-        yield e
-        runtime_keeper.close()
+
+        with runtime_keeper.distributed(2, build):
+            yield e
 
 
 @pytest.mark.parametrize("name", list(pymc_models.MODELS))

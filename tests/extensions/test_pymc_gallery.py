@@ -16,7 +16,6 @@ pm = pytest.importorskip("pymc", reason="PyMC is not installed (pip install -e '
 
 import pytensor  # noqa: E402
 
-import synkhronos as synk  # noqa: E402
 from helpers import pymc_gallery, pymc_models  # noqa: E402
 from synkhronos.extensions import pymc as synk_pymc  # noqa: E402
 
@@ -29,16 +28,9 @@ DRAWS = 200
 def gallery(runtime_keeper):
     with pytensor.config.change_flags(floatX="float64"):
         e = types.SimpleNamespace(models={k: make() for k, make in pymc_gallery.MODELS.items()})
-        runtime_keeper.close()
-        runtime_keeper.fork(3)
-        try:
-            e.dps = {k: synk_pymc.data_parallel(m, name=f"gallery_{k}") for k, m in e.models.items()}
-            synk.distribute()
-        except BaseException:
-            runtime_keeper.close()
-            raise
-        yield e
-        runtime_keeper.close()
+        with runtime_keeper.distributed(3, lambda: {k: synk_pymc.data_parallel(m, name=f"gallery_{k}")
+                                                    for k, m in e.models.items()}) as e.dps:
+            yield e
 
 
 def _points(model, rng, k=3):

@@ -223,20 +223,17 @@ def exact(runtime_keeper):
         e.models = {"total_size": _total_size_model(), "centred": _centred_model(second=True),
                     "walk": _random_walk_model()}
         e.models.update({k: make() for k, (make, _) in AS_WRITTEN.items()})
-        runtime_keeper.close()       # any runtime a module before left open
-        runtime_keeper.fork(3)
-        try:
-            e.dps = {"total_size": synk_pymc.data_parallel(e.models["total_size"]),
-                     "centred": synk_pymc.data_parallel(e.models["centred"], unsplit=["X", "y"]),
-                     "walk": synk_pymc.data_parallel(e.models["walk"], unsplit=["series"])}
-            e.dps.update({k: synk_pymc.data_parallel(e.models[k], name=f"pymc_{k}", **kw)
-                          for k, (_, kw) in AS_WRITTEN.items()})
-            synk.distribute()
-        except BaseException:
-            runtime_keeper.close()
-            raise
-        yield e
-        runtime_keeper.close()
+
+        def build():
+            dps = {"total_size": synk_pymc.data_parallel(e.models["total_size"]),
+                   "centred": synk_pymc.data_parallel(e.models["centred"], unsplit=["X", "y"]),
+                   "walk": synk_pymc.data_parallel(e.models["walk"], unsplit=["series"])}
+            dps.update({k: synk_pymc.data_parallel(e.models[k], name=f"pymc_{k}", **kw)
+                        for k, (_, kw) in AS_WRITTEN.items()})
+            return dps
+
+        with runtime_keeper.distributed(3, build) as e.dps:
+            yield e
 
 
 @pytest.mark.parametrize("name", ["total_size", "centred", "walk", *AS_WRITTEN])

@@ -110,7 +110,7 @@ class DataParallelModel:
         self._plan = plan
         self.containers = plan.split
         self.whole = plan.whole
-        self._given = self._given_data(given, plan) if given else None
+        self._given = terms.given_data(given, plan) if given else None
         self.n_rows = len(self._given[0]) if self._given else plan.n_rows
 
         # Whole containers: our own copies, so that the model's containers never
@@ -162,7 +162,7 @@ class DataParallelModel:
         self._calls = Calls(fn1, fn, fn_loop, self.size, self.dtype,
                             held=synk.layout().n_machines == 1)
         self.batcher = Batcher(self._calls.many, one=self._calls.one)
-        self._map_fns = None
+        self.map_fns = None          # find_map's (sampling.find_map), built at its first call
         logger.info("pymc model: %d value variables (%d numbers), %s split by rows (%d), "
                     "%s whole; terms split %s, whole %s", len(value_vars), self.size,
                     [c.name for c in plan.split], self.n_rows, [c.name for c in plan.whole],
@@ -174,24 +174,6 @@ class DataParallelModel:
         return [tuple(s) for s in self._shapes]
 
     # -- data -------------------------------------------------------------------------------
-    @staticmethod
-    def _given_data(given, plan):
-        out = []
-        for c in plan.split:
-            d = given[c.name] if c.name in given else given.get(c)
-            if not isinstance(d, synk.Data):
-                raise TypeError(f"data_parallel: data[{c.name!r}] must be a synk.Data (for "
-                                f"example synk.data(produce=fn, length=n)); got {type(d).__name__}")
-            if np.dtype(d.dtype) != np.dtype(c.dtype) or d.ndim != c.ndim:
-                raise TypeError(f"data_parallel: data[{c.name!r}] must have the container's "
-                                f"dtype {c.dtype} and ndim {c.ndim} (pm.Data may have cast it); "
-                                f"got {d.dtype}, ndim {d.ndim}")
-            out.append(d)
-        if len({len(d) for d in out}) != 1:
-            raise ValueError(f"data_parallel: the Data given in data= have different lengths "
-                             f"{[len(d) for d in out]}")
-        return out
-
     def _check_point(self, i):
         """The i-th point the row check tries: the initial point, then jittered ones."""
         point = self.model.initial_point()
@@ -363,29 +345,10 @@ class DataParallelModel:
         Returns:
             The point dict, or ``(point, OptimizeResult)`` with ``return_raw``.
         """
-        from scipy.optimize import minimize
+        from .sampling import find_map
 
-        jac_fn, expand = self._map_functions()
         self._refresh("DataParallelModel.find_map")
-
-        def objective(x):
-            lp, g = self.logp_dlogp(x)
-            jlp, jg = jac_fn(np.asarray(x, dtype=self.dtype))
-            return -float(lp - jlp), -np.asarray(g - jg, dtype=np.float64)
-
-        x0 = (self.initial_x() if start is None
-              else self.ravel({**self.model.initial_point(), **start}).astype(np.float64))
-        options = dict(kwargs.pop("options", None) or {})
-        options.setdefault("maxiter", maxeval)
-        res = minimize(objective, x0, jac=True, method=method, options=options, **kwargs)
-        point = expand(self.unravel(res.x.astype(self.dtype)), include_transformed)
-        return (point, res) if return_raw else point
-
-    def _map_functions(self):
-        if self._map_fns is None:
-            self._map_fns = internals.map_functions(self.model, self.value_names, self._shapes,
-                                                    self.dtype)
-        return self._map_fns
+        return find_map(self, start, method, return_raw, include_transformed, maxeval, **kwargs)
 
     def _refresh(self, where):
         if not self._scattered or self._stale():

@@ -1,8 +1,10 @@
-"""DataParallelModel.sample: pm.sample with every chain's (logp, dlogp) in one data-parallel call."""
+"""PyMC's own calls on a DataParallelModel: ``sample`` (pm.sample with every chain's (logp, dlogp)
+in one data-parallel call) and ``find_map`` (pm.find_MAP's optimisation on it)."""
 
 import logging
 import warnings
 
+import numpy as np
 import pymc as pm
 
 from . import internals
@@ -50,3 +52,25 @@ def sample(dp, draws, tune, chains, nuts_sampler, random_seed, **kwargs):
     with internals.driving(dp):
         return pm.sample(draws, chains=chains, random_seed=random_seed,
                          nuts_sampler=nuts_sampler, model=dp.model, **kwargs)
+
+
+def find_map(dp, start, method, return_raw, include_transformed, maxeval, **kwargs):
+    """Maximise ``dp``'s log-density as ``pm.find_MAP`` does; see ``DataParallelModel.find_map``."""
+    from scipy.optimize import minimize
+
+    if dp.map_fns is None:
+        dp.map_fns = internals.map_functions(dp.model, dp.value_names, dp.value_shapes, dp.dtype)
+    jac_fn, expand = dp.map_fns
+
+    def objective(x):
+        lp, g = dp.logp_dlogp(x)
+        jlp, jg = jac_fn(np.asarray(x, dtype=dp.dtype))
+        return -float(lp - jlp), -np.asarray(g - jg, dtype=np.float64)
+
+    x0 = (dp.initial_x() if start is None
+          else dp.ravel({**dp.model.initial_point(), **start}).astype(np.float64))
+    options = dict(kwargs.pop("options", None) or {})
+    options.setdefault("maxiter", maxeval)
+    res = minimize(objective, x0, jac=True, method=method, options=options, **kwargs)
+    point = expand(dp.unravel(res.x.astype(dp.dtype)), include_transformed)
+    return (point, res) if return_raw else point

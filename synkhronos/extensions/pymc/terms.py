@@ -23,6 +23,8 @@ from pytensor.graph.basic import Constant
 from pytensor.tensor.random.op import RandomVariable
 from pytensor.tensor.random.type import RandomType
 
+import synkhronos as synk
+
 from ... import compat
 from . import internals
 
@@ -178,6 +180,25 @@ def choose(model, terms, data=None, unsplit=None, lift=True):
         ids = Lifted(pt.as_tensor_variable(np.arange(n_rows)), "row_ids")
         split.append(ids)
     return Plan(split, whole, split_terms, whole_terms, n_rows, sizes, params, ids)
+
+
+def given_data(given, plan):
+    """The ``synk.Data`` given as ``data=`` for each split container, in the plan's order."""
+    out = []
+    for c in plan.split:
+        d = given[c.name] if c.name in given else given.get(c)
+        if not isinstance(d, synk.Data):
+            raise TypeError(f"data_parallel: data[{c.name!r}] must be a synk.Data (for "
+                            f"example synk.data(produce=fn, length=n)); got {type(d).__name__}")
+        if np.dtype(d.dtype) != np.dtype(c.dtype) or d.ndim != c.ndim:
+            raise TypeError(f"data_parallel: data[{c.name!r}] must have the container's "
+                            f"dtype {c.dtype} and ndim {c.ndim} (pm.Data may have cast it); "
+                            f"got {d.dtype}, ndim {d.ndim}")
+        out.append(d)
+    if len({len(d) for d in out}) != 1:
+        raise ValueError(f"data_parallel: the Data given in data= have different lengths "
+                         f"{[len(d) for d in out]}")
+    return out
 
 
 def _row_params(model, split_terms, n_rows):
