@@ -102,6 +102,7 @@ class FunctionSpec:
     sliceable: list
     kwargs: dict
     variants: dict = field(default_factory=dict)  # per process: compiled slicing variants
+    compile_at_first_call: bool = False           # not at distribute() (compile_at_first_call)
     simple: bool = field(init=False)              # one output with a collective op
     collective: bool = field(init=False)          # the graph holds in-graph collectives
     jax: bool = field(init=False)                 # runs on PyTensor's JAX backend
@@ -116,6 +117,23 @@ class FunctionSpec:
         state = dict(self.__dict__)
         state["variants"] = {}  # compiled again where needed
         return state
+
+
+def compile_at_first_call(function):
+    """Leave ``function``'s code uncompiled at ``distribute()``: it compiles at its first call.
+
+    A seam for extensions (the PyMC extension's vectorised graph, used only
+    when several chains ask at once): ``distribute()`` compiles every
+    Numba-linked function's code in the master so that the workers, started
+    again from it, share the code; a function that may never be called then
+    costs its whole compile time (10-20 s for a PyMC model's gradient) up
+    front.  Deferred, the master compiles it at the first call, before the
+    call is posted, so that the ranks load the code from PyTensor's cache
+    (Numba's cache files) instead of each compiling its own.  Master only,
+    before ``distribute()``; returns ``function``.
+    """
+    function.spec.compile_at_first_call = True
+    return function
 
 
 def _holds_collective(fgraph, seen):

@@ -76,7 +76,7 @@ def _install(rt, functions, shareds):
 def _install_here(rt, functions, shareds):
     """Install in the master before its workers start again from it, with the code compiled."""
     _install(rt, functions, shareds)
-    n = sum(compat.precompile(f.spec.fn) for f in functions)
+    n = sum(compat.precompile(f.spec.fn) for f in functions if not f.spec.compile_at_first_call)
     logger.debug("compiled the code of %d of %d functions before starting the workers", n,
                  len(functions))
 

@@ -11,6 +11,7 @@ import logging
 
 import numpy as np
 
+from .. import compat
 from ..comm import compressed, reduce_ops
 from ..errors import MachineLostError, SynkStateError
 from ..inputs import conditioning, rank_rows
@@ -282,6 +283,11 @@ class Function:
         rt = self.runtime()
         name = self.name or "function"
         spec = self.spec
+        if spec.compile_at_first_call:
+            # The master compiles first, so that the ranks' first call loads the code
+            # from PyTensor's cache rather than each compiling it (build.compile_at_first_call).
+            spec.compile_at_first_call = False
+            compat.precompile(spec.fn)
         if kwargs or len(args) != len(self._all_inputs):
             args = self._bind(args, kwargs or {}, name)
         datas = []

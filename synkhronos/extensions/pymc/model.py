@@ -16,6 +16,7 @@ import pytensor.tensor as pt
 import synkhronos as synk
 
 from ... import compat
+from ...functions.build import compile_at_first_call
 from . import graphs, internals, rowcheck, terms
 from .batching import Batcher
 from .calls import Calls
@@ -149,6 +150,10 @@ class DataParallelModel:
         except synk.SynkStateError as exc:
             raise synk.SynkStateError(f"data_parallel() must come after synk.fork() and "
                                       f"before synk.distribute() ({exc})") from None
+        # Only several chains at once call the graphs at many positions: their code
+        # compiles at their first call, not in distribute() (10-20 s each, cold).
+        compile_at_first_call(fn)
+        compile_at_first_call(fn_loop)
         self._data = None
         self._scattered = False      # scatter() done once (the first evaluation does it)
         self._seen = {}
