@@ -259,13 +259,15 @@ static void release_buffers(Py_buffer *views, Py_ssize_t k) {
  * thread's call would overwrite them (and release them twice). */
 #define SLABS_HERE 64
 
-static Py_buffer *slabs_of(Py_ssize_t n, Py_buffer *here) {
-    if (n <= SLABS_HERE)
-        return here;
-    Py_buffer *views = PyMem_Malloc(sizeof(Py_buffer) * n);
-    if (views == NULL)
+/* ``*views``: room for n views, ``here`` (SLABS_HERE of them) if that is enough; -1 with
+ * an error set if out of memory. */
+static int slabs_of(Py_ssize_t n, Py_buffer *here, Py_buffer **views) {
+    *views = n <= SLABS_HERE ? here : PyMem_Malloc(sizeof(Py_buffer) * n);
+    if (*views == NULL) {
         PyErr_NoMemory();
-    return views;
+        return -1;
+    }
+    return 0;
 }
 
 static void free_slabs(Py_buffer *views, Py_buffer *here) {
@@ -461,8 +463,8 @@ static PyObject *SmallReduce_run(SmallReduce *self, PyObject *const *args, Py_ss
     int64_t *s = b->slots;
     Py_buffer outs[MAX_SMALL];
     Py_buffer slabs_here[SLABS_HERE];
-    Py_buffer *slabs = slabs_of(n, slabs_here);
-    if (slabs == NULL)
+    Py_buffer *slabs;
+    if (slabs_of(n, slabs_here, &slabs) < 0)
         return NULL;
     if (get_buffers(args[1], outs, k, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
         free_slabs(slabs, slabs_here);
@@ -699,8 +701,8 @@ static PyObject *combine_outputs(PyObject *mod, PyObject *const *args, Py_ssize_
     }
     Py_buffer head, mine, outb;
     Py_buffer slabs_here[SLABS_HERE];
-    Py_buffer *slabs = slabs_of(n, slabs_here);
-    if (slabs == NULL)
+    Py_buffer *slabs;
+    if (slabs_of(n, slabs_here, &slabs) < 0)
         return NULL;
     if (PyObject_GetBuffer(args[6], &head, PyBUF_C_CONTIGUOUS) < 0) {
         free_slabs(slabs, slabs_here);
