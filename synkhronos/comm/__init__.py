@@ -4,10 +4,15 @@ import importlib
 import logging
 import os
 
-from ..runtime import devices
+from ..runtime import devices, load_extension
 from ..errors import BackendUnavailableError
 
 logger = logging.getLogger(__name__)
+
+# The ABI of comm/_reduce.c (the small reductions) this Python expects (SYNK_REDUCE_ABI
+# there): bump both together.  Checked here, before any backend imports it.
+REDUCE_ABI = 1
+load_extension(__name__ + "._reduce", REDUCE_ABI)
 
 _BACKENDS = {
     "shm": ("synkhronos.comm.shm_backend", "ShmBackend", None),

@@ -6,7 +6,7 @@ import numpy as np
 
 COLLECTIVE_OPS = ("avg", "sum", "prod", "max", "min")
 OUTPUT_OPS = COLLECTIVE_OPS + (None, "gather")
-# How the compiled reductions (runtime/_block.c) name the ops.
+# How the compiled reductions (comm/_reduce.c) name the ops.
 OP_CODES = {"avg": 0, "sum": 1, "prod": 2, "max": 3, "min": 4}
 
 UFUNCS = {

@@ -18,10 +18,12 @@ import logging
 
 import numpy as np
 
-from ..runtime._block import GE, SMALL_CODES, Block, combine_outputs, pack_one
+from ..runtime._block import GE, Block
 from ..runtime.liveness import wait_slots
 from ..runtime.shmem import SharedArray
 from . import parts
+from ._reduce import (SMALL_CODES, combine_outputs, combine_scalar_array, combine_scalars, pack_one,
+                      put_scalar, put_scalar_array)
 from .base import SPLIT_BYTES, Backend
 from .homes import Homes
 from .reduce_ops import OP_CODES
@@ -120,12 +122,12 @@ class ShmBackend(ShmReduce, Backend):
         if arrays is not None and len(arrays) == 1:
             a = arrays[0]
             # float32 and float64 in C, float16 here; the seq last: the root checks it first.
-            if self.fast.put_scalar_array(self._slots()[4], self.seq, a, weight):
+            if put_scalar_array(self.fast, self._slots()[4], self.seq, a, weight):
                 return
             if type(a) is np.ndarray:
                 if a.ndim == 0 and a.dtype.char in SCALAR_CHARS:
-                    self.fast.put_scalar(self._slots()[4], self.seq, float(a), float(weight),
-                                         ord(a.dtype.char))
+                    put_scalar(self.fast, self._slots()[4], self.seq, float(a), float(weight),
+                               ord(a.dtype.char))
                     return
                 if (a.nbytes <= SMALL_OUTPUT_BYTES and a.dtype.char in SMALL_CODES
                         and a.flags.c_contiguous):
@@ -163,7 +165,7 @@ class ShmBackend(ShmReduce, Backend):
         opcode = OP_CODES[op]
         averaged = op == "avg"
         layout_of = self.slabs.layout_of
-        scalars = functools.partial(self.fast.combine_scalar_array, SCALAR_SEQ, STRIDE,
+        scalars = functools.partial(combine_scalar_array, self.fast, SCALAR_SEQ, STRIDE,
                                     self.n_parallel)
         ndarray, array = np.ndarray, np.array
 
@@ -194,7 +196,7 @@ class ShmBackend(ShmReduce, Backend):
         return combine
 
     def scalar_combiner(self, op):
-        got = functools.partial(self.fast.combine_scalar_array, SCALAR_SEQ, STRIDE,
+        got = functools.partial(combine_scalar_array, self.fast, SCALAR_SEQ, STRIDE,
                                 self.n_parallel)
         opcode = OP_CODES[op]
         array = np.array
@@ -213,15 +215,15 @@ class ShmBackend(ShmReduce, Backend):
         every other rank contributed one float scalar of its dtype.  Combined
         in rank order as ``reduce_ops.combine_floats`` does.
         """
-        got = self.fast.combine_scalar_array(SCALAR_SEQ, STRIDE, self.n_parallel, self._slots()[0],
-                                             self.seq, OP_CODES[op], value, weight)
+        got = combine_scalar_array(self.fast, SCALAR_SEQ, STRIDE, self.n_parallel,
+                                   self._slots()[0], self.seq, OP_CODES[op], value, weight)
         if got is not None:
             return np.array(got, value.dtype)  # float32 or float64, combined in C
         dtype = value.dtype
         if dtype.char not in SCALAR_CHARS:
             return None
-        got = self.fast.combine_scalars(SCALAR_SEQ, STRIDE, self.n_parallel, self.rank, self.seq,
-                                        ord(dtype.char), OP_CODES[op], float(value), float(weight))
+        got = combine_scalars(self.fast, SCALAR_SEQ, STRIDE, self.n_parallel, self.rank, self.seq,
+                              ord(dtype.char), OP_CODES[op], float(value), float(weight))
         return None if got is None else np.array(got, dtype)
 
     def _contribution(self, q):

@@ -13,10 +13,10 @@ barriers (``barrier``, ``_start``, ``_done``).
 import numpy as np
 
 from ..errors import CommAborted
-from ..runtime._block import SMALL_CODES, SmallReduce
 from ..runtime.liveness import CHECK_NS
 from . import reduce_ops
 from . import parts
+from ._reduce import SMALL_CODES, SmallReduce
 from .base import SPLIT_BYTES, as_arrays
 from .slabs import EPOCH, EPOCH_WAITERS, GEN, HEAD_STRUCT, HOMES, STRIDE
 
@@ -213,7 +213,7 @@ class _SmallPlan:
             self.offsets = tuple(off for _, off, _ in self.lay.entries)
             chars = "".join(a.dtype.char for a in arrays)
             if all(c in SMALL_CODES for c in chars):
-                self.codes = chars.encode()  # compiled (runtime/_block.c); float16, bool: NumPy
+                self.codes = chars.encode()  # compiled (comm/_reduce.c); float16, bool: NumPy
         self.opcode = reduce_ops.OP_CODES[op]
         self.me = be.rank  # fixed: a plan is made in the process that uses it, after fork
         self.compiled = None  # the SmallReduce, made at the first run
@@ -282,7 +282,7 @@ class _SmallPlan:
         return True
 
     def _run_compiled(self, be, arrays):
-        """``run`` in compiled code (runtime/_block.c): pack, meet, reduce in rank order."""
+        """``run`` in compiled code (comm/_reduce.c): pack, meet, reduce in rank order."""
         c = self.compiled
         if c is None:
             c = self.compiled = SmallReduce(be.fast, self.me, be.n_parallel, STRIDE, EPOCH,

@@ -20,7 +20,7 @@ INITIAL_SLAB = 1 << 20
 SMALL_COPY = 4096  # below this, bytes() copies beat making a NumPy view
 EPOCH, GEN, SIZE = 0, 1, 2  # per-rank slots in the control block
 # A scalar contribution (ShmBackend.contribute): its command, value, weight, dtype code
-# (in this order: runtime/_block.c's put_scalar and combine_scalars read them so).
+# (in this order: comm/_reduce.c's put_scalar and combine_scalars read them so).
 SCALAR_SEQ, SCALAR_VALUE, SCALAR_WEIGHT, SCALAR_CODE = 3, 4, 5, 6
 EPOCH_WAITERS = 7  # ranks asleep until this rank's epoch moves (runtime/_block.c)
 STRIDE = 8
@@ -73,7 +73,7 @@ class _Layout:
         self.entries = entries    # per array: dtype code, offset, shape
         self.total = total        # bytes the slab needs
         self.views = {}           # rank -> (slab generation, views)
-        # The whole header of a contribution (weight 0: runtime/_block.c's pack_one sets it).
+        # The whole header of a contribution (weight 0: comm/_reduce.c's pack_one sets it).
         self.head = HEAD_STRUCT.pack(len(entries), 0.0, 0) + ints
 
 
