@@ -34,9 +34,7 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from call_overhead import mpich_4b  # noqa: E402
+from common import mpich_4b
 
 
 def _rounds(fns, n, rounds):

@@ -13,13 +13,9 @@ Usage: python bench/call_overhead.py [--steps N] [--calls N] [--markdown]
 """
 
 import argparse
-import json
 import os
 import platform
-import shutil
 import statistics
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -29,10 +25,7 @@ from threadpoolctl import threadpool_limits
 
 import synkhronos as synk
 
-LAYERS = (784, 1024, 1024, 10)
-BATCH = 512
-N_DATA = 8192
-LR = 0.01
+from common import BATCH, LAYERS, LR, N_DATA, build_mlp, mpich_4b
 
 
 def timed_calls(fn, n, repeats=7):
@@ -91,48 +84,6 @@ def two_at_once(rng, data_x, data_y, steps):
     times = [float(v) for v in os.read(r, 4096).decode().split()]
     os.close(r)
     return BATCH / max(times)
-
-
-def mpich_4b(calls, rounds):
-    """MPICH's Allreduce of 4 bytes between 2 processes: per-round means in us, or None."""
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if not os.path.exists(mpiexec):
-        mpiexec = shutil.which("mpiexec")
-    if mpiexec is None:
-        return None
-    code = (
-        "from mpi4py import MPI\nimport numpy as np, time, json\n"
-        "c = MPI.COMM_WORLD\na = np.ones(1, 'float32'); b = np.empty_like(a)\n"
-        "for _ in range(1000): c.Allreduce(a, b)\nr = []\n"
-        f"for _ in range({rounds}):\n    c.Barrier(); t0 = time.perf_counter()\n"
-        f"    for _ in range({calls}): c.Allreduce(a, b)\n"
-        f"    r.append((time.perf_counter() - t0) / {calls} * 1e6)\n"
-        "if c.rank == 0: print('JSON', json.dumps(r))\n")
-    try:
-        out = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", code],
-                             capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    for line in out.stdout.splitlines():
-        if line.startswith("JSON "):
-            return json.loads(line[5:])
-    return None
-
-
-def build_mlp(rng):
-    params = []
-    for i, (n_in, n_out) in enumerate(zip(LAYERS[:-1], LAYERS[1:])):
-        w = rng.normal(0, np.sqrt(2.0 / n_in), (n_in, n_out)).astype("float32")
-        params.append(pytensor.shared(w, name=f"W{i}"))
-        params.append(pytensor.shared(np.zeros(n_out, "float32"), name=f"b{i}"))
-    x = pt.matrix("x")
-    y = pt.ivector("y")
-    h = x
-    for i in range(0, len(params) - 2, 2):
-        h = pt.maximum(h @ params[i] + params[i + 1], 0)
-    logits = h @ params[-2] + params[-1]
-    loss = -pt.mean(pt.log(pt.special.softmax(logits, axis=-1))[pt.arange(y.shape[0]), y])
-    return x, y, params, loss
 
 
 def serial_throughput(rng, data_x, data_y, steps, threads):

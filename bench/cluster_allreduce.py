@@ -37,8 +37,7 @@ import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+from common import harness
 
 
 HUGE = 1 << 26
@@ -138,8 +137,7 @@ def job_gloo(sizes, rate, master):
 
 def _elastic(m, n_machines, sizes, rate):
     """The synk job on machines started on their own: (exit status, output)."""
-    from helpers.elastic_jobs import Job
-
+    Job = harness("elastic_jobs").Job
     job = Job(m, ["--job", "synk", "--sizes", ",".join(map(str, sizes)), "--rates", rate],
               n_machines, script=os.path.abspath(__file__), SYNK_SPIN_S=None)
     try:
@@ -163,12 +161,11 @@ def _fmt(t):
 
 
 def run(n_machines, rate, sizes, rounds, gloo=False, only=None):
-    from helpers.cluster_jobs import machines, mpirun
-
+    cluster_jobs = harness("cluster_jobs")
     jobs = ("bare", "synk", "gloo", "elastic") if gloo else ("bare", "synk")
     jobs = tuple(j for j in jobs if j in (only or jobs))
     got = {job: {str(n): [] for n in sizes} for job in jobs}
-    with machines(n_machines) as m:
+    with cluster_jobs.machines(n_machines) as m:
         if rate != "none":
             for i in range(n_machines):
                 m.limit(i, rate)
@@ -179,7 +176,7 @@ def run(n_machines, rate, sizes, rounds, gloo=False, only=None):
                 if job == "elastic":
                     rc, out = _elastic(m, n_machines, sizes, rate)
                 else:
-                    rc, out, _ = mpirun(m, n_machines, args, timeout=1800)
+                    rc, out, _ = cluster_jobs.mpirun(m, n_machines, args, timeout=1800)
                 lines = [ln for ln in out.splitlines() if ln.startswith("JSON ")]
                 if rc != 0 or not lines:
                     sys.exit(f"{job} job on {n_machines} machines failed (exit {rc}):\n"
@@ -215,7 +212,8 @@ def main():
         return job_synk(sizes, args.rates)
     if args.job == "gloo":
         return job_gloo(sizes, args.rates, args.master)
-    from helpers.cluster_jobs import FLAVOR, NO_MACHINES
+    cluster_jobs = harness("cluster_jobs")
+    FLAVOR, NO_MACHINES = cluster_jobs.FLAVOR, cluster_jobs.NO_MACHINES
     if NO_MACHINES or not FLAVOR:
         sys.exit(f"bench/cluster_allreduce.py: {NO_MACHINES or 'no mpiexec'}")
     print(f"# {FLAVOR}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M')}, "

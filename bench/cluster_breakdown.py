@@ -28,8 +28,7 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+from common import ROOT, harness
 
 EVENTS = []
 LINK = [None]
@@ -166,12 +165,12 @@ def breakdown(out_dir):
 
 
 def run_tree(tree, calls):
-    from helpers.cluster_jobs import machines, mpirun
-
+    cluster_jobs = harness("cluster_jobs")
     with tempfile.TemporaryDirectory(prefix="synk-breakdown-") as out_dir:
-        with machines(2) as m:
-            rc, out, _ = mpirun(m, 2, [os.path.abspath(__file__), "--job", "--calls", str(calls),
-                                       "--out", out_dir], timeout=600, PYTHONPATH=tree)
+        with cluster_jobs.machines(2) as m:
+            rc, out, _ = cluster_jobs.mpirun(m, 2, [os.path.abspath(__file__), "--job", "--calls",
+                                                    str(calls), "--out", out_dir],
+                                             timeout=600, PYTHONPATH=tree)
         if rc != 0:
             sys.exit(f"job with {tree} failed (exit {rc}):\n{out[-3000:]}")
         return breakdown(out_dir)
@@ -186,10 +185,11 @@ def main():
     args = ap.parse_args()
     if args.job:
         return job(args.calls, args.out)
-    from helpers.cluster_jobs import FLAVOR, NO_MACHINES
+    cluster_jobs = harness("cluster_jobs")
+    FLAVOR, NO_MACHINES = cluster_jobs.FLAVOR, cluster_jobs.NO_MACHINES
     if NO_MACHINES or not FLAVOR:
         sys.exit(f"bench/cluster_breakdown.py: {NO_MACHINES or 'no mpiexec'}")
-    trees = [os.path.abspath(t) for t in (args.tree or [os.path.dirname(HERE)])]
+    trees = [os.path.abspath(t) for t in (args.tree or [ROOT])]
     print(f"# {FLAVOR}, 2 machines x 1 rank, {time.strftime('%Y-%m-%d %H:%M')}, "
           f"load {os.getloadavg()[0]:.2f}; median us from the call's start", flush=True)
     for tree in trees:

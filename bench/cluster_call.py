@@ -28,8 +28,7 @@ import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+from common import ROOT, harness
 
 FIGURES = ("call, output", "tiny call", "all_reduce 4 B", "tiny call after 20 ms")
 PAUSE_S = 0.02
@@ -77,17 +76,16 @@ def job(local, output_bytes, reps, pauses):
 
 def measure(n_machines, local, output_bytes, rounds, reps, pauses):
     """{figure: median seconds over the rounds} for one layout."""
-    from helpers.cluster_jobs import machines, mpirun
-
+    cluster_jobs = harness("cluster_jobs")
     got = {k: [] for k in FIGURES}
-    with machines(n_machines) as m:
+    with cluster_jobs.machines(n_machines) as m:
         for _ in range(rounds):
             args = [os.path.abspath(__file__), "--job", "--local", str(local),
                     "--output-bytes", str(output_bytes), "--reps", str(reps),
                     "--pauses", str(pauses)]
             # The version under test: BENCH_TREE (set by before_after.py), else this one.
-            tree = os.environ.get("BENCH_TREE") or os.path.dirname(HERE)
-            rc, out, _ = mpirun(m, n_machines, args, timeout=900, PYTHONPATH=tree)
+            tree = os.environ.get("BENCH_TREE") or ROOT
+            rc, out, _ = cluster_jobs.mpirun(m, n_machines, args, timeout=900, PYTHONPATH=tree)
             lines = [ln for ln in out.splitlines() if ln.startswith("JSON ")]
             if rc != 0 or not lines:
                 sys.exit(f"job on {n_machines} machines x {local} failed (exit {rc}):\n"
@@ -113,7 +111,8 @@ def main():
     args = ap.parse_args()
     if args.job:
         return job(int(args.local), args.output_bytes, args.reps, args.pauses)
-    from helpers.cluster_jobs import FLAVOR, NO_MACHINES
+    cluster_jobs = harness("cluster_jobs")
+    FLAVOR, NO_MACHINES = cluster_jobs.FLAVOR, cluster_jobs.NO_MACHINES
     if NO_MACHINES or not FLAVOR:
         sys.exit(f"bench/cluster_call.py: {NO_MACHINES or 'no mpiexec'}")
     print(f"# {FLAVOR}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M')}, "

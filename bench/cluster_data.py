@@ -42,9 +42,7 @@ import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-sys.path.insert(0, HERE)
+from common import Foreign, harness, link_gbit, shape, wait_quiet
 
 COLS = 1024
 WAYS = ("replicated", "produced")
@@ -181,11 +179,9 @@ def job(way, mb):
 
 # ---- the parent (on the host) -------------------------------------------------------------
 def run(n_machines, rate, ways, mb, rounds, burst, quiet_wait):
-    from cluster_train import Foreign, link_gbit, shape, wait_quiet
-    from helpers.cluster_jobs import machines, mpirun
-
+    cluster_jobs = harness("cluster_jobs")
     got = {w: [] for w in ways}
-    with machines(n_machines) as m:
+    with cluster_jobs.machines(n_machines) as m:
         shape(m, rate, burst)
         gbit = link_gbit(m, rate)
         print(f"# {n_machines} machines, link {rate}: one TCP stream carries {gbit:.2f} Gbit/s",
@@ -195,9 +191,9 @@ def run(n_machines, rate, ways, mb, rounds, burst, quiet_wait):
             for way in (ways if r % 2 == 0 else ways[::-1]):
                 wait_quiet(quiet_wait)
                 with Foreign() as fg:
-                    rc, out, wall = mpirun(m, n_machines, [os.path.abspath(__file__), "--job",
-                                                           way, "--mb", str(mb)],
-                                           timeout=900, BENCH_HOLDERS=holders)
+                    rc, out, wall = cluster_jobs.mpirun(m, n_machines, [os.path.abspath(__file__),
+                                                                "--job", way, "--mb", str(mb)],
+                                                timeout=900, BENCH_HOLDERS=holders)
                 lines = [ln for ln in out.splitlines() if ln.startswith("JSON ")]
                 if rc != 0 or not lines:
                     sys.exit(f"{way} job on {n_machines} machines failed (exit {rc}):\n"
@@ -296,7 +292,8 @@ def main():
     args = ap.parse_args()
     if args.job:
         return job(args.job, args.mb)
-    from helpers.cluster_jobs import FLAVOR, NO_MACHINES
+    cluster_jobs = harness("cluster_jobs")
+    FLAVOR, NO_MACHINES = cluster_jobs.FLAVOR, cluster_jobs.NO_MACHINES
     # Killed (SIGTERM): unwind, so the machines' teardown leaves no namespace or process.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if NO_MACHINES or not FLAVOR:

@@ -48,15 +48,14 @@ all-reduces the previous step's gradient while computing its own) or with
 import argparse
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+from common import (BATCH, LAYERS, N_DATA, ROOT, Foreign, build_mlp, burst_for, harness, link_gbit,
+                    shape, wait_quiet)
 
 WARMUP = 3
 PROFILED = 10
@@ -87,9 +86,7 @@ def job(n_local, steps, variant, batch=None):
     import synkhronos as synk
     from synkhronos.extensions import make_train_function
 
-    sys.path.insert(0, HERE)
-    from call_overhead import BATCH, LAYERS, N_DATA, build_mlp
-    BATCH = batch or BATCH
+    batch = batch or BATCH
 
     synk.fork(n_local, use_gpu=False)
     try:
@@ -104,12 +101,12 @@ def job(n_local, steps, variant, batch=None):
         xd, yd = synk.data(data_x), synk.data(data_y)
 
         def one():
-            step(xd, yd, batch=rng.integers(0, N_DATA, BATCH))
+            step(xd, yd, batch=rng.integers(0, N_DATA, batch))
         _per_call(one, WARMUP)
         t_step = _per_call(one, steps)
         step.flush()
         # The parts of a step, apart: gather + compute, then the all-reduce alone.
-        t_grad = _per_call(lambda: step.f_grad(xd, yd, batch=rng.integers(0, N_DATA, BATCH)),
+        t_grad = _per_call(lambda: step.f_grad(xd, yd, batch=rng.integers(0, N_DATA, batch)),
                            max(steps // 2, 5))
         dtype = VARIANTS[variant].get("all_reduce_dtype")
         t_ar = _per_call(lambda: synk.all_reduce(step.grad_shared, op="sum", dtype=dtype),
@@ -120,7 +117,7 @@ def job(n_local, steps, variant, batch=None):
         totals = {str(r): per for r, per in prof.totals().items()}
         n_grad = int(step.grad_shared.get_value(borrow=True).size)
         _emit({"step": t_step, "grad": t_grad, "all_reduce": t_ar, "profile": totals,
-               "batch": BATCH, "layers": list(LAYERS), "grad_values": n_grad,
+               "batch": batch, "layers": list(LAYERS), "grad_values": n_grad,
                "layout": f"{layout.n_machines} machine(s) x {layout.n_local} ranks",
                "affinity": sorted(os.sched_getaffinity(0)), "synk": synk.__file__})
     finally:
@@ -131,9 +128,6 @@ def job_bare(steps):
     """Bare mpi4py Allreduce (sum) of a float32 buffer the size of the flat gradient."""
     import numpy as np
     from mpi4py import MPI
-
-    sys.path.insert(0, HERE)
-    from call_overhead import LAYERS
 
     n = sum(a * b + b for a, b in zip(LAYERS[:-1], LAYERS[1:]))
     comm = MPI.COMM_WORLD
@@ -148,74 +142,6 @@ def job_bare(steps):
 
 
 # ---- the parent (on the host) -----------------------------------------------------------
-def _unlimit(m, i):
-    """Take machine i's rate limit off (the inverse of Machines.limit)."""
-    for ns, dev in ((m.switch, f"port{i}"), (m.netns[i], "eth0")):
-        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"],
-                       capture_output=True)
-
-
-def _bits_per_s(rate):
-    m = re.fullmatch(r"([\d.]+)(gbit|mbit|kbit)", rate)
-    if not m:
-        sys.exit(f"--rates: {rate!r} is not none or a tc rate like 10gbit, 500mbit")
-    return float(m.group(1)) * {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}[m.group(2)]
-
-
-def burst_for(rate, burst):
-    """tc tbf's bucket: ``burst`` as given, or ("auto") 1 ms at the rate, at least 64 KiB.
-
-    Machines.limit's default, 64 KiB, lets a 10gbit link carry only ~4 Gbit/s in this VM:
-    the bucket refills every 52 us at that rate, faster than the qdisc's timer wakes.
-    """
-    if burst != "auto":
-        return burst
-    return str(max(65536, int(_bits_per_s(rate) / 8 / 1000)))
-
-
-def shape(m, rate, burst):
-    for i in range(m.n):
-        if rate == "none":
-            _unlimit(m, i)
-        else:
-            m.limit(i, rate, burst=burst_for(rate, burst))
-
-
-_RECV = """
-import socket, time
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", 5001)); s.listen(1); print("ready", flush=True)
-c, _ = s.accept(); n = 0; buf = bytearray(1 << 20); t0 = None
-while True:
-    k = c.recv_into(buf)
-    t0 = t0 or time.perf_counter()
-    if not k:
-        break
-    n += k
-print(n * 8 / (time.perf_counter() - t0) / 1e9, flush=True)
-"""
-_SEND = """
-import socket, sys
-s = socket.create_connection((sys.argv[1], 5001)); b = bytes(1 << 20)
-for _ in range(int(sys.argv[2])):
-    s.sendall(b)
-s.close()
-"""
-
-
-def link_gbit(m, rate):
-    """One TCP stream from machine 1 to machine 0 (the controller's): Gbit/s it carried."""
-    mb = 128 if rate == "none" else max(16, min(512, int(_bits_per_s(rate) / 8e6)))
-    r = m.popen(0, [sys.executable, "-c", _RECV], stdout=subprocess.PIPE, text=True)
-    try:
-        r.stdout.readline()
-        m.run(1, [sys.executable, "-c", _SEND, m.addresses[0], str(mb)], timeout=120,
-              check=True)
-        return float(r.stdout.readline())
-    finally:
-        r.wait(timeout=30)
-
-
 def _job_args(kind, steps, variant="plain"):
     return [os.path.abspath(__file__), "--job", kind, "--steps", str(steps), "--variants",
             variant] + (["--batch", str(_BATCH[0])] if _BATCH[0] else [])
@@ -231,66 +157,17 @@ def _parse(name, rc, out):
     return json.loads(lines[-1][5:])
 
 
-def _cpu():
-    """(busy, total) jiffies of the host's cores since boot: busy is user, nice and system
-    time (interrupts left out: a job's own network traffic is mostly softirq time)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:9]]
-    return v[0] + v[1] + v[2], sum(v)
-
-
-def wait_quiet(max_s, busy_max=0.15):
-    """Wait until the host's cores are idle (busy < ``busy_max`` over 2 s), at most ``max_s``.
-
-    Another user's tests on this 2-core VM slow a job by 2-3x; this keeps jobs out of
-    their way where it can.  Returns the last busy fraction seen.
-    """
-    t_end = time.monotonic() + max_s
-    while True:
-        b0, t0 = _cpu()
-        time.sleep(2)
-        b1, t1 = _cpu()
-        busy = (b1 - b0) / max(t1 - t0, 1)
-        if busy < busy_max or time.monotonic() > t_end:
-            return busy
-
-
-class Foreign:
-    """Around a job: the share of the host's cores busy with something else than the job.
-
-    Busy CPU time (/proc/stat) less the job's own (this process's waited-for children,
-    RUSAGE_CHILDREN), over the job's wall time and the host's cores.
-    """
-
-    def __enter__(self):
-        self.b0, self.c0, self.w0 = _cpu()[0], self._children(), time.monotonic()
-        return self
-
-    @staticmethod
-    def _children():
-        import resource
-        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return ru.ru_utime + ru.ru_stime
-
-    def __exit__(self, *exc):
-        busy = (_cpu()[0] - self.b0) / os.sysconf("SC_CLK_TCK")
-        own = self._children() - self.c0
-        wall = time.monotonic() - self.w0
-        self.share = max(busy - own, 0.0) / (wall * os.cpu_count())
-
-
 def _pythonpath(root):
-    from helpers.cluster_jobs import ROOT
     return os.pathsep.join([root or ROOT, ROOT] + [p for p in [os.environ.get("PYTHONPATH")]
                                                     if p])
 
 
 def run_one_machine(m1, steps, variant, root=None):
     """python job on the one machine (both cores), no mpiexec."""
-    from helpers.cluster_jobs import TESTS
     env = dict(os.environ, PYTHONPATH=_pythonpath(root))
     env.pop("SYNK_CLUSTER", None)
-    p = m1.popen(0, [sys.executable, *_job_args("2", steps, variant)], cwd=TESTS, env=env,
+    p = m1.popen(0, [sys.executable, *_job_args("2", steps, variant)],
+                 cwd=harness("cluster_jobs").TESTS, env=env,
                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out, _ = p.communicate(timeout=900)
@@ -302,7 +179,7 @@ def run_one_machine(m1, steps, variant, root=None):
 
 
 def run_two_machines(m2, kind, steps, variant="plain", root=None):
-    from helpers.cluster_jobs import mpirun
+    mpirun = harness("cluster_jobs").mpirun
     rc, out, _ = mpirun(m2, 2, _job_args(kind, steps, variant), timeout=900,
                         PYTHONPATH=_pythonpath(root))
     return _parse(f"2x1 job {kind}", rc, out)
@@ -310,7 +187,7 @@ def run_two_machines(m2, kind, steps, variant="plain", root=None):
 
 def run_two_machines_elastic(m2, steps, variant="plain", root=None):
     """The 2x1 job on machines started on their own (SYNK_LISTEN / SYNK_JOIN, gloo), no mpiexec."""
-    from helpers.elastic_jobs import Job
+    Job = harness("elastic_jobs").Job
     args = _job_args("1", steps, variant)
     job = Job(m2, args[1:], 2, script=args[0], SYNK_SPIN_S=None, PYTHONPATH=_pythonpath(root))
     try:
@@ -381,10 +258,11 @@ def main():
         return job_bare(args.steps)
     if args.job is not None:
         return job(int(args.job), args.steps, args.variants, args.batch)
-    from helpers.cluster_jobs import FLAVOR, NO_MACHINES
+    cluster_jobs = harness("cluster_jobs")
+    FLAVOR, NO_MACHINES = cluster_jobs.FLAVOR, cluster_jobs.NO_MACHINES
     # Killed (SIGTERM): unwind, so the machines' teardown leaves no namespace or process.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    from helpers.machines import Machines
+    Machines = harness("machines").Machines
     if NO_MACHINES or not FLAVOR:
         sys.exit(f"bench/cluster_train.py: {NO_MACHINES or 'no mpiexec'}")
     if len(os.sched_getaffinity(0)) < 2:

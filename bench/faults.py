@@ -37,11 +37,12 @@ import statistics
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "tests"))
+from common import harness
 
-from helpers.cluster_jobs import (FLAVOR, NO_MACHINES, ROOT, TESTS, fault_run,  # noqa: E402
-                                  machines, mpirun)
+cluster_jobs = harness("cluster_jobs")
+FLAVOR, NO_MACHINES = cluster_jobs.FLAVOR, cluster_jobs.NO_MACHINES
+ROOT, TESTS = cluster_jobs.ROOT, cluster_jobs.TESTS
+fault_run, machines, mpirun = cluster_jobs.fault_run, cluster_jobs.machines, cluster_jobs.mpirun
 
 HEARTBEAT_S = 3
 
@@ -119,8 +120,9 @@ ELASTIC_CASES = (  # (name, machines at the start, plan: {step: (action, machine
 
 def elastic(rounds):
     """Machines that come and go: the faults and a join, then a run that loses one and gains one."""
-    from helpers.elastic_jobs import run_training, serial_losses, why_no_elastic
-    why = NO_MACHINES or why_no_elastic()
+    elastic_jobs = harness("elastic_jobs")
+    run_training, serial_losses = elastic_jobs.run_training, elastic_jobs.serial_losses
+    why = NO_MACHINES or elastic_jobs.why_no_elastic()
     if why:
         print(f"\nmachines that come and go: not measured ({why})")
         return
@@ -163,8 +165,7 @@ def elastic(rounds):
 
 def _equal_steps(out, want):
     """How many steps' losses match the serial twin's (rel. 1e-5) and produced sums equal it."""
-    from helpers.elastic_jobs import losses
-    got = losses(out)
+    got = harness("elastic_jobs").losses(out)
     ok = sum(1 for k, (loss, total) in got.items() if loss != "lost"
              and abs(float(loss) - float(want[k][0])) <= 1e-5 * abs(float(want[k][0]))
              and float(total) == float(want[k][1]))

@@ -46,6 +46,8 @@ import sys
 import threading
 import time
 
+from common import BATCH, LR, N_DATA, build_mlp, logistic
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 MIB = 1024.0
@@ -117,10 +119,8 @@ def stage(name, roles=None):
 
 # -- children: one measurement each ----------------------------------------------------------------
 def child_mlp(n):
-    sys.path.insert(0, HERE)
     import numpy as np
     import pytensor
-    from call_overhead import BATCH, LR, N_DATA, build_mlp
     rng = np.random.default_rng(0)
     data_x = rng.normal(size=(N_DATA, 784)).astype("float32")
     data_y = rng.integers(0, 10, N_DATA).astype("int32")
@@ -164,9 +164,7 @@ def child_mlp(n):
 def child_pymc(n, rows):
     import warnings
     warnings.filterwarnings("ignore")
-    sys.path.insert(0, HERE)
     import numpy as np
-    from pymc_calls import logistic
     model = logistic(rows)
     if n == 0:
         f = model.logp_dlogp_function(ravel_inputs=True)
@@ -195,9 +193,7 @@ def child_pymc(n, rows):
 def child_sample(n, rows, draws, sampler="pymc"):
     import warnings
     warnings.filterwarnings("ignore")
-    sys.path.insert(0, HERE)
     import pymc as pm
-    from pymc_calls import logistic
     model = logistic(rows)
     kw = dict(draws=draws, tune=draws, chains=2, random_seed=1, progressbar=False,
               compute_convergence_checks=False, nuts_sampler=sampler)

@@ -39,9 +39,10 @@ import subprocess
 import sys
 import time
 
+from common import BATCH, LAYERS, N_DATA, build_mlp
+
 SIZES = [4, 1 << 20, 64 << 20]
 N_PROCS = 2
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def reps_for(nbytes, quick):
@@ -102,8 +103,6 @@ def _build_mlp(synk):
     """The MLP step (make_train_function) and its data; call after distribute() to get the Data."""
     import numpy as np
 
-    sys.path.insert(0, HERE)
-    from call_overhead import BATCH, LAYERS, N_DATA, build_mlp
     from synkhronos.extensions import make_train_function
 
     x, y, params, loss = build_mlp(np.random.default_rng(1))

@@ -36,49 +36,24 @@ import subprocess
 import sys
 import time
 
+from common import (calls_for, flat_point, logistic, overhead_table, pymc_mode, quiet, serial_pair,
+                    uniform)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PARTS = ("overhead", "steps", "modes", "ratio")
-FEATURES = 5
 COUNTIES = 85
 
 
 # -- models (rows by formula) ------------------------------------------------------------------
-def _x(n):
-    import numpy as np
-    i = np.arange(n, dtype=np.float64)[:, None]
-    return np.sin(i * np.array([0.731, 1.917, 2.377, 0.0913, 3.141]) + 0.5)
-
-
-def _u(n, seed):
-    import numpy as np
-    i = np.arange(n, dtype=np.float64)
-    return np.abs(np.sin(i * 12.9898 + seed) * 43758.5453) % 1.0
-
-
-def logistic(n):
-    """Logistic regression: 5 covariates and an intercept, rows in pm.Data."""
-    import numpy as np
-    import pymc as pm
-    x = _x(n)
-    y = (_u(n, 0.0) < 1 / (1 + np.exp(-(0.3 + x @ np.array([0.8, -0.5, 0.3, 0.0, 0.2]))))
-         ).astype("int64")
-    with pm.Model() as model:
-        X_d, y_d = pm.Data("X", x), pm.Data("y", y)
-        a = pm.Normal("a", 0, 2)
-        b = pm.Normal("b", 0, 1, shape=FEATURES)
-        pm.Bernoulli("y_obs", logit_p=a + X_d @ b, observed=y_d)
-    return model
-
-
 def radon(n):
     """Radon-style varying intercepts: 85 counties (non-centred), a floor slope, rows in pm.Data."""
     import numpy as np
     import pymc as pm
     county = (np.arange(n) * 7919) % COUNTIES
-    floor = (_u(n, 1.0) < 0.3).astype("float64")
+    floor = (uniform(n, 1.0) < 0.3).astype("float64")
     effect = np.sin(np.arange(COUNTIES) * 0.37) * 0.4
-    y = 1.2 + effect[county] - 0.6 * floor + 0.7 * (_u(n, 2.0) - 0.5)
+    y = 1.2 + effect[county] - 0.6 * floor + 0.7 * (uniform(n, 2.0) - 0.5)
     with pm.Model(coords={"county": np.arange(COUNTIES)}) as model:
         c_d, f_d, y_d = pm.Data("county_idx", county), pm.Data("floor", floor), pm.Data("y", y)
         mu_a = pm.Normal("mu_a", 0, 10)
@@ -110,46 +85,8 @@ def paired(fns, calls, rounds=9, warm=100):
     return {k: {"best": min(v), "median": statistics.median(v)} for k, v in times.items()}
 
 
-def calls_for(f, seconds=0.05):
-    """How many calls of ``f`` take about ``seconds``."""
-    t0, n = time.perf_counter(), 0
-    while time.perf_counter() - t0 < seconds:
-        f()
-        n += 1
-    return max(n, 3)
-
-
-def _quiet():
-    import warnings
-    warnings.filterwarnings("ignore")
-    import pytensor
-    pytensor.config.floatX = "float64"
-
-
 def _emit(tag, obj):
     print(f"{tag} " + json.dumps(obj), flush=True)
-
-
-def _mode(model, base):
-    """PyMC's compile mode (failed parameter checks give -inf) on PyTensor's mode ``base``.
-
-    Made here, not by the extension, so that an older tree runs these children too.
-    """
-    from pytensor.compile.mode import Mode, get_mode
-    check = ("local_check_parameter_to_ninf_switch" if model.check_bounds
-             else "local_remove_check_parameter")
-    m = get_mode(base)
-    return Mode(linker=m.linker, optimizer=m.provided_optimizer.including(check))
-
-
-def _serial_pair(model, mode=None, trust=False):
-    """PyMC's (logp, dlogp) of the raveled position, as its NUTS calls it (untrusted input)."""
-    kw = {} if mode is None else {"mode": _mode(model, mode)}
-    joint = model.logp_dlogp_function(ravel_inputs=True, **kw)
-    joint.set_extra_values({})
-    fn = joint._pytensor_function
-    fn.trust_input = trust
-    return fn
 
 
 def _rank_graph(model, n_rows, rows, mode=None, k=None):
@@ -172,7 +109,7 @@ def _rank_graph(model, n_rows, rows, mode=None, k=None):
     point = model.initial_point()
     shapes = [np.shape(point[v.name]) for v in model.value_vars]
     size = int(sum(np.prod(s, dtype=int) for s in shapes))
-    pmode = _mode(model, mode)
+    pmode = pymc_mode(model, mode)
     data = [np.ascontiguousarray(c.get_value()[:rows]) for c in plan.split]
     if k is None and hasattr(graphs, "joined"):
         q = pt.dvector("q")
@@ -187,24 +124,10 @@ def _rank_graph(model, n_rows, rows, mode=None, k=None):
     return fn, data, np.zeros((k or 1, size))
 
 
-def _flat_point(model):
-    """A position as a sampler visits them: the initial point moved off its zeros.
-
-    At the initial point every row of the logistic model has the same linear
-    predictor (0), so its softplus takes one branch in every row and runs
-    faster than at any point a sampler visits.
-    """
-    import numpy as np
-    point = model.initial_point()
-    q = np.concatenate([np.asarray(point[v.name], dtype=np.float64).ravel()
-                        for v in model.value_vars])
-    return q + 0.3 * np.sin(1.0 + np.arange(q.size))
-
-
 # -- overhead ----------------------------------------------------------------------------------
 def child_overhead(calls, mode):
     """One (logp, dlogp) call on 64 rows by each path, 2 ranks, with its baselines."""
-    _quiet()
+    quiet()
     import numpy as np
     import pytensor
     import pytensor.tensor as pt
@@ -214,7 +137,7 @@ def child_overhead(calls, mode):
     from synkhronos.extensions.pymc import internals
 
     model = logistic(64)
-    joint = _serial_pair(model)
+    joint = serial_pair(model)
     x0 = pt.dmatrix("x0")
     bare = pytensor.function([x0], pt.sum(x0))
     synk.fork(2)
@@ -235,7 +158,7 @@ def child_overhead(calls, mode):
     synk.distribute()
     dp.scatter()
     xd = synk.data(np.ones((2, 1)))
-    q = _flat_point(model)
+    q = flat_point(model)
     vd = synk.data(np.ones(q.size + 1))
     ones_v = np.ones(q.size + 1)
     qg[...] = q
@@ -261,32 +184,6 @@ def child_overhead(calls, mode):
     _emit("OVERHEAD", out)
 
 
-def _overhead_table(runs):
-    print("\n| call (2 ranks, 64 rows) | " + " | ".join(f"{tag} best / median us"
-                                                      for tag, _ in runs) + " |")
-    print("| --- |" + " --- |" * len(runs))
-    print("| the ranks' mode | " + " | ".join(o.pop("mode", "-") for _, o in runs) + " |")
-    for k in runs[0][1]:
-        print(f"| {k} | " + " | ".join(
-            f"{o[k]['best']:.1f} / {o[k]['median']:.1f}" if k in o else "-" for _, o in runs)
-            + " |")
-    for tag, o in runs:
-        t, b = o["tiny synk.function"], o["bare PyTensor (same tiny graph)"]
-        g = o["the rank's graph, serial on 32 rows"]
-        fixed_tiny = t["best"] - b["best"]
-        parts = []
-        for k in ("dp.logp_dlogp", "PyMC's NUTS hook (batcher, 1 chain)",
-                  "nutpie's callback (1 chain)"):
-            fixed = o[k]["best"] - g["best"]
-            parts.append(f"{k} {fixed:.1f} us ({fixed / fixed_tiny:.2f}x)")
-        pos = o["tiny call + a broadcast vector input"]["best"] - o["bare PyTensor (same graph)"]["best"]
-        vec = (o["tiny call + the vector input, vector output"]["best"]
-               - o["bare PyTensor (same graph, vector out)"]["best"])
-        print(f"{tag}: fixed cost (best, less the serial graph) of the tiny call {fixed_tiny:.1f} "
-              f"us; with a broadcast input {pos:.1f} us; and a vector output {vec:.1f} us; "
-              + ", ".join(parts), flush=True)
-
-
 # -- a sampler's step --------------------------------------------------------------------------
 def _n_steps(idata):
     """The leapfrog steps of every draw, tuning included, and the number of draws."""
@@ -300,7 +197,7 @@ def _n_steps(idata):
 
 def child_steps(system, n_rows, draws, tune):
     """One chain of ``system``: microseconds per gradient evaluation, and the call alone."""
-    _quiet()
+    quiet()
     import numpy as np
     import pymc as pm
 
@@ -308,7 +205,7 @@ def child_steps(system, n_rows, draws, tune):
     from synkhronos.extensions.pymc.batching import Batcher
 
     model = logistic(n_rows)
-    q = _flat_point(model)
+    q = flat_point(model)
     dp = None
     if system.startswith("synk"):
         import synkhronos as synk
@@ -322,7 +219,7 @@ def child_steps(system, n_rows, draws, tune):
         # The one-position function: dp._calls.fn1 here, dp._fn1 in older trees.
         raw = getattr(getattr(dp, "_calls", None), "fn1", None) or getattr(dp, "_fn1", None)
     else:
-        serial = _serial_pair(model)
+        serial = serial_pair(model)
 
         def one(x):
             lp, g = serial(x)
@@ -426,18 +323,18 @@ MODES = ("CVM", "NUMBA")
 
 def child_modes(which, n_rows):
     """Nanoseconds per row of PyMC's serial pair and of the rank's graphs, per mode."""
-    _quiet()
+    quiet()
     model = MODELS[which](n_rows)
-    q = _flat_point(model)
+    q = flat_point(model)
     half = n_rows // 2
     model_half = MODELS[which](half)
     out = {}
     for mode in MODES:
         fns = {}
         t0 = time.perf_counter()
-        serial = _serial_pair(model, mode, trust=True)
+        serial = serial_pair(model, mode, trust=True)
         fns[f"PyMC serial, {n_rows} rows"] = (lambda f: lambda: f(q))(serial)
-        serial_half = _serial_pair(model_half, mode, trust=True)
+        serial_half = serial_pair(model_half, mode, trust=True)
         fns[f"PyMC serial, {half} rows"] = (lambda f: lambda: f(q))(serial_half)
         for k, label in ((None, "one position"), (1, "vectorised, k=1"),
                          (4, "vectorised, k=4")):
@@ -483,12 +380,12 @@ def _modes_table(results):
 # -- the speedup at 10^4 rows ------------------------------------------------------------------
 def child_ratio(n_rows, calls, modes, which="logistic"):
     """dp.logp_dlogp on 2 ranks against PyMC's serial call, per mode, rounds alternating."""
-    _quiet()
+    quiet()
     import synkhronos as synk
     from synkhronos.extensions import pymc as synk_pymc
 
     model = MODELS[which](n_rows)
-    q = _flat_point(model)
+    q = flat_point(model)
     synk.fork(2)
     dps = {}
     for m in modes:
@@ -500,7 +397,7 @@ def child_ratio(n_rows, calls, modes, which="logistic"):
     synk.distribute()
     fns = {}
     for m in modes:
-        fns[f"PyMC serial, {m}"] = (lambda f: lambda: f(q))(_serial_pair(model, m))
+        fns[f"PyMC serial, {m}"] = (lambda f: lambda: f(q))(serial_pair(model, m))
         if m in dps:
             dps[m].scatter()
             fns[f"dp.logp_dlogp, {m}"] = (lambda d: lambda: d.logp_dlogp(q))(dps[m])
@@ -600,7 +497,7 @@ def main():
             runs += [(tag, o) for o in got]
             print(f"  overhead, {tag}: done, load {os.getloadavg()[0]:.2f}", flush=True)
         if runs:
-            _overhead_table(runs)
+            overhead_table(runs)
     if "steps" in parts:
         results = []
         for s in STEP_SYSTEMS:

@@ -34,6 +34,8 @@ import sys
 import threading
 import time
 
+from common import harness, overhead_table
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SYSTEMS = ("pymc", "nutpie", "synk-pymc", "synk-nutpie")
@@ -220,13 +222,6 @@ def _n_machines():
     return synk.layout().n_machines
 
 
-def child_overhead(calls):
-    """Fixed cost per call: bench/pymc_calls.py's overhead part (2 ranks, 64 rows)."""
-    sys.path.insert(0, HERE)
-    import pymc_calls
-    pymc_calls.child_overhead(calls, None)
-
-
 # -- the parent --------------------------------------------------------------------------------
 def _run_child(args, env=None, cmd=None):
     cmd = cmd or [sys.executable, os.path.abspath(__file__), *args]
@@ -242,18 +237,16 @@ def _run_child(args, env=None, cmd=None):
 
 
 def _cluster(rows, chains, draws, tune):
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from helpers.cluster_jobs import NO_MACHINES, machines, mpirun
-    from helpers.machines import mpi_flavor
-    if mpi_flavor() is None:
+    jobs = harness("cluster_jobs")
+    if harness("machines").mpi_flavor() is None:
         return None, "no mpiexec in this environment (pip install -e '.[mpi]')"
-    if NO_MACHINES:
-        return None, NO_MACHINES
+    if jobs.NO_MACHINES:
+        return None, jobs.NO_MACHINES
     out = []
     args = [os.path.abspath(__file__), "--child", "synk-pymc", str(rows),
             ",".join(map(str, chains)), str(draws), str(tune), "--n-parallel", "1", "--produce"]
-    with machines(2) as m:
-        rc, text, _ = mpirun(m, 2, args, timeout=1800, PYTHONPATH=ROOT)
+    with jobs.machines(2) as m:
+        rc, text, _ = jobs.mpirun(m, 2, args, timeout=1800, PYTHONPATH=ROOT)
         if rc != 0:
             return None, f"mpiexec failed: {text[-2000:]}"
         out += [json.loads(line.split(" ", 1)[1]) for line in text.splitlines()
@@ -275,7 +268,6 @@ def main():
     p.add_argument("--child", nargs=5, metavar=("SYSTEM", "ROWS", "CHAINS", "DRAWS", "TUNE"))
     p.add_argument("--n-parallel", type=int, default=None)
     p.add_argument("--produce", action="store_true")
-    p.add_argument("--overhead-child", action="store_true")
     p.add_argument("--memory-of", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.memory_of:
@@ -284,8 +276,6 @@ def main():
         s, r, c, d, t = a.child
         return child_run(s, int(float(r)), [int(x) for x in c.split(",")], int(d), int(t),
                          a.n_parallel, a.produce)
-    if a.overhead_child:
-        return child_overhead(a.calls)
 
     rows = [int(float(r)) for r in a.rows.split(",")]
     chains = [int(c) for c in a.chains.split(",")]
@@ -307,9 +297,12 @@ def main():
             print(f"    ({s}, {n} rows: {time.perf_counter() - t0:.0f} s with start-up)",
                   flush=True)
     _table(results, rows, chains, systems)
-    over = _run_child(["--overhead-child", "--calls", str(a.calls)])
+    # The fixed cost per call: bench/pymc_calls.py's overhead part (2 ranks, 64 rows), run as
+    # that script's own child.
+    over = _run_child(["overhead"], cmd=[sys.executable, os.path.join(HERE, "pymc_calls.py"),
+                                         "--child", "overhead", str(a.calls), "-"])
     if over:
-        _overhead(over[0])
+        overhead_table([("this tree", over[0])])
     if not a.no_machines:
         c_chains = [int(c) for c in (a.cluster_chains or a.chains).split(",")]
         for n in [int(float(r)) for r in a.cluster_rows.split(",")]:
@@ -339,12 +332,6 @@ def _table(results, rows, chains, systems):
                               f"{x['draws_s'] / y['draws_s']:.2f}x, {x['ess_s'] / y['ess_s']:.2f}x, "
                               f"{x['peak_mib'] / y['peak_mib']:.2f}x")
             print(f"| {n:.0e} | {c} | " + " | ".join(cells + ratios) + " |")
-
-
-def _overhead(o):
-    sys.path.insert(0, HERE)
-    import pymc_calls
-    pymc_calls._overhead_table([("this tree", o)])
 
 
 def _machines_table(n, one, two, why):

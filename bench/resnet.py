@@ -18,18 +18,15 @@ mode a cold compile of the 32x32 network takes minutes.
 """
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-spec = importlib.util.spec_from_file_location(
-    "train_resnet", os.path.join(HERE, "..", "demos", "resnet", "train_resnet.py"))
-demo = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(demo)
+import common
+
+demo = common.demo("resnet/train_resnet.py", "train_resnet")
 
 
 def synk_figures(args):
@@ -66,14 +63,11 @@ def synk_figures(args):
 
 def plot_scaling(figures, args, path):
     """Draw synk's speedup against ranks over the serial twin on 1 and on every core's threads."""
-    sys.path.insert(0, HERE)
-    from scaling import plot
-
     cores = len(os.sched_getaffinity(0))
     ranks = list(range(1, cores + 1))
     rates = [figures[f"synk {n} rank{'s' if n > 1 else ''}"] for n in ranks]
     one, every = figures["serial 1 thread(s)"], figures[f"serial {cores} thread(s)"]
-    plot(ranks, {"vs serial, 1 thread": [r / one for r in rates],
+    common.plot(ranks, {"vs serial, 1 thread": [r / one for r in rates],
                  f"vs serial, {cores} threads": [r / every for r in rates]}, path,
          f"ResNet-14, width {args.width}, {args.image_size}x{args.image_size}, "
          f"batch {args.batch_size}")

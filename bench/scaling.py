@@ -18,7 +18,6 @@ Usage: python bench/scaling.py [--steps N] [--max-ranks N | --ranks 1,2,4,...]
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -29,8 +28,8 @@ from threadpoolctl import threadpool_limits
 import synkhronos as synk
 from synkhronos.extensions import make_serial_train_function, make_train_function
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from call_overhead import BATCH, LAYERS, build_mlp  # noqa: E402
+from common import (BATCH, LAYERS, build_mlp, calls_for, flat_point, logistic, plot, quiet,
+                    serial_pair)
 
 BIG = 1 << 24   # float32 elements: the 64 MB all_reduce
 
@@ -59,7 +58,6 @@ def serial(data_x, data_y, steps, threads, batch):
 
 def per_call(fn, seconds=0.3, repeats=5):
     """Median over ``repeats`` of the mean seconds per call, each repeat about ``seconds`` long."""
-    from pymc_calls import calls_for   # no PyMC at import: its models load lazily
     fn()
     return timed(fn, calls_for(fn, seconds / repeats), repeats)
 
@@ -98,16 +96,14 @@ def pymc_part(rows, ranks, mode=None):
     PyMC's serial call is timed in C (CVM, as pm.sample compiles) and in the
     ranks' mode (Numba unless ``mode`` says otherwise).
     """
-    import pymc_calls
-
-    pymc_calls._quiet()
+    quiet()
     from synkhronos.extensions import pymc as synk_pymc
     from synkhronos.extensions.pymc.model import DEFAULT_MODE
 
     rank_mode = mode or DEFAULT_MODE
-    model = pymc_calls.logistic(rows)
-    q = pymc_calls._flat_point(model)
-    serial_fns = {m: pymc_calls._serial_pair(model, m) for m in dict.fromkeys(["CVM", rank_mode])}
+    model = logistic(rows)
+    q = flat_point(model)
+    serial_fns = {m: serial_pair(model, m) for m in dict.fromkeys(["CVM", rank_mode])}
     t_serial = {m: per_call(lambda f=f: f(q), seconds=1.0) for m, f in serial_fns.items()}
     print(f"\n# PyMC logistic regression, {rows} rows: PyMC's serial (logp, dlogp) "
           + ", ".join(f"{t * 1e3:.2f} ms in {m}" for m, t in t_serial.items())
@@ -127,26 +123,6 @@ def pymc_part(rows, ranks, mode=None):
         print(f"dp.logp_dlogp, {n:2d} rank{'s' if n > 1 else ' '}  {t * 1e3:8.2f} ms  "
               + "  ".join(f"{ts / t:5.2f}x PyMC serial in {m}" for m, ts in t_serial.items()),
               flush=True)
-
-
-def plot(ranks, speedups, path, title):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5.6, 4.2))
-    for label, values in speedups.items():
-        ax.plot(ranks, values, "o-", label=label)
-    ax.plot(ranks, ranks, "k--", alpha=0.5, label="ideal (vs 1 thread)")
-    ax.set_xlabel("ranks (one per core)")
-    ax.set_ylabel("speedup in samples/s")
-    ax.set_xticks(ranks)
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"# wrote {path}")
 
 
 def main():

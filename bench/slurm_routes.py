@@ -34,13 +34,16 @@ import statistics
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "tests"))
+from common import harness
 
-from helpers.machines import mpi_flavor  # noqa: E402
-from helpers.slurm import Slurm, why_no_pmix, why_no_slurm  # noqa: E402
-from helpers.slurm_jobs import (FAULTS_KINDS, JOB, RECOMMENDED, REFUSED, ROUTES,  # noqa: E402
-                                SRUN, fault_run, refused, run_route, settle, start)
+mpi_flavor = harness("machines").mpi_flavor
+slurm = harness("slurm")
+Slurm, why_no_pmix, why_no_slurm = slurm.Slurm, slurm.why_no_pmix, slurm.why_no_slurm
+slurm_jobs = harness("slurm_jobs")
+FAULTS_KINDS, JOB, RECOMMENDED = slurm_jobs.FAULTS_KINDS, slurm_jobs.JOB, slurm_jobs.RECOMMENDED
+REFUSED, ROUTES, SRUN = slurm_jobs.REFUSED, slurm_jobs.ROUTES, slurm_jobs.SRUN
+fault_run, refused, run_route = slurm_jobs.fault_run, slurm_jobs.refused, slurm_jobs.run_route
+settle, start = slurm_jobs.settle, slurm_jobs.start
 
 
 def main():

@@ -18,7 +18,6 @@ Usage: python bench/training_variants.py [--data PATH] [--epochs 8] [--hidden 10
 import argparse
 import os
 import statistics
-import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -26,14 +25,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytensor.tensor as pt
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "demos", "mnist"))
+import synkhronos as synk
+from synkhronos.functions import overlap as overlap_mod
+from synkhronos.extensions import make_train_function
 
-import common  # noqa: E402
+from common import demo
 
-import synkhronos as synk  # noqa: E402
-from synkhronos.functions import overlap as overlap_mod  # noqa: E402
-from synkhronos.extensions import make_train_function  # noqa: E402
+# The MNIST demos' shared module (model, data, batches), loaded from its file.
+mnist = demo("mnist/common.py", "mnist_common")
 
 VARIANTS = {
     "plain": {},
@@ -67,8 +66,8 @@ def run(variant, args, data):
     synk.fork(2, use_gpu=False)
     try:
         x, y = pt.matrix("x"), pt.lvector("y")
-        forward, params = common.build_mlp(x_train.shape[1], args.hidden, 10, args.seed)
-        loss, acc = common.loss_and_accuracy(forward, x, y)
+        forward, params = mnist.build_mlp(x_train.shape[1], args.hidden, 10, args.seed)
+        loss, acc = mnist.loss_and_accuracy(forward, x, y)
         step = make_train_function(loss, params, x, y, update_rule="adam",
                                    update_kwargs={"learning_rate": args.learning_rate},
                                    **VARIANTS[variant])
@@ -78,7 +77,7 @@ def run(variant, args, data):
         rng = np.random.default_rng(args.seed)
         times = []
         for epoch in range(args.epochs):
-            for k, idx in enumerate(common.batches(len(x_train), args.batch_size, rng)):
+            for k, idx in enumerate(mnist.batches(len(x_train), args.batch_size, rng)):
                 t0 = time.perf_counter()
                 step(xd, yd, batch=idx)
                 if epoch or k >= 3:  # compilation and first touches excluded
@@ -100,7 +99,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     args = ap.parse_args()
-    data = common.load_data(args.data, args.seed)
+    data = mnist.load_data(args.data, args.seed)
     print(f"data: {data[4]}, {len(data[0])} train / {len(data[2])} test; hidden {args.hidden}, "
           f"batch {args.batch_size}, {args.epochs} epochs, 2 ranks")
     print(f"load average before: {os.getloadavg()}")

@@ -1,7 +1,8 @@
-"""MkDocs hooks: bench/RESULTS.md as a page of the site, and links to it that work on both.
+"""MkDocs hooks: bench/RESULTS.md and bench/HISTORY.md as site pages, with links that work on both.
 
-The docs link to ``../bench/RESULTS.md`` (the file, as a repository browser shows
-it); the site holds it as ``results.md`` and its pictures under ``img/``.
+The docs link to ``../bench/RESULTS.md`` and ``../bench/HISTORY.md`` (the files, as a
+repository browser shows them), and the two link to each other by file name; the site
+holds them as ``results.md`` and ``history.md`` and their pictures under ``img/``.
 """
 
 import os
@@ -10,17 +11,23 @@ import re
 from mkdocs.structure.files import File
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "bench", "RESULTS.md")
-RESULTS_PAGE = "results.md"
+PAGES = {"results.md": os.path.join(ROOT, "bench", "RESULTS.md"),
+         "history.md": os.path.join(ROOT, "bench", "HISTORY.md")}
+
+
+def _page(match):
+    return f"]({match.group(1).lower()}.md"
 
 
 def on_files(files, config):
-    files.append(File.generated(config, RESULTS_PAGE, abs_src_path=RESULTS))
+    for page, path in PAGES.items():
+        files.append(File.generated(config, page, abs_src_path=path))
     return files
 
 
 def on_page_markdown(markdown, page, config, files):
-    if page.file.src_uri == RESULTS_PAGE:
-        # bench/RESULTS.md links to the docs' pictures as ../docs/img/...
-        return re.sub(r"\]\(\.\./docs/", "](", markdown)
-    return re.sub(r"\]\(\.\./bench/RESULTS\.md", f"]({RESULTS_PAGE}", markdown)
+    if page.file.src_uri in PAGES:
+        # bench/'s pages link to the docs' pictures as ../docs/img/...
+        markdown = re.sub(r"\]\(\.\./docs/", "](", markdown)
+        return re.sub(r"\]\((RESULTS|HISTORY)\.md", _page, markdown)
+    return re.sub(r"\]\(\.\./bench/(RESULTS|HISTORY)\.md", _page, markdown)
