@@ -14,6 +14,11 @@ import numpy as np
 
 from . import conditioning, rank_rows
 
+# How a Data's rows are held in a cluster (mappings.DataDesc.placed): every machine all of
+# them, each machine its own part of the whole (produced.PlacedData), or each machine the
+# rows its ranks use in one call, in the order they use them (a NumPy input).
+REPLICATED, PLACED_ROWS, PLACED_POSITIONS = 0, 1, 2
+
 
 class Part(NamedTuple):
     """What ``synk.data(produce=fn)`` gives ``fn``: the machine asked for rows.
@@ -108,11 +113,11 @@ def take_share(rt, arrays, descs, n_scattered, sel, plan):
     lo, hi = rank_rows.rank_range(plan.n, place.n_local, place.local_index)
     for i in range(n_scattered):
         d, a = descs[i], arrays[i]
-        if d.placed == 1:  # mappings.PLACED_ROWS: the machine's part of the whole
+        if d.placed == PLACED_ROWS:  # the machine's part of the whole
             if not isinstance(a, np.ndarray):
                 a = a.cached_view(d.dtype, (plan.row_n,) + tuple(d.shape[1:]))
             arrays[i] = rank_rows.take(a, local(plan.sel, plan.row_lo), lo, hi)
-        elif d.placed == 2:  # PLACED_POSITIONS: the rows the machine's ranks use, in order
+        elif d.placed == PLACED_POSITIONS:  # the rows the machine's ranks use, in order
             if not isinstance(a, np.ndarray):
                 a = a.cached_view(d.dtype, (plan.n,) + tuple(d.shape[1:]))
             arrays[i] = a[lo:hi]
