@@ -93,9 +93,10 @@ slurm-packages:
 MAIN_TESTS := tests/test_compat.py tests/test_imports.py tests/test_doctor.py tests/test_docs.py \
 	tests/functions tests/variables tests/inputs tests/extensions tests/test_ingraph.py \
 	tests/test_ingraph_jax.py tests/test_jax_mode.py tests/test_examples.py tests/test_errors.py \
-	tests/cluster/test_elastic.py tests/test_demos.py::test_mnist_cpu_data_default_digits
+	tests/cluster/test_elastic.py tests/comm/test_leaders_suite.py \
+	tests/test_demos.py::test_mnist_cpu_data_default_digits
 OMPI_TESTS := tests/cluster/test_cluster.py tests/cluster/test_cluster_survival.py \
-	tests/cluster/test_cluster_data.py tests/cluster/test_slurm.py
+	tests/cluster/test_cluster_data.py tests/cluster/test_slurm.py tests/comm/test_leaders_suite.py
 test-main: $(STAMP)
 	$(BIN)/ruff check synkhronos tests demos bench
 	$(BIN)/python -m pytest $(MAIN_TESTS)

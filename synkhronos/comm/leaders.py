@@ -56,7 +56,7 @@ class Leaders(ABC):
 
     @abstractmethod
     def all_reduce(self, sends, check):
-        """Reduce each ``(array, op, into)`` across the leaders into ``into``."""
+        """Reduce each ``(array, op, into)`` across the leaders into ``into`` (``avg``: the sum)."""
 
     @abstractmethod
     def all_reduce_kept(self, sends, check):

@@ -264,7 +264,8 @@ class SerialTrainFunction:
             if batch is not None:
                 # The rows a data-parallel step would use (an int k: rows [:k]).
                 sel = rank_rows.normalize_batch(batch, "serial train function: batch")
-                arrays = [a[sel[1]:sel[2]] if sel[0] == "range" else a[sel[1]] for a in arrays]
+                arrays = [a[sel.start:sel.stop] if sel.kind == rank_rows.RANGE else a[sel.rows]
+                          for a in arrays]
             out = self.fn(*arrays)
         return out if self._return_list else out[0]
 

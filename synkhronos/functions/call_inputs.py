@@ -84,7 +84,7 @@ def check_lengths(name, inputs, scattered, sel):
                 raise ValueError(f"{name}: batch needs {need} rows but input {v} has {len(d)}")
         n_rows = rank_rows.selection_length(sel, length)
     else:
-        if sel[0] == "range" and sel[2] is None:
+        if sel.kind == rank_rows.RANGE and sel.stop is None:
             raise ValueError(f"{name}: an open-ended batch slice needs a non-minibatch input")
         n_rows = rank_rows.selection_length(sel, 0)
     for d, v in zip(scattered, inputs):

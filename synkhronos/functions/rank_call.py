@@ -26,7 +26,8 @@ class CallMsg(NamedTuple):
     """CALL: run function ``function_id`` on every rank's share of the inputs.
 
     ``descs`` name the input Data (scattered ones first, ``n_scattered`` of
-    them); ``sel`` selects ``n_rows`` rows of them before the split; ``sel_s``
+    them); ``sel`` (a ``rank_rows.RowRange`` or ``RowIndex``, or None: all)
+    selects ``n_rows`` rows of them before the split; ``sel_s``
     is each rank's ``batch_s`` selection; ``subset`` the outputs to return.
     """
 
@@ -43,8 +44,9 @@ class CallMsg(NamedTuple):
 
     def to_wire(self):
         """This message as plain tuples, the cheapest to pickle (every call sends one)."""
-        then = self[8]
-        return (self[0], [tuple(d) for d in self[1]]) + self[2:8] + (
+        then, sel = self[8], self[3]
+        return (self[0], [tuple(d) for d in self[1]], self[2],
+                None if sel is None else tuple(sel)) + self[4:8] + (
             None if then is None else tuple(then), self[9])
 
     @classmethod
@@ -52,10 +54,12 @@ class CallMsg(NamedTuple):
         """Rebuild a message sent by ``to_wire``."""
         # tuple.__new__ directly: the named tuples' own constructors run Python code.
         new = tuple.__new__
-        then = raw[8]
+        then, sel = raw[8], raw[3]
         descs = [new(mappings.DataDesc, d) for d in raw[1]]
-        return new(cls, (raw[0], descs) + raw[2:8] + (None if then is None else new(ThenMsg, then),
-                                                     raw[9]))
+        if sel is not None:
+            sel = rank_rows.selection_from_wire(sel)
+        return new(cls, (raw[0], descs, raw[2], sel) + raw[4:8]
+                   + (None if then is None else new(ThenMsg, then), raw[9]))
 
 
 class ThenMsg(NamedTuple):

@@ -13,6 +13,14 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from . import conditioning, rank_rows
+from .rank_rows import INDEX, RANGE, RowIndex, RowRange
+
+_new = tuple.__new__  # the named tuples' own constructors run Python code at every call
+
+# How a Data's rows are held in a cluster (mappings.DataDesc.placed): every machine all of
+# them, each machine its own part of the whole (produced.PlacedData), or each machine the
+# rows its ranks use in one call, in the order they use them (a NumPy input).
+REPLICATED, PLACED_ROWS, PLACED_POSITIONS = 0, 1, 2
 
 
 class Part(NamedTuple):
@@ -39,10 +47,10 @@ class MachinePlan(NamedTuple):
 
     Attributes:
         sel: the selection of the whole inputs' rows this machine uses, in the
-            order its ranks take them (``rank_rows.normalize_batch`` form).
+            order its ranks take them (a ``rank_rows.RowRange`` or ``RowIndex``).
         n: how many (its ranks split them with ``rank_rows.rank_range``).
-        pos: where they stand in the call's ``batch``: ``("range", first)`` or
-            ``("index", positions)`` (for ``minibatch`` inputs).
+        pos: where they stand in the call's ``batch``, a selection of its
+            positions likewise (for ``minibatch`` inputs).
         row_lo: the first row of the machine's part of the placed inputs.
         row_n: rows in that part.
     """
@@ -70,7 +78,7 @@ def even_plan(sel, n_rows, n_local):
     """Plans for a call with replicated inputs only: each machine its ranks' positions."""
     plans = []
     for a, b in machine_rows(n_rows, n_local):
-        plans.append(MachinePlan(_positions(sel, a, b), b - a, ("range", a)))
+        plans.append(MachinePlan(_positions(sel, a, b), b - a, _new(RowRange, (RANGE, a, b))))
     return plans
 
 
@@ -82,19 +90,21 @@ def owner_plan(sel, parts):
     plans = []
     if sel is None:
         for lo, hi in parts:
-            plans.append(MachinePlan(("range", lo, hi), hi - lo, ("range", lo), lo, hi - lo))
-    elif sel[0] == "range":
-        start, stop = sel[1], sel[2]
+            plans.append(MachinePlan(_new(RowRange, (RANGE, lo, hi)), hi - lo,
+                                     _new(RowRange, (RANGE, lo, hi)), lo, hi - lo))
+    elif sel.kind == RANGE:
+        start, stop = sel.start, sel.stop
         for lo, hi in parts:
             a, b = max(start, lo), min(stop, hi)
             b = max(a, b)
-            plans.append(MachinePlan(("range", a, b), b - a, ("range", a - start), lo, hi - lo))
+            plans.append(MachinePlan(_new(RowRange, (RANGE, a, b)), b - a,
+                                     _new(RowRange, (RANGE, a - start, b - start)), lo, hi - lo))
     else:
-        idx = sel[1]
+        idx = sel.rows
         for lo, hi in parts:
             where = np.flatnonzero((idx >= lo) & (idx < hi))
-            plans.append(MachinePlan(("index", idx[where]), len(where), ("index", where),
-                                     lo, hi - lo))
+            plans.append(MachinePlan(_new(RowIndex, (INDEX, idx[where])), len(where),
+                                     _new(RowIndex, (INDEX, where)), lo, hi - lo))
     return plans
 
 
@@ -108,11 +118,11 @@ def take_share(rt, arrays, descs, n_scattered, sel, plan):
     lo, hi = rank_rows.rank_range(plan.n, place.n_local, place.local_index)
     for i in range(n_scattered):
         d, a = descs[i], arrays[i]
-        if d.placed == 1:  # mappings.PLACED_ROWS: the machine's part of the whole
+        if d.placed == PLACED_ROWS:  # the machine's part of the whole
             if not isinstance(a, np.ndarray):
                 a = a.cached_view(d.dtype, (plan.row_n,) + tuple(d.shape[1:]))
             arrays[i] = rank_rows.take(a, local(plan.sel, plan.row_lo), lo, hi)
-        elif d.placed == 2:  # PLACED_POSITIONS: the rows the machine's ranks use, in order
+        elif d.placed == PLACED_POSITIONS:  # the rows the machine's ranks use, in order
             if not isinstance(a, np.ndarray):
                 a = a.cached_view(d.dtype, (plan.n,) + tuple(d.shape[1:]))
             arrays[i] = a[lo:hi]
@@ -126,31 +136,31 @@ def take_share(rt, arrays, descs, n_scattered, sel, plan):
 def _positions(sel, a, b):
     """The rows at positions ``a:b`` of selection ``sel``."""
     if sel is None:
-        return ("range", a, b)
-    if sel[0] == "range":
-        return ("range", sel[1] + a, sel[1] + b)
-    return ("index", sel[1][a:b])
+        return _new(RowRange, (RANGE, a, b))
+    if sel.kind == RANGE:
+        return _new(RowRange, (RANGE, sel.start + a, sel.start + b))
+    return _new(RowIndex, (INDEX, sel.rows[a:b]))
 
 
 def local(sel, row_lo):
     """Selection ``sel`` of whole rows as rows of a part starting at ``row_lo``."""
-    if sel[0] == "range":
-        return ("range", sel[1] - row_lo, sel[2] - row_lo)
-    return ("index", sel[1] - row_lo)
+    if sel.kind == RANGE:
+        return _new(RowRange, (RANGE, sel.start - row_lo, sel.stop - row_lo))
+    return _new(RowIndex, (INDEX, sel.rows - row_lo))
 
 
 def take_positions(array, pos, lo, hi):
     """Rows of a ``minibatch`` input at positions ``lo:hi`` of a machine's share (``pos``)."""
-    if pos[0] == "range":
-        return array[pos[1] + lo:pos[1] + hi]
-    return array[pos[1][lo:hi]]
+    if pos.kind == RANGE:
+        return array[pos.start + lo:pos.start + hi]
+    return array[pos.rows[lo:hi]]
 
 
 def gather_rows(array, sel):
     """The rows ``sel`` picks of ``array``, contiguous (what a machine is sent)."""
-    if sel[0] == "range":
-        return array[sel[1]:sel[2]]
-    return array[sel[1]]
+    if sel.kind == RANGE:
+        return array[sel.start:sel.stop]
+    return array[sel.rows]
 
 
 def balanced_batches(parts, batch_size, rng):

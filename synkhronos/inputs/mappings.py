@@ -10,16 +10,11 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from . import machine_rows
+from .machine_rows import REPLICATED
 from ..runtime.commands import Command, handler, register
 from ..runtime.shmem import SharedArray
 
 GROW = 1.5  # headroom of a call's per-machine input memory, so that it is rarely made again
-
-
-# How a Data's rows are held in a cluster (DataDesc.placed): every machine all of them,
-# each machine its own part of the whole (produced.PlacedData), or each machine the rows
-# its ranks use in one call, in the order they use them (a NumPy input).
-REPLICATED, PLACED_ROWS, PLACED_POSITIONS = 0, 1, 2
 
 
 class DataDesc(NamedTuple):
@@ -32,7 +27,7 @@ class DataDesc(NamedTuple):
     dtype: str
     shape: tuple
     minibatch: bool
-    placed: int = REPLICATED
+    placed: int = REPLICATED  # or PLACED_ROWS, PLACED_POSITIONS (named in machine_rows)
 
 
 class DataAllocMsg(NamedTuple):
@@ -101,7 +96,7 @@ def _free_worker(rt, msg):
 def view(rt, desc):
     """Return this rank's NumPy view of the Data a ``DataDesc`` names (a worker's, by its mapping)."""
     seg = rt.registry.datas[desc.data_id]
-    if desc.placed:
+    if desc.placed != REPLICATED:
         return seg  # this machine holds some rows only: machine_rows.take_share views them
     return seg.cached_view(desc.dtype, desc.shape)
 

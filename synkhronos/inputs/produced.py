@@ -19,9 +19,9 @@ from . import machine_rows
 from ..runtime.commands import Command
 from ..runtime.run import run_command
 from .data_object import Data, new_id
-from .mappings import GROW, PLACED_POSITIONS, PLACED_ROWS, DataDesc, MapMsg, ProduceMsg, SendMsg
+from .mappings import GROW, DataDesc, MapMsg, ProduceMsg, SendMsg
 from ..errors import MachineLostError, SynkError
-from .machine_rows import Part
+from .machine_rows import PLACED_POSITIONS, PLACED_ROWS, Part
 from ..runtime.shmem import SharedArray
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class PlacedData(Data):
 
     def __init__(self, ID, dtype, ndim, minibatch, name, kind, layout, remake=None):
         super().__init__(ID, dtype, ndim, minibatch=minibatch, name=name)
-        self._kind = kind          # mappings.PLACED_ROWS, or PLACED_POSITIONS (a call's input)
+        self._kind = kind          # machine_rows.PLACED_ROWS, or PLACED_POSITIONS (a call's input)
         self._layout = layout      # the machines it was placed on
         self._parts = None         # machine -> (lo, hi) rows of the whole
         self._whole = None         # the whole's shape

@@ -1,6 +1,7 @@
 """Pure functions that turn lengths and selections into per-rank rows."""
 
 import numbers
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -28,6 +29,34 @@ def rank_range(n, n_parallel, rank):
 
 
 INDEX_MAX = np.iinfo(np.int64).max
+RANGE, INDEX = "range", "index"   # a selection's ``kind``
+
+
+class RowRange(NamedTuple):
+    """The rows ``start:stop`` (a call's ``batch``, or a machine's share of it).
+
+    ``stop`` None: to the inputs' end, until ``resolve_selection`` fixes it.
+    """
+
+    kind: str   # RANGE
+    start: int
+    stop: Optional[int]
+
+
+class RowIndex(NamedTuple):
+    """The rows listed in ``rows`` (int64), in the order the ranks take them."""
+
+    kind: str   # INDEX
+    rows: np.ndarray
+
+
+# tuple.__new__: a named tuple's own constructor runs Python code, and calls make selections.
+_new = tuple.__new__
+
+
+def selection_from_wire(raw):
+    """The selection a message carried as a plain tuple (``tuple(sel)``, the cheapest to pickle)."""
+    return _new(RowRange if raw[0] == RANGE else RowIndex, raw)
 
 
 def _is_int(x):
@@ -35,7 +64,7 @@ def _is_int(x):
 
 
 def normalize_batch(batch, where="batch"):
-    """Check a ``batch`` selection; return ("range", start, stop) or ("index", int64 array).
+    """Check a ``batch`` selection; return a ``RowRange`` or a ``RowIndex`` (int64 rows).
 
     An int ``k`` means rows ``[:k]``; a slice needs int (or None) start and
     stop and no step other than 1; a list or 1-d integer array lists rows.
@@ -44,7 +73,7 @@ def normalize_batch(batch, where="batch"):
     if _is_int(batch):
         if batch < 0:
             raise ValueError(f"{where}: an int batch must be >= 0; got {batch}")
-        return ("range", 0, int(batch))
+        return _new(RowRange, (RANGE, 0, int(batch)))
     if isinstance(batch, slice):
         if batch.step not in (None, 1):
             raise ValueError(f"{where}: slice step must be None or 1; got {batch.step!r}")
@@ -56,7 +85,7 @@ def normalize_batch(batch, where="batch"):
             raise ValueError(f"{where}: slice start and stop must be >= 0; got {batch!r}")
         if stop is not None and stop < start:
             raise ValueError(f"{where}: slice stop must be >= start; got {batch!r}")
-        return ("range", int(start), None if stop is None else int(stop))
+        return _new(RowRange, (RANGE, int(start), None if stop is None else int(stop)))
     if isinstance(batch, (list, tuple, np.ndarray)):
         if not isinstance(batch, np.ndarray) and any(isinstance(b, (bool, np.bool_))
                                                      for b in batch):
@@ -77,7 +106,7 @@ def normalize_batch(batch, where="batch"):
             # Cast to int64 it would wrap around to a negative row.
             raise IndexError(f"{where}: index {int(arr.max())} is out of range "
                              f"(indices must be below 2**63)")
-        return ("index", np.ascontiguousarray(arr, dtype=np.int64))
+        return _new(RowIndex, (INDEX, np.ascontiguousarray(arr, dtype=np.int64)))
     raise TypeError(f"{where}: must be an int, a slice, a list or a 1-d int array; "
                     f"got {type(batch).__name__}")
 
@@ -86,25 +115,25 @@ def selection_length(sel, length):
     """Return how many rows ``sel`` picks from data of ``length`` rows."""
     if sel is None:
         return length
-    if sel[0] == "range":
-        stop = length if sel[2] is None else sel[2]
-        return max(stop - sel[1], 0)
-    return len(sel[1])
+    if sel.kind == RANGE:
+        stop = length if sel.stop is None else sel.stop
+        return max(stop - sel.start, 0)
+    return len(sel.rows)
 
 
 def rows_needed(sel, length):
     """Return the data length ``sel`` requires (one past the highest row)."""
     if sel is None:
         return 0
-    if sel[0] == "range":
-        return length if sel[2] is None else sel[2]
-    return int(sel[1].max()) + 1 if len(sel[1]) else 0
+    if sel.kind == RANGE:
+        return length if sel.stop is None else sel.stop
+    return int(sel.rows.max()) + 1 if len(sel.rows) else 0
 
 
 def resolve_selection(sel, length):
     """Fix an open-ended range against ``length``; index selections pass through."""
-    if sel is not None and sel[0] == "range" and sel[2] is None:
-        return ("range", sel[1], length)
+    if sel is not None and sel.kind == RANGE and sel.stop is None:
+        return _new(RowRange, (RANGE, sel.start, length))
     return sel
 
 
@@ -116,10 +145,10 @@ def take(array, sel, lo, hi, minibatch=False):
     """
     if sel is None or minibatch:
         return array[lo:hi]
-    if sel[0] == "range":
-        start = sel[1]
+    if sel.kind == RANGE:
+        start = sel.start
         return array[start + lo:start + hi]
-    return array[sel[1][lo:hi]]
+    return array[sel.rows[lo:hi]]
 
 
 def normalize_batch_s(batch_s, n_parallel):

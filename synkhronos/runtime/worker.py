@@ -43,37 +43,27 @@ def loop(rt, last=0):
         runner = None
         if prof is None and not debug:
             runner = control.prepared(registry.epoch)
-        if runner is not None:
-            backend.begin(seq)
-            status = OK
-            try:
-                runner()
-            except CommAborted:
-                status = ABORTED
-            except BaseException as exc:  # noqa: BLE001 - everything goes back to the master
-                control.write_error(me, rank_header(rt.place.rank, rt.place.n_parallel), exc)
-                control.abort(seq)
-                status = FAILED
-            if traced:
-                trace.stamp(trace.FINISHED)
-            finish(status, seq)
-            continue
-        if prof is not None:
-            t_seen = time.perf_counter_ns()
-        cmd, payload, frees = control.read_message()
-        if prof is not None:
-            prof.begin(label(cmd, rt, payload), t_seen)
-            prof.lap("control")
-        if frees:
-            registry.unmap(frees)
-            control.forget_prepared(registry.epoch)  # their views would keep the memory mapped
+        kept = runner is not None
+        if not kept:
+            if prof is not None:
+                t_seen = time.perf_counter_ns()
+            cmd, payload, frees = control.read_message()
+            if prof is not None:
+                prof.begin(label(cmd, rt, payload), t_seen)
+                prof.lap("control")
+            if frees:
+                registry.unmap(frees)
+                control.forget_prepared(registry.epoch)  # their views would keep the memory mapped
+            spec = COMMANDS[cmd]
         backend.begin(seq)
         if debug:
             t0 = time.perf_counter()
-        spec = COMMANDS[cmd]
+        # One guard for both paths: any failure goes back to the master as the status.
         status = OK
         try:
-            if spec.prepare is not None and prof is None and control.posted_kept():
+            if kept:
+                runner()
+            elif spec.prepare is not None and prof is None and control.posted_kept():
                 runner = spec.prepare(rt, payload)
                 if runner is None:
                     spec.run(rt, payload)
@@ -88,6 +78,11 @@ def loop(rt, last=0):
             control.write_error(me, rank_header(rt.place.rank, rt.place.n_parallel), exc)
             control.abort(seq)
             status = FAILED
+        if kept:
+            if traced:
+                trace.stamp(trace.FINISHED)
+            finish(status, seq)
+            continue
         if prof is not None:
             prof.lap("collective")  # what the handler did not book itself
             prof.end("control")

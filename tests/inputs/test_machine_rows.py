@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from synkhronos.inputs import machine_rows, rank_rows
+from synkhronos.inputs.rank_rows import RowIndex, RowRange
 
 
 @pytest.mark.parametrize("n_local", [[1], [2, 2], [2, 1, 3], [1, 1, 1, 1]])
@@ -11,7 +12,7 @@ from synkhronos.inputs import machine_rows, rank_rows
 def test_even_plan_gives_each_rank_the_rows_of_the_even_split(n_local, n_rows):
     n_parallel = sum(n_local)
     idx = np.random.default_rng(n_rows).permutation(max(n_rows, 1) * 2)[:n_rows]
-    for sel in (None, ("range", 3, 3 + n_rows), ("index", idx)):
+    for sel in (None, RowRange("range", 3, 3 + n_rows), RowIndex("index", idx)):
         plans = machine_rows.even_plan(sel, n_rows, n_local)
         rank = 0
         for plan, k in zip(plans, n_local):
@@ -29,7 +30,7 @@ def test_owner_plan_keeps_every_row_on_its_machine_once():
     parts = [(0, 10), (10, 13), (13, 13), (13, 30)]
     rng = np.random.default_rng(0)
     idx = rng.permutation(30)[:19]
-    for sel in (None, ("range", 5, 25), ("index", idx)):
+    for sel in (None, RowRange("range", 5, 25), RowIndex("index", idx)):
         plans = machine_rows.owner_plan(sel, parts)
         got = []
         for (lo, hi), plan in zip(parts, plans):

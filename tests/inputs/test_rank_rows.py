@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from synkhronos.inputs import rank_rows
+from synkhronos.inputs.rank_rows import RowIndex, RowRange
 
 
 def _array_split_ranges(n, p):
@@ -80,10 +81,10 @@ def test_normalize_batch_rejects(batch, exc, words):
 
 @pytest.mark.parametrize("sel, length, expected", [
     (None, 9, 9),
-    (("range", 2, 6), 9, 4),
-    (("range", 3, None), 9, 6),
-    (("range", 8, None), 5, 0),
-    (("index", np.array([4, 4, 0])), 9, 3),
+    (RowRange("range", 2, 6), 9, 4),
+    (RowRange("range", 3, None), 9, 6),
+    (RowRange("range", 8, None), 5, 0),
+    (RowIndex("index", np.array([4, 4, 0])), 9, 3),
 ])
 def test_selection_length(sel, length, expected):
     assert rank_rows.selection_length(sel, length) == expected
@@ -91,11 +92,11 @@ def test_selection_length(sel, length, expected):
 
 def test_rows_needed_and_resolve():
     assert rank_rows.rows_needed(None, 9) == 0
-    assert rank_rows.rows_needed(("range", 2, 6), 9) == 6
-    assert rank_rows.rows_needed(("range", 2, None), 9) == 9
-    assert rank_rows.rows_needed(("index", np.array([3, 8, 1])), 9) == 9
-    assert rank_rows.resolve_selection(("range", 2, None), 9) == ("range", 2, 9)
-    assert rank_rows.resolve_selection(("range", 2, 5), 9) == ("range", 2, 5)
+    assert rank_rows.rows_needed(RowRange("range", 2, 6), 9) == 6
+    assert rank_rows.rows_needed(RowRange("range", 2, None), 9) == 9
+    assert rank_rows.rows_needed(RowIndex("index", np.array([3, 8, 1])), 9) == 9
+    assert rank_rows.resolve_selection(RowRange("range", 2, None), 9) == ("range", 2, 9)
+    assert rank_rows.resolve_selection(RowRange("range", 2, 5), 9) == ("range", 2, 5)
     assert rank_rows.resolve_selection(None, 9) is None
 
 

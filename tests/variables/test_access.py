@@ -12,6 +12,7 @@ import numpy as np
 import pytensor
 import pytest
 
+from synkhronos.inputs.rank_rows import RowIndex, RowRange
 from synkhronos.variables import access
 from synkhronos.runtime.state import Config, Placement, Runtime
 
@@ -131,14 +132,14 @@ def test_a_fixed_length_is_checked_for_whole_values_only():
 
 def test_select_resolves_and_checks_the_rows():
     v = pytensor.shared(np.zeros((10, 2)), name="v")
-    assert access.select(("range", 2, None), 10, v, "gather") == ("range", 2, 10)
+    assert access.select(RowRange("range", 2, None), 10, v, "gather") == ("range", 2, 10)
     assert access.select(None, 10, v, "gather") is None
-    sel = ("index", np.array([9, 0, 3]))
+    sel = RowIndex("index", np.array([9, 0, 3]))
     assert access.select(sel, 10, v, "gather") is sel
     with pytest.raises(ValueError, match="batch selects row 11 but the value for v has 10 rows"):
-        access.select(("range", 0, 12), 10, v, "gather")
+        access.select(RowRange("range", 0, 12), 10, v, "gather")
     with pytest.raises(ValueError, match="selects row 10"):
-        access.select(("index", np.array([1, 10])), 10, v, "gather")
+        access.select(RowIndex("index", np.array([1, 10])), 10, v, "gather")
 
 
 # ---- writing values ------------------------------------------------------------------------
