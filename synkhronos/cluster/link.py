@@ -41,6 +41,14 @@ class LinkBase(ABC):
     A carrier (``MpiLink`` over MPI, ``ZmqLink`` over ZeroMQ) implements the
     abstract methods below; ``layout``, ``node``, ``others``, ``seq``, ``spin_s``
     and ``leaders`` (its ``comm.leaders.Leaders``) are its attributes.
+
+    What every carrier promises (tests/cluster/test_link.py runs each one
+    against it): messages from one machine under one tag arrive in the order
+    sent, and apart from those under other tags; a probe returns at once, and
+    what it found is for ``receive`` (MPI's matched probe takes it); a buffer
+    sent may be reused once ``complete_sends`` returned; a retired send is
+    never waited for, and still arrives; a carrier's failure becomes a
+    ``MachineLostError`` naming the machine (``lost``).
     """
 
     pool: dict
@@ -80,6 +88,10 @@ class LinkBase(ABC):
     @abstractmethod
     def survives(self):
         """Whether the carrier lets the run go on after a machine is lost."""
+
+    @abstractmethod
+    def news(self):
+        """Node master: whether the controller regrouped the machines (a change to follow)."""
 
     @abstractmethod
     def shrink(self, done_seq, lost=None):
