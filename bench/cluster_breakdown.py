@@ -8,7 +8,7 @@ each, the controller runs ``--calls`` tiny calls (a ``synk.function`` with a
 ``perf_counter`` stamps (one clock: the machines share this host's kernel) at
 the steps of each command, by wrapping the functions that make them:
 
-controller: the call, the command's message sent (``Link.send_bytes``), its
+controller: the call, the command's message sent (``MpiLink.send_bytes``), its
 own collective (``Leaders``), the report's arrival (a probe that found it),
 the wait for reports (``Controller.finish``); node master: the command's
 arrival, its share (``_run_alone``), its collective, its report sent.
@@ -63,18 +63,18 @@ def _wrap(owner, name, label, found_only=False):
 
 
 def _install(out_dir):
-    from synkhronos.cluster import controller, link, node
+    from synkhronos.cluster import controller, mpi_link, node
     from synkhronos.comm import mpi_leaders
 
-    made = link.Link.__init__
+    made = mpi_link.MpiLink.__init__
 
     def init(self, *args, **kw):
         made(self, *args, **kw)
         LINK[0] = self
-    link.Link.__init__ = init
-    _wrap(link.Link, "probe", None, found_only=True)
-    _wrap(link.Link, "probe_any", None, found_only=True)
-    _wrap(link.Link, "send_bytes", "send")
+    mpi_link.MpiLink.__init__ = init
+    _wrap(mpi_link.MpiLink, "probe", None, found_only=True)
+    _wrap(mpi_link.MpiLink, "probe_any", None, found_only=True)
+    _wrap(mpi_link.MpiLink, "send_bytes", "send")
     _wrap(controller.Controller, "forward", "forward")
     _wrap(controller.Controller, "finish", "wait for reports")
     _wrap(node, "_run_alone", "share")

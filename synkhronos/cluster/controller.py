@@ -32,13 +32,13 @@ class Controller(Peers):
 
     Args:
         rt: the controller's Runtime (its control block, its ranks' liveness, abandon).
-        link: the ``Link`` to the node masters.
+        link: the ``link.LinkBase`` to the node masters (``MpiLink``, ``ZmqLink``).
         heartbeats: the sentinels' connections (``Heartbeats``).
         pids: each machine's node master pid (machine 0: the controller).
     """
 
     copies = True  # every machine holds every (replicated) Data
-    door = None    # where machines come and go: cluster/elastic.Door
+    door = None    # where machines come and go: cluster/elastic/door.Door
 
     def __init__(self, rt, link, heartbeats, pids):
         self.rt = rt
@@ -62,7 +62,7 @@ class Controller(Peers):
         self.quiet_since = 0.0  # when the last command's reports were in (perf_counter)
 
     def between(self, name=None):
-        """Before public call ``name``: admit the machines that asked to join (cluster/elastic.py).
+        """Before public call ``name``: admit the machines that asked to join (cluster/elastic/door.py).
 
         A machine lost while the program sat between calls was dropped then (the
         door's thread); the first call that drives the ranks raises that loss.

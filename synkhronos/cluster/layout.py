@@ -156,7 +156,7 @@ def take_place(rt, link, make_peers):
     """This machine's last step of joining, on every carrier: number its ranks, set its Peers.
 
     The same for a cluster under MPI (``join_cluster``) and for machines that
-    come and go (``elastic``, ``elastic_node``): the LAYOUT command numbers
+    come and go (``elastic.door``, ``elastic.join``): the LAYOUT command numbers
     the machine's ranks from ``link.layout``, ``make_peers()`` (a Controller
     on machine 0, a NodeMaster elsewhere) becomes ``rt.peers``, and the
     backend's leader sends through ``link``.  Returns the Peers.

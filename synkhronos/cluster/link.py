@@ -1,17 +1,18 @@
-"""The link between machines: control messages, and the leaders' collectives (MPI's carrier).
+"""The link between machines: the contract every carrier keeps, and what they share.
 
 ``LinkBase`` holds what does not depend on the carrier (pickled messages
-with out-of-band buffers, bounded waits, kept receive buffers); ``Link``
-carries them over MPI, ``cluster.zlink.ZmqLink`` over ZeroMQ (clusters
-whose machines come and go, cluster/elastic.py).
+with out-of-band buffers, bounded waits, kept receive buffers) and names
+what a carrier must do; ``mpi_link.MpiLink`` carries it over MPI,
+``elastic.zmq_link.ZmqLink`` over ZeroMQ (clusters whose machines come and
+go, cluster/elastic/).  tests/cluster/test_link.py runs every carrier
+against the same expectations.
 
 Commands, reports, aborts and Data writes travel as point-to-point messages
-on the job's communicator, by tag; collectives between machines run on the
-leaders' own communicator (``comm.mpi_leaders.MpiLeaders``), which an aborted
-command makes every leader replace (``renew``).  Every wait here is a loop
-over ``Improbe`` or ``Test`` that keeps calling a liveness check, so none
-waits without a bound.  Messages are pickled with large buffers out of band
-(sent as they are, not copied).
+by tag (below); collectives between machines run on the leaders' own
+``comm.leaders.Leaders``, which an aborted command makes every leader replace
+(``renew``).  Every wait here is a loop that keeps calling a liveness check,
+so none waits without a bound.  Messages are pickled with large buffers out
+of band (sent as they are, not copied).
 """
 
 import os
@@ -21,11 +22,8 @@ import time
 from abc import ABC, abstractmethod
 
 from ..comm.leaders import pooled
-from ..comm.mpi_leaders import MpiLeaders
-from ..errors import MachineLostError, SynkError
+from ..errors import SynkError
 from ..runtime.liveness import CHECK_EVERY_S, spin_until, wait_until
-from . import recovery
-from .launch import finalize
 
 # Tags of the messages between the controller and node masters.
 CMD, REPORT, ABORT, DATA, DONE = 1, 2, 3, 4, 5   # DONE: a report of nothing but success
@@ -33,16 +31,24 @@ OUTPUTS = 6  # a report of success with small contributions, packed (cluster/rep
 REPORTS = (DONE, OUTPUTS, REPORT)  # what a node master sends the controller, most frequent first
 CMD_HEAD = struct.Struct("qq")  # a forwarded command opens with (its number, the leaders' generation)
 INBAND_BYTES = 1 << 16   # smaller buffers travel inside the pickle
-POOL_BYTES = 1 << 16     # received buffers this large are reused (Link._buffer)
+POOL_BYTES = 1 << 16     # received buffers this large are reused (LinkBase._buffer)
 YIELD_SPIN_S = 2e-3  # where cores are shared, how long a wait polls (yielding) before sleeping
 
 
 class LinkBase(ABC):
     """The link between machines: pickled messages over a carrier's bytes, and bounded waits.
 
-    A carrier (``Link`` over MPI, ``zlink.ZmqLink`` over ZeroMQ) implements the
+    A carrier (``MpiLink`` over MPI, ``ZmqLink`` over ZeroMQ) implements the
     abstract methods below; ``layout``, ``node``, ``others``, ``seq``, ``spin_s``
     and ``leaders`` (its ``comm.leaders.Leaders``) are its attributes.
+
+    What every carrier promises (tests/cluster/test_link.py runs each one
+    against it): messages from one machine under one tag arrive in the order
+    sent, and apart from those under other tags; a probe returns at once, and
+    what it found is for ``receive`` (MPI's matched probe takes it); a buffer
+    sent may be reused once ``complete_sends`` returned; a retired send is
+    never waited for, and still arrives; a carrier's failure becomes a
+    ``MachineLostError`` naming the machine (``lost``).
     """
 
     pool: dict
@@ -82,6 +88,10 @@ class LinkBase(ABC):
     @abstractmethod
     def survives(self):
         """Whether the carrier lets the run go on after a machine is lost."""
+
+    @abstractmethod
+    def news(self):
+        """Node master: whether the controller regrouped the machines (a change to follow)."""
 
     @abstractmethod
     def shrink(self, done_seq, lost=None):
@@ -165,170 +175,6 @@ class LinkBase(ABC):
         bufs = [self.recv_bytes(src, tag, check, slot=i if pooled else None)
                 for i in range(n_bufs)]
         return pickle.loads(memoryview(head)[8:], buffers=bufs)
-
-
-class Link(LinkBase):
-    """This process's MPI messages to and from the other machines' leaders.
-
-    Args:
-        mpi: the ``mpi4py.MPI`` module.
-        comm: this job's communicator (a duplicate of COMM_WORLD).
-        layout: the run's ``Layout``.
-        spin_s: how long waits spin before sleeping.
-    """
-
-    def __init__(self, mpi, comm, layout, spin_s):
-        self.MPI = mpi
-        self.comm = comm
-        self.node = comm.Get_rank()
-        self.layout = layout
-        self.spin_s = spin_s
-        self.others = [m for m in range(layout.n_machines) if m != self.node]
-        self.seq = 0           # the current command's number
-        self.sends = []        # (request, buffer) not yet known complete
-        self.orphans = []      # (request, buffer) of sends an aborted command left behind
-        self.pool = {}         # reused receive buffers
-        self.graveyard = []    # (communicator, sends) given up after a machine was lost
-        self.leaders = MpiLeaders(mpi, comm, spin_s, self.lost)
-        self.status = mpi.Status()  # reused by probes: a message's size and tag
-
-    def begin(self, seq):
-        """Start command ``seq`` (its reports carry the number)."""
-        self.seq = seq
-
-    def survives(self):
-        """Whether the run goes on after losing a machine (ULFM, and not SYNK_ON_MACHINE_LOSS=end)."""
-        return recovery.going_on(self.MPI)
-
-    def shrink(self, done_seq, lost=None):
-        """Go on with the machines left (``recovery.shrink``); return (survivors, each one's done_seq)."""
-        return recovery.shrink(self, done_seq)
-
-    def news(self):
-        """Whether the controller regrouped the machines (never under MPI: ULFM tells)."""
-        return False
-
-    def finish(self):
-        """At this process's end: finalise MPI (``launch.finalize``)."""
-        finalize(self.MPI)
-
-    def renew(self, gen):
-        """Replace the leaders' communicator (generation ``gen``): a command aborted before.
-
-        Every leader calls this at the same command boundary, so the fresh
-        duplicate matches on every leader and nothing a failure left pending
-        on the old one pairs with a later collective.
-        """
-        self.leaders.renew(self.comm, gen)
-
-    def lost(self, exc, machine=None):
-        """The MachineLostError for an MPI error: which machine was lost, from MPI (ULFM) or the caller.
-
-        Under Open MPI with ULFM (``mpirun --with-ft ulfm``) a peer that died
-        turns MPI calls that involve it into ``MPI_ERR_PROC_FAILED``, and a
-        revoked communicator (another leader saw a failure first) every call
-        into ``MPI_ERR_REVOKED``; no raw MPI exception reaches the user.
-        """
-        failed = []
-        try:
-            group = self.comm.Get_failed()
-            failed = self.MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
-                                                    self.comm.Get_group())
-        except Exception:  # noqa: BLE001 - no ULFM here: only the caller knows the peer
-            pass
-        machines = sorted({m for m in failed if m is not None and m >= 0} or
-                          ({machine} if machine is not None else set()))
-        what = exc.Get_error_string() if hasattr(exc, "Get_error_string") else str(exc)
-        if not machines:
-            return MachineLostError(f"MPI failed ({what})", self.layout.offsets[0])
-        names = "; ".join(self.layout.describe(m) for m in machines)
-        return MachineLostError(f"{names}: lost ({what}); its processes died or it was cut off",
-                                self.layout.offsets[machines[0]], machines)
-
-    def rebind(self, comm, layout):
-        """Go on over ``comm`` (the survivors, after a machine was lost) with ``layout``.
-
-        Requests on the old communicator are kept, never tested again: MPI may
-        still own their buffers.
-        """
-        self.graveyard.append((self.comm, self.sends + self.orphans))
-        self.comm = comm
-        self.node = comm.Get_rank()
-        self.layout = layout
-        self.others = [m for m in range(layout.n_machines) if m != self.node]
-        self.sends, self.orphans = [], []
-        self.pool.clear()
-        self.leaders.renew(comm, self.leaders.gen)
-
-    def send_bytes(self, dest, tag, buf):
-        """Send ``buf`` as it is (kept alive until the send completes)."""
-        try:
-            self.sends.append((self.comm.Isend(buf, dest, tag), buf))
-        except self.MPI.Exception as exc:
-            raise self.lost(exc, dest) from None
-
-    def probe(self, src, tag):
-        """Return (message, size in bytes) if one from ``src`` with ``tag`` has arrived, else None."""
-        st = self.status
-        try:
-            m = self.comm.Improbe(src, tag, st)
-        except self.MPI.Exception as exc:
-            raise self.lost(exc, src) from None
-        return None if m is None else (m, st.Get_count(self.MPI.BYTE))
-
-    def probe_any(self, src, tags):
-        """Return (message, size in bytes, tag) of the next message from ``src``, else None.
-
-        One probe for any tag (the controller waits for one of three reports
-        from each machine, and each probe is a pass of MPI's progress engine);
-        a message with a tag outside ``tags`` breaks the protocol.
-        """
-        st = self.status
-        try:
-            m = self.comm.Improbe(src, self.MPI.ANY_TAG, st)
-        except self.MPI.Exception as exc:
-            raise self.lost(exc, src) from None
-        if m is None:
-            return None
-        tag = st.Get_tag()
-        if tag not in tags:
-            raise SynkError(f"{self.layout.describe(src)} sent a message with tag {tag} where "
-                            f"one of {tags} was expected")
-        return m, st.Get_count(self.MPI.BYTE), tag
-
-    def receive(self, message, buf, src):
-        """Receive a probed ``message`` from machine ``src`` into ``buf``."""
-        try:
-            message.Recv(buf)
-        except self.MPI.Exception as exc:
-            raise self.lost(exc, src) from None
-
-    def complete_sends(self, check):
-        """Wait until every send so far has completed (its buffer may be reused)."""
-        if not self.sends:
-            return
-        reqs = [r for r, _ in self.sends]
-        try:
-            wait_until(lambda: self.MPI.Request.Testall(reqs), check, self.spin_s)
-        except self.MPI.Exception as exc:
-            raise self.lost(exc) from None
-        self.sends.clear()
-
-    def retire_sends(self):
-        """Stop waiting for sends a command left pending.
-
-        Called when a command is over on this side: every message a peer still
-        wanted has been received by then (its report says so), so a send still
-        pending belongs to a collective that a failure abandoned, and the peer
-        will never receive it (a large message waits for its receiver).  Its
-        request and buffer are kept, tested again later, never waited for.
-        """
-        if self.sends or self.orphans:
-            try:
-                self.orphans = [(r, b) for r, b in self.orphans + self.sends if not r.Test()]
-            except self.MPI.Exception as exc:
-                raise self.lost(exc) from None
-            self.sends = []
 
 
 def _inband(buf, out):

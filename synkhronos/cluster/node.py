@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import struct
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ..runtime.control import DECODE_CACHE_BYTES, DECODE_CACHE_SIZE
 from ..runtime.commands import COMMANDS, decode
@@ -26,10 +27,60 @@ from .launch import exit_finalized
 from .link import ABORT, CMD, CMD_HEAD, DATA, DONE, OUTPUTS, REPORT
 from .reports import NodeReport, pack_outputs
 
+if TYPE_CHECKING:
+    from .layout import Layout
+    from .link import LinkBase
+
 logger = logging.getLogger(__name__)
 
 FINALIZE_S = 10
 ENDED_FINALIZE_S = 2.0  # after the sentinel ended this machine (its grace is END_GRACE_S, 3 s)
+
+
+@runtime_checkable
+class NodeSide(Protocol):
+    """The node master's side: what the rest of the library may use of a node master.
+
+    A command's ``node`` step (``runtime.commands.CommandSpec.node``) gets the
+    node master as its ``machine`` and may use its first group (where it is,
+    this machine's copies of the controller's Data); ``serve`` drives the
+    second.  ``NodeMaster`` implements it (checked by tests/cluster/test_link.py),
+    and as ``rt.peers`` on its machine it is a ``runtime.peers.Peers`` too.
+    """
+
+    # What a command's node step uses.
+    layout: "Layout"
+    node: int                   # this machine's number in ``layout``
+    segments: dict              # data id -> this machine's copy of that Data (a SharedArray)
+
+    def make_segment(self, data_id, nbytes):
+        """Make this machine's memory for Data ``data_id``; return its segment name."""
+
+    def free_segments(self, ids):
+        """Free this machine's copies of Data objects ``ids``."""
+
+    def receive_segment(self, data_id, offset, nbytes):
+        """Receive ``nbytes`` written to Data ``data_id`` at byte ``offset`` from the controller."""
+
+    # What the serve loop uses.
+    link: "LinkBase"
+    sentinel: int               # the pid of this machine's sentinel process
+    done_seq: int               # the last command this machine finished
+
+    def receive_command(self, check):
+        """Wait for the controller's next command; return its bytes (its head taken off)."""
+
+    def decode(self, raw):
+        """Return (command, payload, ids of dropped Data or None) of a command's bytes."""
+
+    def poll(self):
+        """The check while waiting: raise on an abort order or a membership change."""
+
+    def report(self, failures, contributions, died=None):
+        """Send the command's outcome to the controller."""
+
+    def go_on(self):
+        """Go on with the machines left after a loss: shrink, renumber this machine's ranks."""
 
 
 class _Ended(BaseException):
@@ -37,11 +88,11 @@ class _Ended(BaseException):
 
 
 class NodeMaster(Peers):
-    """One machine's leader in a cluster, and the ``Peers`` its commands see.
+    """One machine's leader in a cluster (``NodeSide``), and the ``Peers`` its commands see.
 
     Args:
         rt: the Runtime (this process is its machine's leader).
-        link: the ``Link`` to the controller and the other node masters.
+        link: the ``link.LinkBase`` to the controller and the other node masters.
         sentinel: the pid of this machine's sentinel process.
         doorbell: what the controller rings, through the sentinel, before a command that
             follows a pause (``doorbell.Doorbell``), or None.

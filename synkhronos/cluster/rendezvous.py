@@ -14,10 +14,10 @@ import numpy as np
 from ..errors import SynkError
 from ..runtime.liveness import deadline_check, wait_until
 from .controller import Controller
-from .elastic_env import Elastic
+from .elastic.env import Elastic
 from .launch import init_mpi, mpi_segments, placement_problem
 from .layout import Layout, take_place
-from .link import Link
+from .mpi_link import MpiLink
 from .node import NodeMaster, serve
 from .doorbell import Doorbell
 from .auth import new_secret
@@ -32,14 +32,14 @@ def join_cluster(rt, launch, tell_janitor, join_workers, pin):
 
     Args:
         rt: this machine's Runtime, its ranks already forked.
-        launch: this process's ``launch.Launch``, or ``launch.Elastic`` (cluster/elastic.py).
+        launch: this process's ``launch.Launch``, or ``elastic.env.Elastic`` (cluster/elastic/).
         tell_janitor: ``tell_janitor(paths)``: files the janitor removes if this process dies.
         join_workers: ends the machine's workers after the last command (node masters).
         pin: pins this process to its core, once MPI has started.
     """
     if isinstance(launch, Elastic):
-        from . import elastic  # ZeroMQ and torch: only where machines come and go
-        return elastic.join_elastic(rt, launch, tell_janitor, join_workers, pin)
+        from .elastic import door  # ZeroMQ and torch: only where machines come and go
+        return door.join_elastic(rt, launch, tell_janitor, join_workers, pin)
     sentinel, sentinel_fd, bell = None, None, None
     if launch.rank != 0:
         sentinel, sentinel_fd, bell = start_sentinel(close_fds=[rt.processes.janitor.fd])
@@ -66,7 +66,7 @@ def join_cluster(rt, launch, tell_janitor, join_workers, pin):
 
 
 def _connect(rt, mpi, sentinel_fd, launch):
-    """Exchange the layout, link the sentinels to the controller; return (Link, Heartbeats, pids)."""
+    """Exchange the layout, link the sentinels to the controller; return (MpiLink, Heartbeats, pids)."""
     comm = mpi.COMM_WORLD.Dup()
     me, size = comm.Get_rank(), comm.Get_size()
     check = deadline_check(
@@ -93,7 +93,7 @@ def _connect(rt, mpi, sentinel_fd, launch):
     if wrong:
         raise SynkError(wrong)
     layout = Layout([int(n) for n in everyone[:, 0]], hosts)
-    link = Link(mpi, comm, layout, rt.config.spin_s)
+    link = MpiLink(mpi, comm, layout, rt.config.spin_s)
     addr = bytearray(_ADDR.size)
     listener = None
     if me == 0:

@@ -195,7 +195,7 @@ class Heartbeats:
     Args:
         layout: the run's ``Layout`` (to name a lost machine).
         secret: the job's secret (``new_secret``), which every sentinel proves it holds.
-        drop_silent: silence is a loss the run survives (``MachineLostError``, elastic.py).
+        drop_silent: silence is a loss the run survives (``MachineLostError``, elastic/door.py).
     """
 
     def __init__(self, layout, secret, drop_silent=False):

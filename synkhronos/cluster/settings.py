@@ -1,6 +1,6 @@
 """Cluster settings from the environment: each one read here, and only here.
 
-``SYNK_LISTEN``, ``SYNK_JOIN`` and the secret are parsed in ``elastic_env``
+``SYNK_LISTEN``, ``SYNK_JOIN`` and the secret are parsed in ``elastic.env``
 (where a launch is recognised); the rest of the cluster's knobs are below.
 ``fork_plan`` checks every value before anything starts.
 """

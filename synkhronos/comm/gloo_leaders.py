@@ -127,7 +127,7 @@ class GlooLeaders(Leaders):
             _outlive_exit(self.pg, self.pending)
 
     def revoke(self):
-        """Nothing to revoke: the controller tells every leader to leave (cluster/elastic.py)."""
+        """Nothing to revoke: the controller tells every leader to leave (cluster/elastic/door.py)."""
 
     @staticmethod
     def reduces(op, dtype):

@@ -34,7 +34,7 @@ class MpiBackend(Backend):
         super().__init__(wiring)
         self.machine = wiring.machine
         self.local = ShmBackend(wiring._replace(ranks=wiring.machine))
-        self.link = None     # the leader's cluster.link.Link, after MPI starts
+        self.link = None     # the leader's cluster.mpi_link.MpiLink, after MPI starts
         self.remote = None   # the controller's: the other machines' contributions to a call
         self.mine = None     # a node master's own contribution to a call's outputs
         self.kept = {}       # key -> (leaders' epoch, two buffers MPI reduces into in turn)

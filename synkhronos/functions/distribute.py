@@ -91,7 +91,7 @@ class DistributeMsg(NamedTuple):
         """The message for ``functions`` and ``shareds``: their values as they are now.
 
         ``distribute()`` sends it to every worker; a machine that joins later
-        gets one made the same way (``cluster/elastic.py``).
+        gets one made the same way (``cluster/elastic/door.py``).
         """
         return cls(pickle.dumps((functions, shareds), protocol=pickle.HIGHEST_PROTOCOL))
 

@@ -59,7 +59,7 @@ class CommandSpec(NamedTuple):
         local: stays on the machine that posts it (never forwarded to other machines).
         node: cluster: ``node(machine, payload)`` runs in a node master before the
             command is posted to its ranks and returns the payload to post, or None
-            to post nothing (``machine`` is the node master, see cluster/node.py).
+            to post nothing (``machine`` is the node master: ``cluster.node.NodeSide``).
         final: the last command: a rank exits once it has run it.
         label: ``label(rt, payload)``, the name a profile gives one run of it.
         prepare: ``prepare(rt, payload)`` returns a runner (no arguments) that does

@@ -1,4 +1,4 @@
-"""The elastic controller's door under abuse (cluster/knocks.Knocks), without a network.
+"""The elastic controller's door under abuse (cluster/elastic/knocks.Knocks), without a network.
 
 Knocks go straight to ``Knocks.stranger`` as ``ZmqLink.drain`` hands them over: garbage,
 wrong secrets, replayed proofs, handshakes never finished.  The door's memory stays
@@ -8,10 +8,10 @@ bounded and a machine with the secret is still let in.
 import pytest
 import zmq
 
-from synkhronos.cluster import knocks
+from synkhronos.cluster.elastic import knocks
 from synkhronos.cluster.auth import mac
-from synkhronos.cluster.elastic_node import PROOF_MSG
-from synkhronos.cluster.zlink import GONE, HELLO, NONCE, PROOF, TAG
+from synkhronos.cluster.elastic.join import PROOF_MSG
+from synkhronos.cluster.elastic.zmq_link import GONE, HELLO, NONCE, PROOF, TAG
 
 SECRET = b"the-job-secret-0123456789abcdef"
 

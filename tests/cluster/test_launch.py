@@ -149,3 +149,25 @@ def test_sentinel_leaves_slurms_step_daemon_alone(monkeypatch):
     monkeypatch.setattr(sentinel, "proc_start_time", lambda pid: 123)
     assert sentinel.launcher_daemon(10) == (20, 123)
     assert sentinel.launcher_daemon(11) is None
+
+
+def test_a_launcher_is_one_class_in_the_table():
+    """Defining a Launcher adds it to ROUTES, asked after those before it."""
+    assert [type(k).__name__ for k in launch.ROUTES[:3]] == ["ElasticLaunch", "Hydra", "OpenMpi"]
+    before = list(launch.ROUTES)
+
+    class Made(launch.Launcher):
+        route = "a launcher made here"
+
+        def present(self, env):
+            return "MADE_RANK" in env
+
+        def read(self, env):
+            return launch.Launch(int(env["MADE_RANK"]), 2, 0, 1, self.route, "MADE_RANK=1")
+    try:
+        assert type(launch.ROUTES[-1]) is Made
+        assert launch.launched({"MADE_RANK": "1"})[:5] == (1, 2, 0, 1, "a launcher made here")
+        hydra = {"PMI_RANK": "1", "PMI_SIZE": "3", "MPI_LOCALRANKID": "1", "MADE_RANK": "0"}
+        assert launch.launched(hydra).route == HYDRA  # defined before: asked first
+    finally:
+        launch.ROUTES[:] = before

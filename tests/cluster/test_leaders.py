@@ -285,15 +285,3 @@ def test_small_all_reduces_on_machines_of_one_rank(n_machines):
         assert sum(line.startswith("OK ") for line in out.splitlines()) == 5, out
         assert_nothing_left(m, out, "small_reduce_job.py")
 
-
-def test_every_carrier_keeps_its_contract():
-    """The link between machines is an abstract class: every carrier implements each of its
-    methods (MPI's and ZeroMQ's).  The leaders' collectives have a behavioural suite
-    (tests/comm/test_leaders_suite.py)."""
-    import inspect
-
-    from synkhronos.cluster import link, zlink
-
-    for cls, contract in ((link.Link, link.LinkBase), (zlink.ZmqLink, link.LinkBase)):
-        assert issubclass(cls, contract) and not inspect.isabstract(cls), (cls, contract)
-    assert inspect.isabstract(link.LinkBase)

@@ -3,7 +3,7 @@
 A node master that wants to join knocks (HELLO), gets a fresh challenge (NONCE)
 and answers with an HMAC of it under the job's secret (PROOF); nothing it sends
 is unpickled before.  A proof that holds makes it a ``Joiner``, admitted by the
-door (cluster/elastic.py) at the program's next call.  Whatever else arrives
+door (elastic/door.py) at the program's next call.  Whatever else arrives
 (garbage, wrong secrets, replayed proofs, handshakes never finished) costs
 bounded memory and one warning line per ``REFUSAL_LOG_S``.
 """
@@ -14,9 +14,9 @@ import time
 from collections import OrderedDict
 from typing import NamedTuple
 
-from .auth import proves
-from .elastic_node import PROOF_MSG
-from .zlink import GONE, HELLO, NONCE, PROOF, TAG
+from ..auth import proves
+from .join import PROOF_MSG
+from .zmq_link import GONE, HELLO, NONCE, PROOF, TAG
 
 logger = logging.getLogger(__name__)
 

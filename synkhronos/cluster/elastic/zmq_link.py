@@ -1,13 +1,13 @@
 """The link between machines that come and go: control messages over ZeroMQ, collectives over gloo.
 
-The same messages as ``link.Link`` (commands, reports, aborts, Data writes,
+The same messages as ``mpi_link.MpiLink`` (commands, reports, aborts, Data writes,
 by tag), carried by one ZeroMQ socket per leader in a star: the controller's
 ROUTER, bound where ``SYNK_LISTEN`` says, and each node master's DEALER,
 which names itself by a routing id drawn at random when it joins and never
 used again (a machine that was dropped cannot come back under it).  Messages
 are queued per (machine, tag) as they arrive, so a probe, a receive and a
 bounded wait look as they do over MPI.  Messages from a routing id the
-controller does not know go to the door (cluster/elastic.py), which admits
+controller does not know go to the door (elastic/door.py), which admits
 only node masters that prove the job's secret; nothing of theirs is
 unpickled before that.  The leaders' collectives are gloo's
 (``comm.gloo_leaders.GlooLeaders``).
@@ -18,9 +18,9 @@ import struct
 
 import zmq
 
-from ..errors import MachineLostError, SynkError
-from .launch import mark_finished
-from .link import CMD, INBAND_BYTES, LinkBase
+from ...errors import MachineLostError, SynkError
+from ..launch import mark_finished
+from ..link import CMD, INBAND_BYTES, LinkBase
 
 TAG = struct.Struct("q")
 # Besides link.CMD .. link.DONE (1-5): the door's handshake and the membership's changes.
@@ -55,7 +55,7 @@ class ZmqLink(LinkBase):
         self.pool = {}
         self.sends = []        # trackers of large messages sent without a copy
         self.orphans = []
-        self.members = None    # the membership (elastic.Door or elastic.Follower)
+        self.members = None    # the membership (door.Door or join.Follower)
 
     # -- the carrier ---------------------------------------------------------------------
     def drain(self):

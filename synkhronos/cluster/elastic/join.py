@@ -1,7 +1,7 @@
 """Machines that come and go: a node master's side (its join, and following the controller).
 
 Started on its own with ``SYNK_JOIN=HOST:PORT`` and the job's secret, a node
-master knocks at the controller's door (cluster/elastic.py), proves it holds
+master knocks at the controller's door (elastic/door.py), proves it holds
 the secret, is welcomed, catches up and serves; at every membership change it
 takes the controller's MEMBERS, answers, and builds the new gloo group.  The
 messages both sides share are defined here.
@@ -19,16 +19,16 @@ from typing import NamedTuple
 
 import zmq
 
-from ..comm.gloo_leaders import GROUP_TIMEOUT_S, GlooLeaders, import_torch
-from ..errors import SynkError
-from ..runtime.liveness import deadline_check, no_check
-from .layout import Layout, take_place
-from .node import NodeMaster, serve
-from .doorbell import Doorbell
-from .auth import mac
-from .sentinel import CONNECT_TIMEOUT_S, send_address, start_sentinel
-from .settings import ends_on_machine_loss, join_timeout_s
-from .zlink import ACK, GONE, HELLO, MEMBERS, NONCE, PROOF, TAG, WELCOME, ZmqLink
+from ...comm.gloo_leaders import GROUP_TIMEOUT_S, GlooLeaders, import_torch
+from ...errors import SynkError
+from ...runtime.liveness import deadline_check, no_check
+from ..layout import Layout, take_place
+from ..node import NodeMaster, serve
+from ..doorbell import Doorbell
+from ..auth import mac
+from ..sentinel import CONNECT_TIMEOUT_S, send_address, start_sentinel
+from ..settings import ends_on_machine_loss, join_timeout_s
+from .zmq_link import ACK, GONE, HELLO, MEMBERS, NONCE, PROOF, TAG, WELCOME, ZmqLink
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 
 class Elastic(NamedTuple):
-    """This process's place in a cluster whose machines come and go (cluster/elastic.py).
+    """This process's place in a cluster whose machines come and go (cluster/elastic/).
 
     The controller runs with ``SYNK_LISTEN=[HOST:]PORT``; each node master,
     started on its own, with ``SYNK_JOIN=HOST:PORT``; both hold the job's

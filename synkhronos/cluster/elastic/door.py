@@ -16,7 +16,7 @@ renumbered.  A lost machine (its sentinel's connection closed, or silent
 for ``SYNK_HEARTBEAT_S``) is dropped the same way, and its routing id is
 banned: if it comes back it is told GONE and ends itself.  Between the
 program's calls the door is served by a thread of its own (knocks answered,
-a lost machine dropped at once).  The knocks themselves: cluster/knocks.py.
+a lost machine dropped at once).  The knocks themselves: elastic/knocks.py.
 """
 
 import logging
@@ -30,22 +30,22 @@ from datetime import timedelta
 
 import zmq
 
-from ..comm.gloo_leaders import GROUP_TIMEOUT_S, GlooLeaders, import_torch
-from ..errors import MachineLostError, SynkError
-from ..functions.distribute import DistributeMsg
-from ..inputs.mappings import DataAllocMsg, DataSyncMsg
-from ..runtime.commands import Command, encode
-from ..runtime.liveness import deadline_check, no_check
-from ..runtime.state import holding_calls
-from .controller import Controller
-from .layout import Layout, take_place
-from .link import CMD, CMD_HEAD, DATA, DONE, REPORT
-from .recovery import relayout
-from .sentinel import CONNECT_TIMEOUT_S, Heartbeats
-from .settings import heartbeat_limit_s, join_timeout_s
-from .elastic_node import Welcome, join_as_node, survives_loss, zmq_socket
+from ...comm.gloo_leaders import GROUP_TIMEOUT_S, GlooLeaders, import_torch
+from ...errors import MachineLostError, SynkError
+from ...functions.distribute import DistributeMsg
+from ...inputs.mappings import DataAllocMsg, DataSyncMsg
+from ...runtime.commands import Command, encode
+from ...runtime.liveness import deadline_check, no_check
+from ...runtime.state import holding_calls
+from ..controller import Controller
+from ..layout import Layout, take_place
+from ..link import CMD, CMD_HEAD, DATA, DONE, REPORT
+from ..recovery import relayout
+from ..sentinel import CONNECT_TIMEOUT_S, Heartbeats
+from ..settings import heartbeat_limit_s, join_timeout_s
+from .join import Welcome, join_as_node, survives_loss, zmq_socket
 from .knocks import Knocks
-from .zlink import ACK, GONE, MEMBERS, WELCOME, ZmqLink
+from .zmq_link import ACK, GONE, MEMBERS, WELCOME, ZmqLink
 
 
 logger = logging.getLogger(__name__)
