@@ -194,13 +194,14 @@ def _bn_grad_first_numba(x, gamma, gy, p):
     return bn_grad_first(_c(x), _c(gamma), _c(gy), p[0], int(p[1]))
 
 
+# Keyed by the code's module, as geometry.register_numba keys (a cache entry pickles it).
 @numba_basic.register_funcify_and_cache_key(BatchNormTrain)
 def _numba_bn_train(op, node=None, **kwargs):
     fn = _bn_train_first_numba if op._first() else _bn_train_last_numba
-    return fn, f"synkhronos.extensions.BatchNormTrain.first{int(op._first())}.v1"
+    return fn, f"{fn.__module__}.BatchNormTrain.first{int(op._first())}.v1"
 
 
 @numba_basic.register_funcify_and_cache_key(BatchNormGrad)
 def _numba_bn_grad(op, node=None, **kwargs):
     fn = _bn_grad_first_numba if op._first() else _bn_grad_last_numba
-    return fn, f"synkhronos.extensions.BatchNormGrad.first{int(op._first())}.v1"
+    return fn, f"{fn.__module__}.BatchNormGrad.first{int(op._first())}.v1"
