@@ -18,7 +18,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
-from . import bn_ops, conv_ops, pool_ops
+from . import ops
 
 __all__ = [
     "he_normal", "glorot_uniform", "Dense", "Conv2D", "BatchNorm",
@@ -200,8 +200,8 @@ class BatchNorm:
             raise ValueError("BatchNorm: the feature axis must be the last one, or 1 of 4-d "
                              f"images; got axis {self.axis} of a {x.ndim}-d input")
         axis = -1 if axis == x.ndim - 1 else 1
-        out, batch_mean, batch_var = bn_ops.batch_norm_train(x, self.gamma, self.beta, axis,
-                                                             self.epsilon, self.n_groups)
+        out, batch_mean, batch_var = ops.batch_norm_train(x, self.gamma, self.beta, axis,
+                                                          self.epsilon, self.n_groups)
         a = self.alpha
         self.updates = [(self.mean, pt.cast((1 - a) * self.mean + a * batch_mean, _floatx())),
                         (self.var, pt.cast((1 - a) * self.var + a * batch_var, _floatx()))]
@@ -368,7 +368,7 @@ def conv2d(x, W, stride=1, pad=0, dilation=1, groups=1, layout="NHWC"):
 
     One ``ops.Conv2d`` node (see there for "NCHW").
     """
-    return conv_ops.conv2d(x, _static_weights(W), stride, pad, dilation, groups, layout)
+    return ops.conv2d(x, _static_weights(W), stride, pad, dilation, groups, layout)
 
 
 def max_pool2d(x, size=2, stride=None, pad=0, layout="NHWC"):
@@ -380,12 +380,12 @@ def max_pool2d(x, size=2, stride=None, pad=0, layout="NHWC"):
         pad: padding on each side; padded cells never win the max.
         layout: "NHWC" or "NCHW".
     """
-    return pool_ops.max_pool2d(x, size, stride, pad, layout)
+    return ops.max_pool2d(x, size, stride, pad, layout)
 
 
 def avg_pool2d(x, size=2, stride=None, pad=0, layout="NHWC"):
     """Return the mean over ``size x size`` windows (padding counts as zeros)."""
-    return pool_ops.avg_pool2d(x, size, stride, pad, layout)
+    return ops.avg_pool2d(x, size, stride, pad, layout)
 
 
 def global_avg_pool(x, layout="NHWC"):

@@ -9,10 +9,11 @@ from pytensor.compile import SharedVariable
 
 import synkhronos as synk
 
-from ..inputs import conditioning, rank_rows
+# The library's internals read here are the declared seams of tests/extensions/test_seams.py.
+from ..comm.compressed import check_16bit
 from ..functions.overlap import OverlappedStep
-from ..comm import compressed
-from ..inputs.data_object import Data
+from ..inputs.conditioning import check_bool
+from ..inputs.rank_rows import RowRange, normalize_batch
 from . import updates as _updates
 
 logger = logging.getLogger(__name__)
@@ -45,8 +46,8 @@ def _check_options(where, all_reduce_op, weighted, overlap):
     if all_reduce_op not in GRAD_OPS or not isinstance(all_reduce_op, str):
         raise ValueError(f"{where}: all_reduce_op must be 'sum' or 'avg' (the ops that "
                          f"combine gradients); got {all_reduce_op!r}")
-    conditioning.check_bool(weighted, f"{where}: weighted")
-    conditioning.check_bool(overlap, f"{where}: overlap")
+    check_bool(weighted, f"{where}: weighted")
+    check_bool(overlap, f"{where}: overlap")
 
 
 def _output_list(outputs):
@@ -180,7 +181,7 @@ def make_train_function(loss, params, x, y, update_rule="sgd", update_kwargs=Non
     """
     _check_options("make_train_function", all_reduce_op, weighted, overlap)
     if all_reduce_dtype is not None:
-        compressed.check_16bit(all_reduce_dtype, all_reduce_op, [], "make_train_function")
+        check_16bit(all_reduce_dtype, all_reduce_op, [], "make_train_function")
     apply = _rule(update_rule)
     inputs, shared = _data_vars(x, y)
     params = _updates.check_params(params, "make_train_function")
@@ -260,11 +261,11 @@ class SerialTrainFunction:
                 rows = np.arange(len(self._shared[0].get_value(borrow=True)))[batch_s]
                 out = self._function(indexed=True)(rows.astype(np.int64))
         else:
-            arrays = [d.data if isinstance(d, Data) else np.asarray(d) for d in data]
+            arrays = [d.data if isinstance(d, synk.Data) else np.asarray(d) for d in data]
             if batch is not None:
                 # The rows a data-parallel step would use (an int k: rows [:k]).
-                sel = rank_rows.normalize_batch(batch, "serial train function: batch")
-                arrays = [a[sel.start:sel.stop] if sel.kind == rank_rows.RANGE else a[sel.rows]
+                sel = normalize_batch(batch, "serial train function: batch")
+                arrays = [a[sel.start:sel.stop] if isinstance(sel, RowRange) else a[sel.rows]
                           for a in arrays]
             out = self.fn(*arrays)
         return out if self._return_list else out[0]

@@ -1,4 +1,4 @@
-"""synkhronos.extensions.ops and bn_ops vs. NumPy direct loops and finite differences.
+"""synkhronos.extensions.ops (convolution, pooling, batch norm) vs. NumPy direct loops and finite differences.
 
 Every case runs on the default mode (Numba kernels), the Python linker (the
 Ops' ``perform``) and JAX on the CPU.  JAX cases run in a forked child of the
@@ -18,7 +18,8 @@ import pytest
 from pytensor.graph.op import Op
 
 from helpers import child
-from synkhronos.extensions import bn_ops, conv_ops, ops, pool_ops
+from synkhronos.extensions import ops
+from synkhronos.extensions.ops import batch_norm, conv, pool
 
 MODES = [None, "FAST_COMPILE", "JAX"]
 HAS_JAX = importlib.util.find_spec("jax") is not None
@@ -205,7 +206,7 @@ def _check_bn(mode, groups, nchw):
     xs = x.transpose(0, 3, 1, 2) if nchw else x
     xt = pt.tensor("x", dtype="float64", shape=(None,) + xs.shape[1:])
     gt, bt = pt.dvector("gamma"), pt.dvector("beta")
-    y, mean, var = bn_ops.batch_norm_train(xt, gt, bt, 1 if nchw else -1, 1e-3, groups)
+    y, mean, var = ops.batch_norm_train(xt, gt, bt, 1 if nchw else -1, 1e-3, groups)
     obj = (y * (c.transpose(0, 3, 1, 2) if nchw else c)).sum()
     fn = pytensor.function([xt, gt, bt], [y, mean, var, *pytensor.grad(obj, [xt, gt, bt])],
                            mode=mode)
@@ -258,7 +259,7 @@ def test_static_shapes_and_errors():
 
 def _op_classes():
     """Every Op class the conv, pool and batch-norm modules define (their bases excluded)."""
-    return {cls for m in (conv_ops, pool_ops, bn_ops) for name, cls in vars(m).items()
+    return {cls for m in (conv, pool, batch_norm) for name, cls in vars(m).items()
             if isinstance(cls, type) and issubclass(cls, Op) and cls.__module__ == m.__name__
             and not name.startswith("_")}
 
@@ -269,8 +270,8 @@ def test_default_mode_never_falls_back_to_object_mode():
     g4, g8 = pt.dvector("g4"), pt.dvector("g8")
     y = ops.conv2d(x, w, padding=1)
     objective = (ops.max_pool2d(y, 2).sum() + ops.avg_pool2d(y, 3, 1, 1).sum()
-                 + (bn_ops.batch_norm_train(y, g4, g4 / 2, 1)[0] ** 2).sum()    # channels first
-                 + (bn_ops.batch_norm_train(x, g8, g8 / 2, -1)[0] ** 2).sum())  # features last
+                 + (ops.batch_norm_train(y, g4, g4 / 2, 1)[0] ** 2).sum()    # channels first
+                 + (ops.batch_norm_train(x, g8, g8 / 2, -1)[0] ** 2).sum())  # features last
     outs = [objective, *pytensor.grad(objective, [x, w, g4, g8])]
     with no_object_mode():
         fn = pytensor.function([x, w, g4, g8], outs)

@@ -52,7 +52,7 @@ from pymc.pytensorf import rewrite_pregrad as _rewrite_pregrad
 from pymc.sampling import mcmc
 
 from ... import compat
-from ...runtime import process_setup
+from ...runtime.process_setup import trim_heap
 
 logger = logging.getLogger(__name__)
 
@@ -222,10 +222,10 @@ def _sample_many_together(batcher, model):
 
         # What PyMC's set-up freed (initial points, traces compiled) goes back before the
         # chains' working set is made, and the chains' before PyMC converts the draws.
-        process_setup.trim_heap()
+        trim_heap()
         with manager:
             errors, interrupted = batcher.run_together([chain(i) for i in range(chains)])
-        process_setup.trim_heap()
+        trim_heap()
         if interrupted:
             logger.warning("sampling interrupted (KeyboardInterrupt): returning the draws made "
                            "so far (%s per chain)", [len(t) for t in traces])

@@ -1,6 +1,7 @@
 """The convolution Ops (Conv2d and its two gradients), ``conv2d``, and their Numba implementations.
 
-See ``ops`` for the layouts and backends.  The JAX implementations are in ``ops_jax``.
+See the package (``synkhronos.extensions.ops``) for the layouts and backends.  The JAX
+implementations are in ``jax_impl``.
 """
 
 import numpy as np
@@ -9,9 +10,9 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 from pytensor.link.numba.dispatch import basic as numba_basic
 
-from .. import compat
+from ... import compat
 from . import kernels as K
-from .op_geometry import (channel_axis, check_layout, conv_out_len, disconnected, filter_hw,
+from .geometry import (channel_axis, check_layout, conv_out_len, disconnected, filter_hw,
                           float_dtype, geometry_constant, image_shape, int_pair, register_numba,
                           spatial_axes, tensor4, weight_io, weight_shape)
 

@@ -1,6 +1,7 @@
 """The pooling Ops (max and average, with their gradients), their builders and Numba implementations.
 
-See ``ops`` for the layouts and backends.  The JAX implementations are in ``ops_jax``.
+See the package (``synkhronos.extensions.ops``) for the layouts and backends.  The JAX
+implementations are in ``jax_impl``.
 """
 
 import numpy as np
@@ -9,9 +10,9 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 from pytensor.link.numba.dispatch import basic as numba_basic
 
-from .. import compat
+from ... import compat
 from . import kernels as K
-from .op_geometry import (channel_axis, check_layout, conv_out_len, disconnected, float_dtype,
+from .geometry import (channel_axis, check_layout, conv_out_len, disconnected, float_dtype,
                           geometry_constant, image_shape, int_pair, register_numba, spatial_axes,
                           tensor4)
 

@@ -4,8 +4,8 @@
 ``BatchNormGrad`` gives the gradients; two nodes per layer where the same
 expression written elementwise is a few dozen, which is most of a ResNet
 graph's compile time.  In GPU mode (mode "JAX") they are ``jax.numpy``
-expressions (the gradient their ``jax.vjp``); on the CPU (Numba backend and
-``perform``) they are the Numba kernels of ``kernels.py``.  Statistics are
+expressions (the gradient their ``jax.vjp``, in ``jax_impl``); on the CPU
+(Numba backend and ``perform``) they are the Numba kernels of ``kernels``.  Statistics are
 taken over every axis but the feature axis, separately for ``n_groups``
 equal consecutive groups of rows (1: the whole batch).  ``mean`` and ``var``
 are the groups' average statistics, for the running averages.
@@ -19,7 +19,7 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 from pytensor.link.numba.dispatch import basic as numba_basic
 
-from .. import compat
+from ... import compat
 from . import kernels as K
 
 _c = np.ascontiguousarray   # kernels then compile for C-ordered arrays only
@@ -194,52 +194,14 @@ def _bn_grad_first_numba(x, gamma, gy, p):
     return bn_grad_first(_c(x), _c(gamma), _c(gy), p[0], int(p[1]))
 
 
+# Keyed by the code's module, as geometry.register_numba keys (a cache entry pickles it).
 @numba_basic.register_funcify_and_cache_key(BatchNormTrain)
 def _numba_bn_train(op, node=None, **kwargs):
     fn = _bn_train_first_numba if op._first() else _bn_train_last_numba
-    return fn, f"synkhronos.extensions.BatchNormTrain.first{int(op._first())}.v1"
+    return fn, f"{fn.__module__}.BatchNormTrain.first{int(op._first())}.v1"
 
 
 @numba_basic.register_funcify_and_cache_key(BatchNormGrad)
 def _numba_bn_grad(op, node=None, **kwargs):
     fn = _bn_grad_first_numba if op._first() else _bn_grad_last_numba
-    return fn, f"synkhronos.extensions.BatchNormGrad.first{int(op._first())}.v1"
-
-
-def _jax_bn(op):
-    import jax.numpy as jnp
-
-    g, eps, axis = op.n_groups, op.epsilon, op.axis
-
-    def forward(x, gamma, beta, params=None):
-        ax = axis % x.ndim
-        xg = x.reshape((g, x.shape[0] // g) + x.shape[1:])
-        axes = tuple(i for i in range(1, xg.ndim) if i != ax + 1)
-        mean = xg.mean(axis=axes, keepdims=True)
-        var = ((xg - mean) ** 2).mean(axis=axes, keepdims=True)
-        shape = [1] * xg.ndim
-        shape[ax + 1] = -1
-        scale = gamma.reshape(shape) / jnp.sqrt(var + eps)
-        y = ((xg - mean) * scale + beta.reshape(shape)).reshape(x.shape)
-        return y, mean.mean(axis=0).reshape(-1), var.mean(axis=0).reshape(-1)
-    return forward
-
-
-def register_jax(jax_funcify):
-    """Register both Ops with PyTensor's JAX backend (called by ``ops`` when JAX loads)."""
-    import jax
-
-    @jax_funcify.register(BatchNormTrain)
-    def _jax_bn_train(op, **kwargs):
-        return _jax_bn(op)
-
-    @jax_funcify.register(BatchNormGrad)
-    def _jax_bn_grad(op, **kwargs):
-        forward = _jax_bn(op)
-
-        def batch_norm_grad(x, gamma, gy, params=None):
-            _, vjp = jax.vjp(lambda x_, g_: forward(x_, g_, gamma * 0)[0], x, gamma)
-            gx, ggamma = vjp(gy)
-            return gx, ggamma, gy.sum(axis=tuple(i for i in range(gy.ndim)
-                                                  if i != op.axis % gy.ndim))
-        return batch_norm_grad
+    return fn, f"{fn.__module__}.BatchNormGrad.first{int(op._first())}.v1"

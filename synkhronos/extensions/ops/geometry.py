@@ -88,7 +88,10 @@ def register_numba(op_type, fn):
     The function is module-level, so every node of the class shares one
     compiled function (and one cache entry) per dtype.
     """
-    key = f"synkhronos.extensions.{op_type.__name__}.v{_NUMBA_KEY_VERSION}"
+    # A cache entry pickles the module of the code it compiled: the key names that module,
+    # so an entry made before the module moved (or in a checkout where it has not) is not
+    # loaded here.
+    key = f"{fn.__module__}.{op_type.__name__}.v{_NUMBA_KEY_VERSION}"
 
     @numba_basic.register_funcify_and_cache_key(op_type)
     def funcify(op, node=None, **kwargs):

@@ -1,8 +1,12 @@
 """The JAX implementations of the convolution, pooling and batch-norm Ops (GPU mode).
 
-Registered with PyTensor's ``jax_funcify`` when PyTensor's JAX dispatch module
-is imported (it imports jax, which CPU users need not pay for): at once if it
-is loaded already, otherwise by an import hook that runs after it loads.
+The package's one module that imports jax: the Ops and their CPU kernels
+(``conv``, ``pool``, ``batch_norm``) load without it.
+
+Registered with PyTensor's ``jax_funcify`` (``register_when_loaded``, called when
+the package loads) once PyTensor's JAX dispatch module is imported (it imports jax,
+which CPU users need not pay for): at once if it is loaded already, otherwise by an
+import hook that runs after it loads.
 """
 
 import importlib.abc
@@ -10,10 +14,10 @@ import importlib.util
 import logging
 import sys
 
-from . import bn_ops
-from .conv_ops import Conv2d, Conv2dGradInput, Conv2dGradWeights
-from .op_geometry import channel_axis, image_shape, weight_io, weight_shape
-from .pool_ops import AvgPool2d, AvgPool2dGrad, MaxPool2d, MaxPool2dGrad
+from .batch_norm import BatchNormGrad, BatchNormTrain
+from .conv import Conv2d, Conv2dGradInput, Conv2dGradWeights
+from .geometry import channel_axis, image_shape, weight_io, weight_shape
+from .pool import AvgPool2d, AvgPool2dGrad, MaxPool2d, MaxPool2dGrad
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +71,25 @@ def _jax_avg_pool(op):
         return lax.reduce_window(x, 0.0, lax.add, dims, strides, pads) * \
             x.dtype.type(scale)
     return pool
+
+
+def _jax_bn(op):
+    import jax.numpy as jnp
+
+    g, eps, axis = op.n_groups, op.epsilon, op.axis
+
+    def forward(x, gamma, beta, params=None):
+        ax = axis % x.ndim
+        xg = x.reshape((g, x.shape[0] // g) + x.shape[1:])
+        axes = tuple(i for i in range(1, xg.ndim) if i != ax + 1)
+        mean = xg.mean(axis=axes, keepdims=True)
+        var = ((xg - mean) ** 2).mean(axis=axes, keepdims=True)
+        shape = [1] * xg.ndim
+        shape[ax + 1] = -1
+        scale = gamma.reshape(shape) / jnp.sqrt(var + eps)
+        y = ((xg - mean) * scale + beta.reshape(shape)).reshape(x.shape)
+        return y, mean.mean(axis=0).reshape(-1), var.mean(axis=0).reshape(-1)
+    return forward
 
 
 def _register_jax():
@@ -127,7 +150,21 @@ def _register_jax():
             return jax.vjp(pool, jnp.zeros(shape, gy.dtype))[1](gy)[0]
         return avg_pool2d_grad
 
-    bn_ops.register_jax(jax_funcify)
+    @jax_funcify.register(BatchNormTrain)
+    def _jax_bn_train(op, **kwargs):
+        return _jax_bn(op)
+
+    @jax_funcify.register(BatchNormGrad)
+    def _jax_bn_grad(op, **kwargs):
+        forward = _jax_bn(op)
+
+        def batch_norm_grad(x, gamma, gy, params=None):
+            _, vjp = jax.vjp(lambda x_, g_: forward(x_, g_, gamma * 0)[0], x, gamma)
+            gx, ggamma = vjp(gy)
+            return gx, ggamma, gy.sum(axis=tuple(i for i in range(gy.ndim)
+                                                  if i != op.axis % gy.ndim))
+        return batch_norm_grad
+
     logger.debug("convolution, pooling and batch-norm Ops registered with the JAX backend")
 
 
@@ -158,7 +195,9 @@ class _JaxDispatchHook(importlib.abc.MetaPathFinder):
         return spec
 
 
-if _JAX_DISPATCH in sys.modules:
-    _register_jax()
-elif not any(isinstance(f, _JaxDispatchHook) for f in sys.meta_path):
-    sys.meta_path.insert(0, _JaxDispatchHook())
+def register_when_loaded():
+    """Register the Ops with PyTensor's JAX backend: now if it is loaded, else once it loads."""
+    if _JAX_DISPATCH in sys.modules:
+        _register_jax()
+    elif not any(isinstance(f, _JaxDispatchHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _JaxDispatchHook())
