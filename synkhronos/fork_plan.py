@@ -26,7 +26,7 @@ class Machine(NamedTuple):
         cores: the usable cores (``os.sched_getaffinity``).
         n_gpus: NVIDIA GPUs visible (0 when ``use_gpu=False``).
         cuda_user: what already initialised CUDA in this process, or None.
-        launch: this process's ``cluster.launch.Launch`` under mpiexec, or None.
+        launch: this process's ``cluster.launchers.Launch`` under mpiexec, or None.
         cluster_finished: this process's cluster job already ended.
         env: the ``SYNK_*`` settings (``os.environ``).
         max_procs: ``(n, what)``: at most n more processes may start here, a limit set

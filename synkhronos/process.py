@@ -18,7 +18,7 @@ from .variables import checkpoint, collectives, rank_values, reductions  # noqa:
 from .inputs import mappings  # noqa: F401
 from .runtime import profiling  # noqa: F401
 from .runtime import devices, process_setup, shmem, trace, worker
-from .cluster import launch as mpi_launch
+from .cluster import launch as mpi_launch, launchers
 from .cluster.rendezvous import join_cluster
 from .runtime.commands import Command, handler
 from .comm import choose_backend, get_backend
@@ -103,7 +103,7 @@ def fork(n_parallel=None, use_gpu=None, master_rank=0, profile_workers=False,
 def probe(use_gpu):
     """What ``fork()`` needs to know about this machine and process (``plan.Machine``)."""
     n_gpus = devices.count_gpus() if use_gpu is not False else 0
-    launch = mpi_launch.launched()
+    launch = launchers.launched()
     return Machine(cores=tuple(sorted(os.sched_getaffinity(0))), n_gpus=n_gpus,
                    cuda_user=devices.cuda_in_use() if n_gpus else None, launch=launch,
                    cluster_finished=launch is not None and mpi_launch.finished(),

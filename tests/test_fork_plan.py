@@ -5,7 +5,7 @@ import math
 import pytest
 
 from synkhronos import SynkStateError
-from synkhronos.cluster.launch import Launch
+from synkhronos.cluster.launchers import Launch
 from synkhronos.fork_plan import Machine, control_bytes, plan, process_limit, setting_problems, share
 
 FOUR = Machine(cores=(0, 1, 2, 3))

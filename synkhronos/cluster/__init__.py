@@ -13,8 +13,9 @@ MPI carries the messages between machines; where machines come and go (no
 launcher, ``SYNK_LISTEN``/``SYNK_JOIN``) ZeroMQ and gloo do, and what only
 that world uses is in ``elastic/``.  One module per job:
 
-- ``launch``: how this process was started (one ``Launcher`` class per launcher, in
-  ``ROUTES``), MPI's start and end, how a node master exits;
+- ``launchers``: how this process was started (one ``Launcher`` class per launcher, in
+  ``ROUTES``: whether it is present, where in its job this process is);
+- ``launch``: MPI's start and end under that launcher, how a node master exits;
 - ``slurm``: this process's place as a task of an srun step, from Slurm's variables;
 - ``settings``: the cluster's settings from the environment (heartbeats, loss, joins);
 - ``rendezvous``: how the processes find each other in ``fork()`` (MPI, the layout, sentinels);

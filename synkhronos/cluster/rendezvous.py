@@ -32,7 +32,7 @@ def join_cluster(rt, launch, tell_janitor, join_workers, pin):
 
     Args:
         rt: this machine's Runtime, its ranks already forked.
-        launch: this process's ``launch.Launch``, or ``elastic.env.Elastic`` (cluster/elastic/).
+        launch: this process's ``launchers.Launch``, or ``elastic.env.Elastic`` (cluster/elastic/).
         tell_janitor: ``tell_janitor(paths)``: files the janitor removes if this process dies.
         join_workers: ends the machine's workers after the last command (node masters).
         pin: pins this process to its core, once MPI has started.

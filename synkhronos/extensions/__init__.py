@@ -1,4 +1,4 @@
-"""Extensions, three groups, each a client of the public API (``tests/extensions/test_seams.py``):
+"""Extensions, three groups, each a client of the public API (``tests/extensions/test_extension_seams.py``):
 
 - training: ``updates`` (the update rules split for data parallelism, on ``flat``'s
   flat gradient) and ``train`` (a training-step helper and its serial twin);

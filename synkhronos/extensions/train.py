@@ -9,7 +9,7 @@ from pytensor.compile import SharedVariable
 
 import synkhronos as synk
 
-# The library's internals read here are the declared seams of tests/extensions/test_seams.py.
+# The library's internals read here are the declared seams of tests/extensions/test_extension_seams.py.
 from ..comm.compressed import check_16bit
 from ..functions.overlap import OverlappedStep
 from ..inputs.conditioning import check_bool

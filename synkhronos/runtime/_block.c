@@ -90,6 +90,7 @@ static int wait_slots(Block *self, Py_ssize_t *idx, int k, int mode, int64_t tar
             break;
     }
     int done = 0;
+    self->busy++;
     Py_BEGIN_ALLOW_THREADS
     long long spin_end = start + spin_ns;
     while (!done && spin_ns > SPIN_WITH_GIL_NS) {
@@ -130,6 +131,7 @@ static int wait_slots(Block *self, Py_ssize_t *idx, int k, int mode, int64_t tar
         }
     }
     Py_END_ALLOW_THREADS
+    self->busy--;
     return done;
 }
 
@@ -251,6 +253,11 @@ static PyObject *Block_count_ne(Block *self, PyObject *const *args, Py_ssize_t n
 }
 
 static PyObject *Block_release(Block *self, PyObject *unused) {
+    if (self->busy) {
+        PyErr_Format(PyExc_BufferError, "Block.release: %d wait(s) in other threads still "
+                     "read this block", self->busy);
+        return NULL;
+    }
     if (self->held) {
         PyBuffer_Release(&self->view);
         self->held = 0;
@@ -278,7 +285,8 @@ static PyMethodDef Block_methods[] = {
     {"count_ne", (PyCFunction)(void (*)(void))Block_count_ne, METH_FASTCALL,
      "count_ne(indices, value) -> int: how many of the slots hold another value."},
     {"release", (PyCFunction)Block_release, METH_NOARGS,
-     "Give the buffer back (the mapping may then close); the Block is unusable after."},
+     "Give the buffer back (the mapping may then close); the Block is unusable after.\n"
+     "BufferError while a wait in another thread still reads it."},
     {NULL, NULL, 0, NULL}};
 
 static PyTypeObject BlockType = {

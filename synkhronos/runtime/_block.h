@@ -18,7 +18,7 @@
  * change to either (a signature, Block's layout, BlockAPI), and BLOCK_ABI in
  * synkhronos/runtime/__init__.py with it: a build from older sources then fails to
  * import, its error naming the rebuild, instead of misreading memory. */
-#define SYNK_BLOCK_ABI 1
+#define SYNK_BLOCK_ABI 2
 
 #define BLOCK_API_CAPSULE "synkhronos.runtime._block.API"
 
@@ -33,6 +33,9 @@ typedef struct {
     int64_t *slots;
     Py_ssize_t n;
     int held;
+    /* Waits now running without the GIL on this Block (changed with the GIL held): while
+     * any runs, release() refuses, so the slots they read are never unmapped under them. */
+    int busy;
 } Block;
 
 static inline int check_index(Block *self, Py_ssize_t i) {

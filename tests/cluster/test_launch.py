@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from synkhronos.cluster import launch, sentinel
-from synkhronos.cluster.launch import HYDRA, PMI, PRRTE, SRUN_PMI, SRUN_PMIX
+from synkhronos.cluster import launch, launchers, sentinel
+from synkhronos.cluster.launchers import HYDRA, PMI, PRRTE, SRUN_PMI, SRUN_PMIX
 from synkhronos.cluster.slurm import slurm_step, slurm_task, tasks_per_node
 from synkhronos.errors import SynkError
 
@@ -55,7 +55,7 @@ HYDRA_PROXY_STEP = {**SLURM_TASK, "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "
       "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "1"}, None),
 ])
 def test_launched_reads_the_launchers_environment(env, expect):
-    got = launch.launched(env)
+    got = launchers.launched(env)
     assert (got if got is None else tuple(got[:5])) == expect
     if got is not None:
         assert got.seen and all(k in env for k in
@@ -70,7 +70,7 @@ def test_launched_reads_the_launchers_environment(env, expect):
 ])
 def test_a_launch_that_cannot_be_read_is_refused(env, words):
     with pytest.raises(SynkError) as err:
-        launch.launched(env)
+        launchers.launched(env)
     for w in words:
         assert w in str(err.value), err.value
 
@@ -82,13 +82,13 @@ def test_launched_reads_os_environ_by_default(monkeypatch):
     monkeypatch.setenv("PMI_RANK", "1")
     monkeypatch.setenv("PMI_SIZE", "2")
     monkeypatch.setenv("MPI_LOCALRANKID", "0")
-    assert launch.launched().rank == 1
+    assert launchers.launched().rank == 1
 
 
 def test_batch_script_of_several_nodes_warns_that_it_runs_on_one(caplog):
     env = {k: v for k, v in SLURM_TASK.items() if k != "SLURM_STEP_ID"}
     with caplog.at_level(logging.WARNING, logger="synkhronos"):
-        assert launch.launched(env) is None
+        assert launchers.launched(env) is None
     assert "2 nodes" in caplog.text and "srun or mpiexec" in caplog.text
 
 
@@ -107,7 +107,7 @@ OMPI = "Open MPI v5.0.11, package: Open MPI user@localhost Distribution, ident: 
 
 
 def _launch(route, rank=0):
-    return launch.Launch(rank, 2, 0, 1, route, "PMI_RANK=0")
+    return launchers.Launch(rank, 2, 0, 1, route, "PMI_RANK=0")
 
 
 @pytest.mark.parametrize("version,route,words", [
@@ -153,21 +153,21 @@ def test_sentinel_leaves_slurms_step_daemon_alone(monkeypatch):
 
 def test_a_launcher_is_one_class_in_the_table():
     """Defining a Launcher adds it to ROUTES, asked after those before it."""
-    assert [type(k).__name__ for k in launch.ROUTES[:3]] == ["ElasticLaunch", "Hydra", "OpenMpi"]
-    before = list(launch.ROUTES)
+    assert [type(k).__name__ for k in launchers.ROUTES[:3]] == ["ElasticLaunch", "Hydra", "OpenMpi"]
+    before = list(launchers.ROUTES)
 
-    class Made(launch.Launcher):
+    class Made(launchers.Launcher):
         route = "a launcher made here"
 
         def present(self, env):
             return "MADE_RANK" in env
 
         def read(self, env):
-            return launch.Launch(int(env["MADE_RANK"]), 2, 0, 1, self.route, "MADE_RANK=1")
+            return launchers.Launch(int(env["MADE_RANK"]), 2, 0, 1, self.route, "MADE_RANK=1")
     try:
-        assert type(launch.ROUTES[-1]) is Made
-        assert launch.launched({"MADE_RANK": "1"})[:5] == (1, 2, 0, 1, "a launcher made here")
+        assert type(launchers.ROUTES[-1]) is Made
+        assert launchers.launched({"MADE_RANK": "1"})[:5] == (1, 2, 0, 1, "a launcher made here")
         hydra = {"PMI_RANK": "1", "PMI_SIZE": "3", "MPI_LOCALRANKID": "1", "MADE_RANK": "0"}
-        assert launch.launched(hydra).route == HYDRA  # defined before: asked first
+        assert launchers.launched(hydra).route == HYDRA  # defined before: asked first
     finally:
-        launch.ROUTES[:] = before
+        launchers.ROUTES[:] = before

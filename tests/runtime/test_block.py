@@ -55,6 +55,28 @@ def test_bad_slots_raise():
         b.publish(0, 1, 1)
 
 
+
+def test_release_refuses_while_a_wait_in_another_thread_reads_the_block():
+    """A wait runs without the GIL: releasing the block under it would unmap the slots it reads."""
+    import threading
+
+    _, b, slots = _block()
+    got = []
+    t = threading.Thread(target=lambda: got.append(b.wait(3, EQ, 1, 1, 0, 5_000_000_000)))
+    t.start()
+    deadline = time.monotonic() + 5
+    while slots[4] == 0 and time.monotonic() < deadline:  # its waiters count: asleep on the futex
+        time.sleep(0.001)
+    with pytest.raises(BufferError, match="wait"):
+        b.release()
+    b.publish(3, 1, 4)
+    t.join(5)
+    assert got == [True]
+    b.release()  # no wait left: the buffer goes back
+    with pytest.raises(ValueError, match="released"):
+        b.publish(0, 1, 1)
+
+
 def _ping_pong(n, spin_ns):
     """A forked child answers every number the parent publishes; return the seconds it took."""
     m, b, slots = _block()

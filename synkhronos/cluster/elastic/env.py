@@ -1,6 +1,6 @@
 """Machines that come and go: the controller's and node masters' settings (SYNK_LISTEN/SYNK_JOIN).
 
-Read by ``launch.launched``; used by ``rendezvous`` and ``elastic``.
+Read by ``launchers.launched``; used by ``rendezvous`` and ``elastic``.
 """
 
 from typing import NamedTuple
