@@ -126,14 +126,19 @@ def uniform(n, seed):
 def logistic(n):
     """Logistic regression: 5 covariates and an intercept, rows in pm.Data."""
     import numpy as np
-    import pymc as pm
     x = covariates(n)
     y = (uniform(n, 0.0) < 1 / (1 + np.exp(-(0.3 + x @ np.array([0.8, -0.5, 0.3, 0.0, 0.2]))))
          ).astype("int64")
+    return logistic_model(x, y)
+
+
+def logistic_model(x, y):
+    """The logistic regression on covariates ``x`` and outcomes ``y``, both in pm.Data."""
+    import pymc as pm
     with pm.Model() as model:
         X_d, y_d = pm.Data("X", x), pm.Data("y", y)
         a = pm.Normal("a", 0, 2)
-        b = pm.Normal("b", 0, 1, shape=FEATURES)
+        b = pm.Normal("b", 0, 1, shape=x.shape[1])
         pm.Bernoulli("y_obs", logit_p=a + X_d @ b, observed=y_d)
     return model
 

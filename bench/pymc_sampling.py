@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 
-from common import harness, overhead_table
+from common import harness, logistic_model, overhead_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -58,14 +58,7 @@ def rows_y(lo, hi):
     return (u < 1 / (1 + np.exp(-eta))).astype("int64")
 
 
-def make_model(x, y):
-    import pymc as pm
-    with pm.Model() as model:
-        X_d, y_d = pm.Data("X", x), pm.Data("y", y)
-        a = pm.Normal("a", 0, 2)
-        b = pm.Normal("b", 0, 1, shape=FEATURES)
-        pm.Bernoulli("y_obs", logit_p=a + X_d @ b, observed=y_d)
-    return model
+make_model = logistic_model  # the same model as bench/pymc_calls.py's, on these rows
 
 
 # -- memory of a process tree ------------------------------------------------------------------
