@@ -222,6 +222,8 @@ SETTINGS = {
     "SYNK_ON_MACHINE_LOSS": (lambda v: None if v in ("continue", "end") else "continue or end",
                              True),
     "SYNK_MACHINES": (lambda v: None if v.isdigit() and int(v) >= 1 else "a number >= 1", True),
+    "SYNK_CHUNK_ROWS": (lambda v: None if v.strip().isdigit() else
+                        "a number of rows >= 0 (0: no chunks)", False),
 }
 
 

@@ -25,6 +25,7 @@ from ..runtime.state import serialized
 from ..variables.access import resolve
 from . import call_inputs
 from .outputs import collect
+from .chunks import MasterChunks
 from .kept import KeptCall, own_share
 from .rank_call import CallMsg, Share, ThenMsg
 
@@ -46,6 +47,7 @@ class Function:
         self._rt = None
         self._scratch = {}  # per input: the Data a NumPy value is copied into
         self._kept = None   # the last call with Data only and no options (KeptCall)
+        self._chunks = MasterChunks()  # its board, where calls run in chunks (chunks.py)
         self._all_inputs = spec.inputs + spec.bcast_inputs
         self.what = f"call of {spec.fn.name or 'function'}"  # in profiles and stall errors
         self._dtypes = [np.dtype(v.dtype) for v in self._all_inputs]
@@ -62,12 +64,11 @@ class Function:
         """Drop what this Function keeps of its run (its messages and input copies); close() calls it."""
         self._scratch = {}
         self._kept = None
+        self._chunks.close()
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["_scratch"] = {}
-        state["_kept"] = None
-        state["_rt"] = None
+        state.update(_scratch={}, _kept=None, _chunks=MasterChunks(), _rt=None)
         return state
 
     @property
@@ -325,7 +326,7 @@ class Function:
             subset = call_inputs.check_subset(name, len(spec.outputs), output_subset)
         # tuple.__new__: a named tuple's own constructor runs Python code at every call.
         msg = tuple.__new__(CallMsg, (spec.id, [d.describe() for d in datas], n_scattered, sel,
-                                      n_rows, sel_s, int(num_slices), subset, None, plan))
+                                      n_rows, sel_s, int(num_slices), subset, None, plan, None))
         return msg, [d.memory() for d in datas]
 
     def _run(self, args, kwargs, output_subset, batch, batch_s, num_slices, then, plain=False):
@@ -346,19 +347,22 @@ class Function:
             if then is not None:
                 msg = msg._replace(then=then(rt))
             spec = self.spec
+            msg, first = self._chunks.plan_for(spec, rt, msg, arrays)  # chunks.py, where they apply
             kept = None
             if (plain and then is None and len(args) == len(self._all_inputs)
                     and all(type(a) is Data for a in args) and Share.reusable_for(spec, msg)):
                 old = self._kept
                 kept = KeptCall(self, rt, msg, arrays,
                                 old.kept if old is not None and old.msg == msg
-                                else rt.control.keep(Command.CALL, msg))
+                                else rt.control.keep(Command.CALL, msg), self._chunks.board)
                 self._kept = kept
                 if prof is None:
-                    return kept.run()
+                    return kept.run(first)
                 kept = kept.kept  # posted as kept; run the long way, which books the profile's laps
             if _trace:
                 trace.stamp(trace.CHECKED)
+            if msg.chunks is not None:
+                return self._chunks.run(spec, rt, msg, arrays, first, self.what, kept)
             share = Share(spec, rt, msg, arrays)
             return run_command(rt, Command.CALL, msg, lambda seq: own_share(share.run()),
                                lambda mine: collect(spec, rt, mine, msg.subset, self.name or "function"),

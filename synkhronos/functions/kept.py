@@ -8,6 +8,7 @@ from ..inputs.data_object import Data
 from ..runtime import trace
 from ..runtime.commands import Command
 from ..runtime.run import run_command
+from .chunks import master_runner
 from .outputs import collect
 from .rank_call import Share
 
@@ -29,9 +30,10 @@ class KeptCall:
     shape it had (``matches``).
     """
 
-    __slots__ = ("rt", "msg", "kept", "descs", "arrays", "local", "after", "what", "epoch")
+    __slots__ = ("rt", "msg", "kept", "descs", "arrays", "local", "after", "what", "epoch",
+                 "arm")
 
-    def __init__(self, function, rt, msg, arrays, kept):
+    def __init__(self, function, rt, msg, arrays, kept, board=None):
         self.rt = rt
         self.msg = msg
         self.kept = kept
@@ -43,6 +45,14 @@ class KeptCall:
         self.descs = tuple(msg.descs)
         self.arrays = tuple(arrays)
         spec = function.spec
+        self.what = function.what
+        self.arm = None
+        if msg.chunks is not None:
+            # Chunks: the master's runner combines every chunk itself (chunks.py).
+            self.arm, self.local = master_runner(spec, rt, msg.chunks, board, arrays,
+                                                 msg.n_scattered)
+            self.after = None
+            return
         share = Share(spec, rt, msg, arrays)
         run = share.bound()
         if share.plain and share.runs:
@@ -51,7 +61,6 @@ class KeptCall:
             self.local = lambda seq: own_share(run())
         name = function.name or "function"
         self.after = _combiner(spec, rt, name)
-        self.what = function.what
 
     def matches(self, args):
         """Whether ``args`` are the kept call's Data, unchanged in memory and shape."""
@@ -62,10 +71,15 @@ class KeptCall:
                 return False
         return True
 
-    def run(self):
-        """Run the call again on every rank; return its reduced outputs."""
+    def run(self, first=None):
+        """Run the call again on every rank; return its reduced outputs.
+
+        ``first``: a chunked call's chunk 0, where the master just ran it (chunks.py).
+        """
         if _trace:
             trace.stamp(trace.CHECKED)
+        if self.arm is not None:
+            self.arm(self.rt.control.seq + 1, first)
         return run_command(self.rt, Command.CALL, self.msg, self.local, self.after,
                            what=self.what, kept=self.kept)
 

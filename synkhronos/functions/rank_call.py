@@ -16,6 +16,8 @@ from ..runtime import devices, trace
 from ..runtime.commands import Command, handler
 from ..variables import access
 from ..variables.reductions import AllReduceMsg, all_reduce_local
+from . import chunks
+from .chunks import ChunkPlan
 from .outputs import machine_part
 from .slices import run_slices
 
@@ -41,13 +43,15 @@ class CallMsg(NamedTuple):
     subset: object
     then: object = None         # a ThenMsg: a fused step's all-reduce and follow-up call
     plan: object = None         # cluster: {first rank of a machine: its machine_rows.MachinePlan}
+    chunks: object = None       # a chunks.ChunkPlan: rows taken chunk by chunk (chunks.py)
 
     def to_wire(self):
         """This message as plain tuples, the cheapest to pickle (every call sends one)."""
         then, sel = self[8], self[3]
         return (self[0], [tuple(d) for d in self[1]], self[2],
                 None if sel is None else tuple(sel)) + self[4:8] + (
-            None if then is None else tuple(then), self[9])
+            None if then is None else tuple(then), self[9],
+            None if self[10] is None else tuple(self[10]))
 
     @classmethod
     def from_wire(cls, raw):
@@ -58,8 +62,10 @@ class CallMsg(NamedTuple):
         descs = [new(mappings.DataDesc, d) for d in raw[1]]
         if sel is not None:
             sel = rank_rows.selection_from_wire(sel)
+        chunked = raw[10]
         return new(cls, (raw[0], descs, raw[2], sel) + raw[4:8]
-                   + (None if then is None else new(ThenMsg, then), raw[9]))
+                   + (None if then is None else new(ThenMsg, then), raw[9],
+                      None if chunked is None else new(ChunkPlan, chunked)))
 
 
 class ThenMsg(NamedTuple):
@@ -85,6 +91,8 @@ def _combine(rt, msg, entries):
 def _call_prepare(rt, msg):
     """What a worker runs for a kept CALL message: its share, prepared once (or None)."""
     spec = rt.registry.functions[msg.function_id].spec
+    if msg.chunks is not None:
+        return chunks.worker_runner(spec, rt, msg)
     if not Share.reusable_for(spec, msg):
         return None
     run = Share(spec, rt, msg).bound()
@@ -99,6 +107,9 @@ def _call_prepare(rt, msg):
 @handler(Command.CALL, CallMsg, collected=True, combine=_combine, label=_label,
          prepare=_call_prepare)
 def _call_worker(rt, msg):
+    if msg.chunks is not None:
+        chunks.worker_runner(rt.registry.functions[msg.function_id].spec, rt, msg)()
+        return
     execute(rt.registry.functions[msg.function_id].spec, rt, msg)
 
 

@@ -9,7 +9,7 @@ import importlib
 
 # The ABI of runtime/_block.c this Python expects (SYNK_BLOCK_ABI in runtime/_block.h):
 # bump both together.
-BLOCK_ABI = 2
+BLOCK_ABI = 3
 
 REBUILD = "pip install -e ."
 

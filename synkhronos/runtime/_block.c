@@ -30,6 +30,15 @@
  * a good part of one. */
 #define SPIN_WITH_GIL_NS 20000LL
 
+/* A claim word (claim()): a tag above, the next ticket in the low CLAIM_BITS. */
+#define CLAIM_BITS 20
+
+/* Two looks of a spinning wait this far apart (64 pauses take a few microseconds): the
+ * thread was off its core for a time slice: another thread or program shares the core
+ * (Block.preempted).  Shorter gaps (interrupts, the hypervisor) do not count. */
+#define PREEMPT_GAP_NS 1000000LL
+#define CLAIM_MASK ((1LL << CLAIM_BITS) - 1)
+
 static inline int holds(int64_t v, int mode, int64_t target) {
     switch (mode) {
     case EQ: return v == target;
@@ -79,15 +88,24 @@ static int wait_slots(Block *self, Py_ssize_t *idx, int k, int mode, int64_t tar
     long long start = now_ns();
     long long gil_end = start + (spin_ns < SPIN_WITH_GIL_NS ? spin_ns : SPIN_WITH_GIL_NS);
     unsigned it = 0;
+    long long last = start;
+    long long gaps = 0;  /* looks PREEMPT_GAP_NS or more apart: this thread was off its core */
     while (spin_ns > 0) {
         cpu_relax();
         if (holds(load_acquire(&s[idx[next]]), mode, target)) {
-            if (++next == k)
+            if (++next == k) {
+                self->preempted += gaps;
                 return 1;
+            }
             continue;
         }
-        if ((++it & 63) == 0 && now_ns() >= gil_end)
-            break;
+        if ((++it & 63) == 0) {
+            long long t = now_ns();
+            gaps += t - last >= PREEMPT_GAP_NS;
+            last = t;
+            if (t >= gil_end)
+                break;
+        }
     }
     int done = 0;
     self->busy++;
@@ -100,8 +118,13 @@ static int wait_slots(Block *self, Py_ssize_t *idx, int k, int mode, int64_t tar
                 done = 1;
             continue;
         }
-        if ((++it & 63) == 0 && now_ns() >= spin_end)
-            break;
+        if ((++it & 63) == 0) {
+            long long t = now_ns();
+            gaps += t - last >= PREEMPT_GAP_NS;
+            last = t;
+            if (t >= spin_end)
+                break;
+        }
     }
     if (!done && block_ns > 0) {
         long long end = now_ns() + block_ns;
@@ -132,6 +155,7 @@ static int wait_slots(Block *self, Py_ssize_t *idx, int k, int mode, int64_t tar
     }
     Py_END_ALLOW_THREADS
     self->busy--;
+    self->preempted += gaps;
     return done;
 }
 
@@ -252,6 +276,38 @@ static PyObject *Block_count_ne(Block *self, PyObject *const *args, Py_ssize_t n
     return PyLong_FromSsize_t(count);
 }
 
+static PyObject *Block_claim(Block *self, PyObject *const *args, Py_ssize_t nargs) {
+    /* claim(index, tag, n) -> int: take the next ticket of the word at ``index``, which holds
+     * (tag << CLAIM_BITS) | next; -1 once the word holds another tag (a later call's) or
+     * every ticket below ``n`` is taken.  One compare-and-swap per ticket: whoever takes
+     * ticket t, no one else does, and a rank still in an older call takes none. */
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "claim(index, tag, n)");
+        return NULL;
+    }
+    Py_ssize_t i = PyLong_AsSsize_t(args[0]);
+    long long tag = PyLong_AsLongLong(args[1]);
+    long long n = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred() || check_index(self, i) < 0)
+        return NULL;
+    if (n < 0 || n > CLAIM_MASK || tag < 0 || tag > (INT64_MAX >> CLAIM_BITS)) {
+        PyErr_SetString(PyExc_ValueError, "claim: tag or n out of range");
+        return NULL;
+    }
+    int64_t *p = &self->slots[i];
+    int64_t v = load(p);
+    for (;;) {
+        if ((v >> CLAIM_BITS) != tag || (v & CLAIM_MASK) >= n)
+            return PyLong_FromLong(-1);
+        if (__atomic_compare_exchange_n(p, &v, v + 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+            return PyLong_FromLongLong(v & CLAIM_MASK);
+    }
+}
+
+static PyObject *Block_preempted(Block *self, PyObject *unused) {
+    return PyLong_FromLongLong(self->preempted);
+}
+
 static PyObject *Block_release(Block *self, PyObject *unused) {
     if (self->busy) {
         PyErr_Format(PyExc_BufferError, "Block.release: %d wait(s) in other threads still "
@@ -284,6 +340,13 @@ static PyMethodDef Block_methods[] = {
      "then publish ``seq`` in the done slot."},
     {"count_ne", (PyCFunction)(void (*)(void))Block_count_ne, METH_FASTCALL,
      "count_ne(indices, value) -> int: how many of the slots hold another value."},
+    {"claim", (PyCFunction)(void (*)(void))Block_claim, METH_FASTCALL,
+     "claim(index, tag, n) -> int: the next ticket below ``n`` of the claim word at\n"
+     "``index`` ((tag << CLAIM_BITS) | next), or -1 once all are taken or the word\n"
+     "holds another tag."},
+    {"preempted", (PyCFunction)Block_preempted, METH_NOARGS,
+     "preempted() -> int: how often this process's spinning waits on the Block saw\n"
+     "themselves taken off their core (two looks 1 ms or more apart), since it was made."},
     {"release", (PyCFunction)Block_release, METH_NOARGS,
      "Give the buffer back (the mapping may then close); the Block is unusable after.\n"
      "BufferError while a wait in another thread still reads it."},
@@ -327,6 +390,7 @@ PyMODINIT_FUNC PyInit__block(void) {
         return NULL;
     }
     if (PyModule_AddIntConstant(m, "ABI", SYNK_BLOCK_ABI) < 0 ||
+        PyModule_AddIntConstant(m, "CLAIM_BITS", CLAIM_BITS) < 0 ||
         PyModule_AddIntConstant(m, "EQ", EQ) < 0 || PyModule_AddIntConstant(m, "NE", NE) < 0 ||
         PyModule_AddIntConstant(m, "GE", GE) < 0) {
         Py_DECREF(m);

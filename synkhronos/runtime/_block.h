@@ -18,7 +18,7 @@
  * change to either (a signature, Block's layout, BlockAPI), and BLOCK_ABI in
  * synkhronos/runtime/__init__.py with it: a build from older sources then fails to
  * import, its error naming the rebuild, instead of misreading memory. */
-#define SYNK_BLOCK_ABI 2
+#define SYNK_BLOCK_ABI 3
 
 #define BLOCK_API_CAPSULE "synkhronos.runtime._block.API"
 
@@ -36,6 +36,8 @@ typedef struct {
     /* Waits now running without the GIL on this Block (changed with the GIL held): while
      * any runs, release() refuses, so the slots they read are never unmapped under them. */
     int busy;
+    /* Spinning waits that saw this thread off its core (changed with the GIL held). */
+    long long preempted;
 } Block;
 
 static inline int check_index(Block *self, Py_ssize_t i) {

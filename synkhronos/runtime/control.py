@@ -19,11 +19,12 @@ import functools
 import itertools
 import logging
 import pickle
+import time
 from typing import NamedTuple
 
 from ..errors import error_record, unpickle_exception
 from . import trace
-from ._block import EQ, NE, Block
+from ._block import EQ, GE, NE, Block
 from .commands import Command, decode, encode, handler
 from .liveness import CHECK_NS, wait_slots
 from .peers import ALONE
@@ -47,6 +48,7 @@ MSG_BYTES = 1 << 20
 IDLE_TIMEOUT_NS = 50_000_000  # an idle worker looks at its master this often
 DECODE_CACHE_BYTES = 1024  # messages this short are kept decoded (keyed by their bytes)
 DECODE_CACHE_SIZE = 256
+CONTENDED_NS = 500_000_000  # a worker seen off its core sleeps at once this long (wait_command)
 KEPT_SIZE = 256  # decoded kept messages (and what was prepared for them) per worker
 
 _trace = trace.ON
@@ -84,6 +86,11 @@ class Control:
         self.kept = {}     # kept message id -> [decoded message, prepared runner or None]
         self.epoch = 0     # the Registry.epoch the prepared runners were made in
         self.msg_id = 0    # the kept message the area holds (leader), or 0
+        # The last command closed before every worker finished it (functions/chunks.py), or 0:
+        # no other message is written before they all have.
+        self.early = 0
+        self.preempts = 0  # Block.preempted() when last looked at (wait_command)
+        self.calm_at = 0   # until then (monotonic ns) a worker's waits do not spin
         self.ids = itertools.count(1)
         self.workers = rt.worker_ranks
         self.status_slots = tuple(self.slot(r, STATUS) for r in self.workers)
@@ -107,6 +114,12 @@ class Control:
         """
         freed = rt.registry.freed
         mv = self.mv
+        if self.early and (kept is None or freed or kept.id != self.msg_id):
+            # A worker may still read the message area for that command (a repeat of the
+            # same kept message leaves the area as it is).
+            wait_slots(self.fast, self.done_slots, GE, self.early, DONE_WAITERS - DONE, rt.check,
+                       self.spin_ns)
+            self.early = 0
         if not self.workers and rt.peers is ALONE:
             # One rank, one machine: nobody reads the message (nothing to unmap either).
             freed.clear()
@@ -193,14 +206,28 @@ class Control:
         return text, unpickle_exception(exc_bytes)
 
     def wait_command(self, rank, last_seq, check):
-        """Block until the master posts a command after ``last_seq``; return its seq."""
-        if not self.fast.wait(SEQ, NE, last_seq, SEQ_WAITERS - SEQ, min(self.spin_ns, CHECK_NS),
+        """Block until the master posts a command after ``last_seq``; return its seq.
+
+        A worker whose spinning wait saw it taken off its core (another program
+        holds the core) sleeps at once for the next ``CONTENDED_NS``: spinning
+        there only spends the time slice it needs for its chunks, and a rank
+        that sleeps gets its core back as soon as it is woken.
+        """
+        spin = self.spin_ns
+        if spin:
+            seen = self.fast.preempted()
+            if seen != self.preempts:
+                self.preempts = seen
+                self.calm_at = time.monotonic_ns() + CONTENDED_NS
+            if self.calm_at and time.monotonic_ns() < self.calm_at:
+                spin = 0
+        if not self.fast.wait(SEQ, NE, last_seq, SEQ_WAITERS - SEQ, min(spin, CHECK_NS),
                               IDLE_TIMEOUT_NS):
             # Idle a while: give back what the calls before freed (glibc keeps a call's
             # intermediates for the next; a rank at 10^6 rows held 30 MiB of them).
             trim_heap()
             wait_slots(self.fast, SEQ, NE, last_seq, SEQ_WAITERS - SEQ, check,
-                       max(self.spin_ns - CHECK_NS, 0), IDLE_TIMEOUT_NS)
+                       max(spin - CHECK_NS, 0), IDLE_TIMEOUT_NS)
         self.current = self.mv[SEQ]
         return self.current
 

@@ -63,7 +63,9 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None, wire=None, 
                 raise KeyboardInterrupt from exc
             local_exc = exc
             control.abort(seq)
-        control.wait_done(rt, seq, rt.check)
+        early = control.early == seq  # chunks: closed without the ranks that took none
+        if not early:
+            control.wait_done(rt, seq, rt.check)
         if not alone:
             remote = peers.finish(rt.check)
         if _trace:
@@ -83,7 +85,7 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None, wire=None, 
         raise
     if debug:
         logger.debug("rank %d ran %s in %.6f s", rt.place.rank, cmd.name, time.perf_counter() - t0)
-    if local_exc is not None or remote or control.any_failed():
+    if local_exc is not None or remote or (not early and control.any_failed()):
         if prof is not None:
             prof.end("reduce")  # a failed command is still one record, and the next one starts clean
         raise _worker_error(rt, cmd, local_exc, remote)

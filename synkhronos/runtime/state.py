@@ -154,6 +154,7 @@ class Runtime:
     closed: bool = False
     in_call: bool = False               # running a call's graph: in-graph collectives combine ranks
     jax_before_fork: bool = False       # JAX ran in the master before fork(): workers cannot
+    chunk_boards: dict = field(default_factory=dict)  # a worker's chunk boards (functions/chunks.py)
 
     @property
     def is_master(self):

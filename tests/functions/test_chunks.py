@@ -1,0 +1,214 @@
+"""Chunked calls (functions/chunks.py): the same bits on any number of ranks, work that
+follows the free cores, failures reported, and the calls that keep their static split.
+
+The expectation is independent of the library: the same graph compiled serially by
+PyTensor, run on each chunk's rows, the results combined in chunk order by NumPy.
+"""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+
+import synkhronos as synk
+from synkhronos.functions import chunks
+from synkhronos.runtime.state import get_runtime
+
+pytestmark = pytest.mark.timeout(180)
+
+N_ROWS = 10_000  # 8 chunks of 1250 rows by the default rule
+
+
+def _graph():
+    x = pt.dmatrix("x")
+    v = pt.dvector("v")
+    outs = [(pt.sum(pt.exp(pt.sin(x * v)), axis=0), "sum"), (pt.sum(x ** 2), "sum"),
+            (pt.mean(x * v), "avg"), (pt.max(x), "max")]
+    return x, v, outs
+
+
+def _chunked_expectation(X, vs):
+    """What a chunked call must return, bit for bit: serial PyTensor per chunk, combined in order."""
+    x, v, outs = _graph()
+    serial = pytensor.function([x, v], [o for o, _ in outs])
+    rows = chunks.chunk_rows(len(X))
+    bounds = [(lo, min(len(X), lo + rows)) for lo in range(0, len(X), rows)]
+    got = []
+    for vv in vs:
+        per = [serial(X[lo:hi], vv) for lo, hi in bounds]
+        total = []
+        for j, (_, op) in enumerate(outs):
+            parts = [p[j] for p in per]
+            if op == "sum":
+                acc = parts[0].copy()
+                for p in parts[1:]:
+                    acc = acc + p
+            elif op == "avg":
+                w = [hi - lo for lo, hi in bounds]
+                acc = parts[0] * (w[0] / float(sum(w)))
+                for p, wi in zip(parts[1:], w[1:]):
+                    acc = acc + p * (wi / float(sum(w)))
+            else:
+                acc = np.max(parts, axis=0)
+            total.append(acc)
+        got.append(total)
+    return got
+
+
+@pytest.fixture(scope="module")
+def rows():
+    rng = np.random.default_rng(5)
+    X = rng.standard_normal((N_ROWS, 3))
+    vs = [np.array([1.0, -0.5, 0.25]) * (1 + i) for i in range(4)]
+    return X, vs, _chunked_expectation(X, vs)
+
+
+def test_the_same_bits_on_any_number_of_ranks(rows):
+    X, vs, want = rows
+    seen = {}
+    for n in (1, 2, 3, 4):
+        synk.fork(n, use_gpu=False)
+        try:
+            x, v, outs = _graph()
+            f = synk.function([x], outs, bcast_inputs=[v])
+            synk.distribute()
+            d = synk.data(X)
+            vd = synk.data(np.zeros(3))
+            got = []
+            for vv in vs:
+                vd.data[...] = vv
+                # The first call of a shape runs chunk 0 in the master; the next are kept.
+                for _ in range(3):
+                    got.append([np.asarray(g).tobytes() for g in f(d, vd)])
+            # A NumPy input (copied into shared memory each call) takes the same path.
+            got.append([np.asarray(g).tobytes() for g in f(X, vs[-1])])
+            assert f._chunks.plan is not None and f._chunks.plan.n_chunks == 8
+        finally:
+            synk.close()
+        seen[n] = got
+        assert all(g == got[0] for g in got[:3])
+    assert seen[2] == seen[1] and seen[3] == seen[1] and seen[4] == seen[1]
+    # The serial graph on each chunk, combined in chunk order.
+    for i, w in enumerate(want):
+        for g, e in zip(seen[1][3 * i], w):
+            np.testing.assert_allclose(np.frombuffer(g), np.ravel(e), rtol=1e-13)
+    np.testing.assert_allclose(np.frombuffer(seen[1][-1][1]), (X ** 2).sum(), rtol=1e-12)
+    np.testing.assert_array_equal(np.frombuffer(seen[1][-1][3]), X.max())
+
+
+def test_a_stopped_worker_costs_no_call(forked, rows):
+    X, vs, want = rows
+    forked(2)
+    x, v, outs = _graph()
+    f = synk.function([x], outs, bcast_inputs=[v])
+    g = synk.function([x], (x.sum(), "sum"))
+    synk.distribute()
+    d = synk.data(X)
+    vd = synk.data(vs[0])
+    f(d, vd)
+    worker = get_runtime().processes.procs[1]
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        for _ in range(5):
+            got = f(d, vd)
+            for a, e in zip(got, want[0]):
+                np.testing.assert_allclose(a, e, rtol=1e-13)
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+    # Another command waits for the worker to pass the calls it skipped, then runs.
+    np.testing.assert_allclose(g(d), X.sum(), rtol=1e-12)
+    np.testing.assert_allclose(f(d, vd)[0], want[0][0], rtol=1e-13)
+
+
+class FailInWorker(pytensor.graph.op.Op):
+    """Return x; raise in the workers when the flag input is 1, in the master when it is 2."""
+
+    __props__ = ()
+
+    def make_node(self, x, flag):
+        x, flag = pt.as_tensor_variable(x), pt.as_tensor_variable(flag)
+        return pytensor.graph.basic.Apply(self, [x, flag], [x.type()])
+
+    def perform(self, node, inputs, outputs):
+        x, flag = inputs
+        master = get_runtime().is_master
+        if (flag == 1 and not master) or (flag == 2 and master):
+            raise ValueError(f"chunk failed in rank {get_runtime().place.rank}")
+        outputs[0][0] = x.copy()
+
+
+def test_a_failing_chunk_is_reported_and_the_run_goes_on(forked):
+    forked(3)
+    x = pt.dmatrix("x")
+    flag = pt.lscalar("flag")
+    f = synk.function([x], (FailInWorker()(x, flag).sum(), "sum"), bcast_inputs=[flag],
+                      mode="FAST_COMPILE")
+    synk.distribute()
+    X = np.arange(2.0 * N_ROWS).reshape(N_ROWS, 2)
+    d = synk.data(X)
+    ok, bad = synk.data(np.array(0)), synk.data(np.array(1))
+    assert f(d, ok) == X.sum()
+    failed = 0
+    for _ in range(5):
+        # Whether a worker takes a chunk before the master takes them all depends on
+        # the schedule; once one does, the call must fail with its error.
+        try:
+            f(d, bad)
+        except synk.WorkerError as exc:
+            assert "chunk failed in rank" in str(exc)
+            failed += 1
+    assert failed >= 1
+    assert f(d, ok) == X.sum()
+    # The master's own chunk 0 of a new shape, run before the call is posted, fails as
+    # any rank's share does.
+    with pytest.raises(synk.WorkerError, match="chunk failed in rank 0"):
+        f(synk.data(X[:-1]), synk.data(np.array(2)))
+    assert f(d, ok) == X.sum()
+
+
+def test_calls_that_keep_the_static_split(forked):
+    forked(2)
+    x = pt.dmatrix("x")
+    s = pytensor.shared(np.zeros(2), name="s")
+    gathered = synk.function([x], (x * 2, "gather"))
+    updating = synk.function([x], (x.sum(), "sum"), updates=[(s, s + x.sum(axis=0))])
+    reduced = synk.function([x], (x.sum(axis=0), "sum"))
+    synk.distribute()
+    X = np.ones((N_ROWS, 2))
+    d = synk.data(X)
+    np.testing.assert_array_equal(gathered(d), X * 2)
+    assert updating(d) == 2 * N_ROWS
+    small = synk.data(X[:100])
+    np.testing.assert_array_equal(reduced(small), [100, 100])
+    np.testing.assert_array_equal(reduced(d, batch=slice(0, N_ROWS // 2)), [N_ROWS // 2] * 2)
+    assert gathered._chunks.plan is None and updating._chunks.plan is None
+    assert reduced._chunks.plan is None
+    np.testing.assert_array_equal(reduced(d), [N_ROWS, N_ROWS])
+    assert reduced._chunks.plan is not None
+
+
+def test_chunk_rows_rule_and_setting():
+    assert chunks.chunk_rows(1000, {}) == 0                   # too few rows: static split
+    assert chunks.chunk_rows(2048, {}) == 1024                # 2 chunks
+    assert chunks.chunk_rows(10_000, {}) == 1250              # 8 chunks (a power of two)
+    assert chunks.chunk_rows(10 ** 6, {}) == 62_500           # at most 16
+    assert chunks.chunk_rows(10_000, {"SYNK_CHUNK_ROWS": "0"}) == 0
+    assert chunks.chunk_rows(10_000, {"SYNK_CHUNK_ROWS": "3000"}) == 3000
+    assert chunks.chunk_rows(5_000, {"SYNK_CHUNK_ROWS": "3000"}) == 0
+    with pytest.raises(ValueError, match="SYNK_CHUNK_ROWS"):
+        chunks.chunk_rows(10_000, {"SYNK_CHUNK_ROWS": "many"})
+    with pytest.raises(ValueError, match="SYNK_CHUNK_ROWS"):
+        chunks.chunk_rows(10_000, {"SYNK_CHUNK_ROWS": "-1"})
+
+
+def test_a_bad_chunk_setting_is_refused_at_fork(monkeypatch):
+    monkeypatch.setenv("SYNK_CHUNK_ROWS", "lots")
+    with pytest.raises(ValueError, match="SYNK_CHUNK_ROWS must be a number of rows"):
+        synk.fork(2, use_gpu=False)
+    assert get_runtime() is None
