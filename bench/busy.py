@@ -1,6 +1,6 @@
 """The headline ratios measured quiet and beside busy processes, alternating, in one run.
 
-    python bench/busy.py [--rounds 3] [--busy 1] [--rows 10000,100000] [--parts pymc,calls]
+    python bench/busy.py [--rounds 15] [--busy 1] [--rows 10000,100000] [--parts pymc,calls] [--raw]
 
 Per round, each state in turn: ``quiet``, then ``busy`` (``--busy`` processes
 spinning ``while True: pass``, not pinned, started before and killed after the
@@ -14,7 +14,10 @@ state's measurements):
          shown too): each in a child process of its own, at every ``--rows``.
   calls  bench/call_overhead.py: a tiny call against the bare PyTensor call, a
          4-byte all_reduce against MPICH's, the MLP's fused step against the
-         serial step on one BLAS thread.
+         serial step on one BLAS thread (one run per state every 5 rounds).
+
+``BUSY_VARIANTS="name:VAR=value,VAR=value;..."`` adds data-parallel children run with
+those settings (``SYNK_CHUNK_ROWS=2500``, ``SYNK_SPIN_S=0``) beside the others.
 
 Ratios above 1 are synkhronos faster than its baseline (the tiny call's and the
 all_reduce's are times over the baseline's: lower is better).  The CPU model
@@ -29,6 +32,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from common import cpu_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -104,20 +109,16 @@ def _calls(env):
     return got
 
 
-def _cpu_model():
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        m = re.search(r"^Model name:\s+(.*)$", out, re.M)
-        return m.group(1).strip() if m else "unknown"
-    except OSError:
-        return "unknown"
-
-
 PYMC_KINDS = ("serial 1 thread", "serial default threads", "dp chunks", "dp static split")
 
 
+def _env():
+    """This tree first on the children's path."""
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
 def _pymc_children(n):
-    base = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    base = _env()
     one = dict(base, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     envs = {"serial 1 thread": ("serial", one), "serial default threads": ("serial", base),
             "dp chunks": ("dp", base), "dp static split": ("dp", dict(base, SYNK_CHUNK_ROWS="0"))}
@@ -156,7 +157,7 @@ def main():
         return
     rows = [int(r) for r in args.rows.split(",")]
     parts = args.parts.split(",")
-    print(f"# {time.strftime('%Y-%m-%d %H:%M')}, {_cpu_model()}, {os.cpu_count()} cores, "
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')}, {cpu_model()}, {os.cpu_count()} cores, "
           f"{args.rounds} rounds per state, busy = {args.busy} spinning process(es)", flush=True)
     print("\n| figure | quiet | beside busy |\n| --- | --- | --- |", flush=True)
     for n in rows if "pymc" in parts else ():
@@ -191,7 +192,7 @@ def main():
             print(f"| {n} rows: PyMC serial (1 thread) / {k} (x, median of paired rounds) | "
                   f"{r['quiet']:.2f} | {r['busy']:.2f} |", flush=True)
     if "calls" in parts:
-        base = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        base = _env()
         got = {"quiet": [], "busy": []}
         for _ in range(max(1, args.rounds // 5)):
             for state in ("quiet", "busy"):

@@ -13,7 +13,7 @@ so scripts that never build a graph (faults.py, slurm_routes.py) stay light.
   sampler's position (``flat_point``), calls per time (``calls_for``) and the
   overhead table of bench/pymc_calls.py (``overhead_table``);
 - simulated machines' links and the host's quiet: ``shape``, ``link_gbit``,
-  ``burst_for``, ``wait_quiet``, ``Foreign``;
+  ``burst_for``, ``wait_quiet``, ``Foreign``; the CPU's model (``cpu_model``);
 - a demo's module loaded from its file (``demo``), and the tests' simulated-machine
   harness (``harness``), the one place bench/ reaches into tests/.
 """
@@ -291,6 +291,17 @@ def link_gbit(m, rate):
         return float(r.stdout.readline())
     finally:
         r.wait(timeout=30)
+
+
+def cpu_model():
+    """The CPU's model name as ``lscpu`` gives it (figures differ between VM kinds)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines()
+                    if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        import platform
+        return platform.processor() or "unknown CPU"
 
 
 def _cpu():

@@ -11,25 +11,17 @@ table with each target's minutes and pass or fail.
 
 import argparse
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
+from common import cpu_model
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = ("slurm-packages", "test-current", "test-main", "test-lowest", "test-pymc",
            "test-openmpi")
-
-
-def _cpu():
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines()
-                    if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 def main():
@@ -47,7 +39,7 @@ def main():
     rows = []
     try:
         subprocess.run(["git", "clone", "-q", ROOT, clone], check=True)
-        print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {_cpu()}, "
+        print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {cpu_model()}, "
               f"{os.cpu_count()} CPUs, commit "
               + subprocess.run(["git", "-C", clone, "rev-parse", "--short", "HEAD"],
                                capture_output=True, text=True).stdout.strip()

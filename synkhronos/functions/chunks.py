@@ -2,7 +2,7 @@
 
 Why: with the rows split once per rank, a call lasts as long as its slowest
 rank, and a rank whose core another program holds runs at half speed or not
-at all until its time slice comes (bench/busy.py: 0.7-1.0x a serial call
+at all until its time slice comes (bench/busy.py: 0.78-0.90x a serial call
 beside one busy process).  Here a call whose outputs are small reductions
 cuts its rows into chunks fixed by the row count alone; every rank, the
 master too, takes the next chunk (a compare-and-swap on a claim word) until
@@ -24,14 +24,13 @@ one flag per chunk (``seq << RANK_BITS | rank`` of whoever finished it) and a
 region per (chunk, rank) for the results: a rank writes only its own regions,
 so a late rank of an older call can overwrite no result the master reads.
 
-Which calls (``plan``): one machine, CPU mode, outputs all under a reduce op
+Which calls (``eligible``): one machine, CPU mode, outputs all under a reduce op
 ("sum", "avg", "prod", "max", "min"), no updates, no in-graph collectives, no
 call options, at least two chunks' worth of rows (``chunk_rows``).  Others
 keep their static split.  ``SYNK_CHUNK_ROWS=0`` turns chunks off; another
 value fixes the rows of a chunk.
 """
 
-import logging
 import os
 import time
 from typing import NamedTuple
@@ -48,7 +47,6 @@ from ..runtime.peers import ALONE
 from ..runtime.run import run_command
 from ..runtime.shmem import SharedArray
 
-logger = logging.getLogger(__name__)
 
 CHUNK_ROWS_ENV = "SYNK_CHUNK_ROWS"
 MIN_ROWS = 1024     # a chunk's fewest rows: below, a call's fixed cost (10-15 us) shows
