@@ -366,9 +366,12 @@ def nutpie_model(dp, var_names=None, initial_points=None, jitter_rvs=None,
         def expand(x, **shared):
             p = dp.unravel(np.asarray(x, dtype=dp.dtype))
             values = [p[n] for n in names]
-            extra = expand_fn(*values) if remaining else []
-            return {n: np.asarray(v, dtype=np.float64, order="C").reshape(s)
-                    for n, v, s in zip(all_names, [*values, *extra], all_shapes)}
+            # nutpie's chains call this from threads of their own, and one PyTensor
+            # function's storage is not for two at once (a censored model's draws failed so).
+            with lock:
+                extra = expand_fn(*values) if remaining else []
+                return {n: np.array(v, dtype=np.float64, order="C").reshape(s)
+                        for n, v, s in zip(all_names, [*values, *extra], all_shapes)}
         return expand
 
     # The coordinates, dims and hidden transformed variables as nutpie's own PyMC model has
