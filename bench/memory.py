@@ -205,7 +205,7 @@ def child_sample(n, rows, draws, sampler="pymc"):
     import synkhronos as synk
     from synkhronos.extensions import pymc as synk_pymc
     synk.fork(n, use_gpu=False)
-    dp = synk_pymc.data_parallel(model)
+    dp = synk_pymc.data_parallel(model, split=True)  # the data-parallel path
     synk.distribute()
     x = dp.initial_x()
     dp.logp_dlogp(x)  # compiled before the measured part, as pymc_sampling.py does

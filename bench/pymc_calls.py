@@ -211,7 +211,7 @@ def child_steps(system, n_rows, draws, tune):
         import synkhronos as synk
         from synkhronos.extensions import pymc as synk_pymc
         synk.fork(2)
-        dp = synk_pymc.data_parallel(model)
+        dp = synk_pymc.data_parallel(model, split=True)  # the data-parallel path, timed
         synk.distribute()
         dp.scatter()
         dp.logp_dlogp(q)     # compiled (Numba compiles at the first call) before the timing

@@ -13,7 +13,7 @@ any machine, makes the same rows:
             pm.sample_posterior_predictive on new rows
   schools   eight schools (non-centred): 8 rows, the small model
 
-Two parts, each model in a child process of its own (own memory, a quiet start):
+The parts, each model in a child process of its own (own memory, a quiet start):
 
   graphs    microseconds per position of PyMC's own (logp, dlogp)
             (``model.logp_dlogp_function(ravel_inputs=True)``, as its NUTS calls it, in
@@ -28,11 +28,17 @@ Two parts, each model in a child process of its own (own memory, a quiet start):
             (the same caches again), each in a fresh process: pm.sample against
             synk.fork(2) + data_parallel() + distribute() + dp.sample, PyMC's NUTS, one
             chain of one tuning step and one draw (compiling is all but all of it).
+  e2e       seconds from the model built to the draws, every step included (fork,
+            data_parallel, distribute, compiling, sampling), each run in a fresh process,
+            on the PyMC example gallery's models as their notebooks write them, at their
+            own sizes (tests/helpers/pymc_gallery.py): pm.sample as PyMC runs it by
+            default against dp.sample with the split measured (the default) and forced.
 
     python bench/pymc_gallery.py --parts graphs                  # about 3 minutes here
     python bench/pymc_gallery.py --parts graphs --rows 1e5 --models radon,logistic
     python bench/pymc_gallery.py --parts sample --rows 1e4,1e5 --draws 200 --tune 200
     python bench/pymc_gallery.py --parts startup --rows 1e3           # about 10 minutes here
+    python bench/pymc_gallery.py --parts e2e --draws 500 --tune 500 --chains 2
 """
 
 import argparse
@@ -47,7 +53,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-PARTS = ("graphs", "sample", "startup")
+PARTS = ("graphs", "sample", "startup", "e2e")
 SYSTEMS = ("pymc", "nutpie", "synk-pymc", "synk-nutpie")
 
 
@@ -475,11 +481,87 @@ def _startup(models, n_rows):
 
 
 # -- driver --------------------------------------------------------------------------------------
+E2E_SYSTEMS = ("pymc", "synk", "synk-split")
+E2E_WHAT = {"pymc": "pm.sample as the installed PyMC runs it by default (its sampler, its cores)",
+            "synk": "synk.fork(2) + data_parallel(model) + distribute() + dp.sample, the "
+                    "default (split measured)",
+            "synk-split": "the same with data_parallel(model, split=True)"}
+
+
+def child_e2e(system, which, chains, draws, tune):
+    """One run end to end: from the model built to the draws, set-up and compiling included."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from helpers import pymc_gallery
+
+    _quiet()
+    import pymc as pm
+    import pytensor
+    with pytensor.config.change_flags(floatX="float64"):
+        model = pymc_gallery.MODELS[which]()
+    kw = dict(draws=draws, tune=tune, chains=chains, random_seed=1, progressbar=False,
+              compute_convergence_checks=False)
+    decision, parts = None, {}
+    t0 = time.perf_counter()
+    if system == "pymc":
+        with model:
+            pm.sample(**kw)
+    else:
+        import synkhronos as synk
+        from synkhronos.extensions import pymc as synk_pymc
+        synk.fork(2)
+        try:
+            dp = synk_pymc.data_parallel(model, split=True if system == "synk-split" else None)
+            t1 = time.perf_counter()
+            synk.distribute()
+            t2 = time.perf_counter()
+            dp.sample(**kw)
+            decision = dp.decision.describe()
+            parts = {"data_parallel_s": t1 - t0, "distribute_s": t2 - t1,
+                     "sample_s": time.perf_counter() - t2}
+        finally:
+            synk.close()
+    _emit("E2E", {"system": system, "model": which, "chains": chains,
+                  "secs": time.perf_counter() - t0, "decision": decision, **parts})
+
+
+def _e2e(models, chains, systems, draws, tune, rounds):
+    """Every system on every model, rounds alternating the systems' order; medians."""
+    import statistics
+    runs = {}
+    for r in range(rounds):
+        for m in models:
+            order = systems if r % 2 == 0 else systems[::-1]
+            for s in order:
+                res = _run_child(["e2e", s, m, chains, draws, tune])
+                if res is None:
+                    continue
+                runs.setdefault((m, s), []).append(res)
+                extra = (f"; data_parallel {res['data_parallel_s']:.1f} s, distribute "
+                         f"{res['distribute_s']:.1f} s, sample {res['sample_s']:.1f} s; "
+                         f"{res['decision']}" if "sample_s" in res else "")
+                print(f"# round {r + 1}: {s} {m}: {res['secs']:.1f} s{extra} (load "
+                      f"{os.getloadavg()[0]:.1f})", flush=True)
+    print(f"\n### End to end: seconds from the model built to the draws ({chains} chains, "
+          f"{draws} draws after {tune} tuning steps, median of {rounds} rounds)\n")
+    for s in systems:
+        print(f"- {s}: {E2E_WHAT[s]}")
+    print("\n| model | " + " | ".join(f"{s} s" for s in systems) + " | "
+          + " | ".join(f"{s} / pymc" for s in systems[1:]) + " |")
+    print("|---|" + "---:|" * (2 * len(systems) - 1))
+    for m in models:
+        med = {s: statistics.median(x["secs"] for x in runs.get((m, s), [])) if runs.get((m, s))
+               else None for s in systems}
+        cells = [f"{med[s]:.1f}" if med[s] else "-" for s in systems]
+        ratios = [f"{med[s] / med['pymc']:.2f}x" if med[s] and med.get("pymc") else "-"
+                  for s in systems[1:]]
+        print(f"| {m} | " + " | ".join(cells + ratios) + " |")
+
+
 def _run_child(args, env=None):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", *map(str, args)]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     found = [line for line in out.stdout.splitlines()
-             if line.startswith(("GRAPHS ", "SAMPLE ", "STARTUP "))]
+             if line.startswith(("GRAPHS ", "SAMPLE ", "STARTUP ", "E2E "))]
     if out.returncode or not found:
         sys.stderr.write(f"child {args} failed ({out.returncode}):\n{out.stderr[-3000:]}\n")
         return None
@@ -496,6 +578,8 @@ def main():
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--draws", type=int, default=200)
     p.add_argument("--tune", type=int, default=200)
+    p.add_argument("--e2e-systems", default=",".join(E2E_SYSTEMS))
+    p.add_argument("--rounds", type=int, default=2, help="e2e: rounds, systems alternating")
     p.add_argument("--child", nargs="+")
     a = p.parse_args()
     if a.child:
@@ -504,6 +588,8 @@ def main():
             child_graphs(rest[0], int(rest[1]), rest[2])
         elif kind == "startup":
             child_startup(rest[0], rest[1], int(rest[2]))
+        elif kind == "e2e":
+            child_e2e(rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]))
         else:
             child_sample(rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]), int(rest[5]))
         return
@@ -539,6 +625,12 @@ def main():
         _sample_table(results, a.draws, a.tune)
     if "startup" in parts:
         _startup(models, int(float(a.rows or "1e3")))
+    if "e2e" in parts:
+        sys.path.insert(0, os.path.join(ROOT, "tests"))
+        from helpers import pymc_gallery
+        names = list(pymc_gallery.MODELS) if a.models == ",".join(MODELS) else models
+        _e2e(names, int(a.chains.split(",")[-1]), a.e2e_systems.split(","), a.draws, a.tune,
+             a.rounds)
 
 
 if __name__ == "__main__":

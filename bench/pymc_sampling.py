@@ -164,10 +164,10 @@ def child_run(system, n_rows, chains_list, draws, tune, n_parallel=None, produce
                                    dtype=model["X"].dtype, ndim=2),
                     "y": synk.data(produce=lambda p: rows_y(p.lo, p.hi).astype(y_dtype),
                                    length=n_rows, dtype=y_dtype, ndim=1)}
-            dp = synk_pymc.data_parallel(model, data=data)
+            dp = synk_pymc.data_parallel(model, data=data, split=True)
         else:
             model = make_model(rows_x(0, n_rows), rows_y(0, n_rows))
-            dp = synk_pymc.data_parallel(model)
+            dp = synk_pymc.data_parallel(model, split=True)  # the data-parallel path
         synk.distribute()
         dp.scatter()
         # Compile (Numba compiles at the first call) outside the timed sampling.

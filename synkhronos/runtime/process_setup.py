@@ -70,6 +70,7 @@ def pin(rt, rank, restore=False):
         before = os.sched_getaffinity(0)
         os.sched_setaffinity(0, {rt.config.cores[rank]})
         if restore:
+            rt.processes.unpinned = frozenset(before)
             rt.processes.restore.append(lambda: os.sched_setaffinity(0, before))
 
 

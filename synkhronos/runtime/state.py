@@ -97,6 +97,7 @@ class Processes:
     janitor: Optional[Any] = None                   # janitor.Janitor
     monitor: Optional[Callable] = None              # liveness.Monitor, also the leader's check
     restore: list = field(default_factory=list)     # callables undoing fork() in this process
+    unpinned: Optional[frozenset] = None            # this process's cores before fork() pinned it
     cleanup_dirs: list = field(default_factory=list)  # removed by the janitor after a crash
     lock_fd: int = -1                               # the run's lock (shmem.hold_run_lock)
 

@@ -49,6 +49,12 @@ SEAMS = {
             "pm.sample's warning asks whether this process is a forked master: a read that "
             "no public call makes without taking the call lock or admitting machines",
     },
+    "pymc/crossover.py": {
+        "synkhronos.runtime.state.get_runtime":
+            "where splitting would not gain, pm.sample runs on the cores the master had before "
+            "fork() pinned it: the set fork() saved (Processes.unpinned), which no public call "
+            "returns",
+    },
     "pymc/model.py": {
         "synkhronos.functions.build.compile_at_first_call":
             "the graphs at many positions (several chains at once) compile when first called, "

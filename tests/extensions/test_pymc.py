@@ -23,6 +23,7 @@ import pytensor  # noqa: E402
 import synkhronos as synk  # noqa: E402
 from helpers import pymc_models  # noqa: E402
 from synkhronos.extensions import pymc as synk_pymc  # noqa: E402
+from synkhronos.extensions.pymc import crossover  # noqa: E402
 
 # PyMC graphs compile to C on PyTensor 2.x: a cold cache makes the first build slow.
 pytestmark = pytest.mark.timeout(300)
@@ -69,9 +70,12 @@ def env(runtime_keeper):
         e.other_mode = "CVM" if synk_pymc.model.DEFAULT_MODE == "NUMBA" else "NUMBA"
 
         def build():
-            e.dps = {k: synk_pymc.data_parallel(m) for k, m in e.models.items()}
+            # split=True: the sampling tests here sample data-parallel, whatever the
+            # measured crossover says of these small models (test_crossover_* test that).
+            e.dps = {k: synk_pymc.data_parallel(m, split=True) for k, m in e.models.items()}
             e.other = synk_pymc.data_parallel(e.models["radon"], mode=e.other_mode,
-                                              name="pymc_other_mode")
+                                              name="pymc_other_mode", split=True)
+            e.auto = synk_pymc.data_parallel(e.models["negbin"], name="pymc_auto")
 
         with runtime_keeper.distributed(2, build):
             yield e
@@ -112,6 +116,75 @@ def test_mode_is_checked_before_anything_is_built(env):
         synk_pymc.data_parallel(env.models["negbin"], mode="FAST")
 
 
+def test_split_is_checked_before_anything_is_built(env):
+    with pytest.raises(ValueError, match=r"split must be True .*, False .* or None .*; got 'yes'"):
+        synk_pymc.data_parallel(env.models["negbin"], split="yes")
+
+
+def test_crossover_rule():
+    """pm.sample's chains each have a core and compile first; dp.sample's share this process."""
+    own = crossover.SAMPLER_S["pymc"]
+    # 2 chains on 2 cores, 1000 steps: pm.sample takes one call's time a step, dp.sample
+    # one call at both positions (here 60 us) and both chains' own work.
+    serial, parallel = crossover.predict("pymc", 2, 2, 1000, 100e-6, 0.5, 60e-6)
+    assert serial == pytest.approx(0.5 + 1000 * (100e-6 + own))
+    assert parallel == pytest.approx(1000 * (2 * own + 60e-6))
+    # 4 chains on 2 cores: two rounds a step for pm.sample.
+    serial, _ = crossover.predict("pymc", 4, 2, 1000, 100e-6, 0.0, 60e-6)
+    assert serial == pytest.approx(2000 * (100e-6 + own))
+    # nutpie's own work is less, the data-parallel callback's more; pm.sample's nutpie
+    # compiles the model again (Numba), dp.sample's does not.
+    serial, parallel = crossover.predict("nutpie", 1, 1, 10, 1e-3, 0.0, 0.5e-3)
+    assert serial == pytest.approx(crossover.SAMPLER_COMPILE_S["nutpie"]
+                                   + 10 * (1e-3 + crossover.SAMPLER_S["nutpie"]))
+    assert parallel == pytest.approx(10 * (0.5e-3 + crossover.DP_NUTPIE_S))
+    assert crossover.check_split(None) is None and crossover.check_split(False) is False
+
+
+def test_crossover_samples_a_small_model_as_pm_sample_does(env, caplog, monkeypatch):
+    """301 rows on 2 ranks over a long run: the call's fixed cost outweighs the rows, so
+    dp.sample runs pm.sample itself (its chains on the cores the master had before fork),
+    says so in one warning, and returns pm.sample's very draws; split=True / False override
+    it.  (A short run is predicted by its compiling: LEAPFROGS makes this one long.)"""
+    import logging
+    import os
+
+    monkeypatch.setattr(crossover, "LEAPFROGS", 10_000)
+
+    model, dp = env.models["negbin"], env.auto
+    pinned = os.sched_getaffinity(0)
+    kw = dict(tune=30, chains=2, random_seed=7, progressbar=False, nuts_sampler="pymc",
+              compute_convergence_checks=False)
+    with caplog.at_level(logging.WARNING, logger="synkhronos"):
+        idata = dp.sample(30, **kw)
+    assert dp.decision.split is False and dp.decision.reason == "measured", dp.decision
+    assert dp.decision.parallel_run_s * crossover.GAIN >= dp.decision.serial_run_s
+    said = [r.getMessage() for r in caplog.records if "would not gain" in r.getMessage()]
+    assert len(said) == 1 and "split=True" in said[0], caplog.records
+    assert dp.batcher.calls == 0
+    assert os.sched_getaffinity(0) == pinned
+    with model:
+        ref = pm.sample(30, cores=1, **kw)
+    for name in ("alpha", "b"):
+        np.testing.assert_array_equal(idata.posterior[name].values, ref.posterior[name].values)
+    try:
+        dp.split = True
+        dp.sample(10, **{**kw, "chains": 1})   # one chain: the graph distribute() compiled
+        assert dp.decision.reason == "asked" and dp.batcher.calls > 0
+        # A short run: a call per chain, no many-position graph compiled for it.
+        dp.split = None
+        monkeypatch.setattr(crossover, "LEAPFROGS", 10)
+        dp.sample(10, **{**kw, "tune": 10})
+        assert dp.decision.separate is True, dp.decision
+        # Neither many-position graph ran (nor compiled): no trial of them, none kept.
+        assert not dp._calls._trials and not dp._calls._batch_wins
+        dp.split = False   # the branch the measured decision took, without measuring
+        assert crossover.decide(dp, "pymc", 2, None, 30, 30) == crossover.Decision(
+            False, "asked", "pymc", 2, crossover.sampling_cores(2, None), 2)
+    finally:
+        dp.split = None
+
+
 def test_results_outlive_the_next_call(env):
     """The positions and outputs are buffers held for the run: what a call returned stays."""
     model, dp = env.models["survival"], env.dps["survival"]
@@ -144,7 +217,7 @@ def test_many_positions_vectorised_or_in_a_loop_equal_pymc(env):
             np.testing.assert_allclose(lp, logp(point), rtol=1e-10)
             _assert_grad_close(g, dlogp(point))
 
-    for _ in range(2 * synk_pymc.calls._TRIALS):
+    for _ in range(2 * synk_pymc.calls.TRIALS):
         check()
     assert 2 in dp._calls._batch_wins
     for wins in (True, False):
@@ -443,7 +516,7 @@ with pm.Model() as model:
 out = {}
 for ranks in (1, 2, 3, 4):
     synk.fork(ranks, use_gpu=False)
-    dp = synk_pymc.data_parallel(model)
+    dp = synk_pymc.data_parallel(model, split=True)
     synk.distribute()
     idata = dp.sample(40, tune=40, chains=1, random_seed=11, nuts_sampler="pymc",
                       progressbar=False, compute_convergence_checks=False)

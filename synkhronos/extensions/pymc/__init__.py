@@ -15,8 +15,9 @@ Modules by job: ``terms`` (which terms read which rows; what is refused),
 ``rowcheck`` (each split term adds up over rows), ``graphs`` (the graph each
 rank runs, batched over positions), ``model`` (DataParallelModel), ``calls``
 (its calls at one or many positions, vectorised or in a loop), ``batching``
-(every chain's request in one call), ``sampling`` and ``internals`` (what
-PyMC and nutpie need, in one place).
+(every chain's request in one call), ``crossover`` (whether splitting gains
+over pm.sample), ``sampling`` and ``internals`` (what PyMC and nutpie need,
+in one place).
 """
 
 try:
@@ -30,7 +31,7 @@ from .model import DataParallelModel
 __all__ = ["DataParallelModel", "data_parallel"]
 
 
-def data_parallel(model=None, data=None, unsplit=None, name="pymc_logp", mode=None):
+def data_parallel(model=None, data=None, unsplit=None, name="pymc_logp", mode=None, split=None):
     """Build the data-parallel log-density of a PyMC model.  Master only.
 
     Call after ``synk.fork()`` and before ``synk.distribute()``.  The model
@@ -58,6 +59,14 @@ def data_parallel(model=None, data=None, unsplit=None, name="pymc_logp", mode=No
         mode: the PyTensor mode the ranks compile the log-density in:
             "NUMBA", "CVM" (C code, PyTensor's default here) or a ``Mode``;
             None: the measured default (docs/pymc.md, "Speed").
+        split: whether ``dp.sample`` splits the rows over the ranks: True
+            always, False never (it runs ``pm.sample`` itself, in this
+            process with its cores released); None: the first ``dp.sample``
+            times a data-parallel call against PyMC's serial one and splits
+            only where that predicts a gain (``dp.decision`` holds what it
+            chose and the figures; docs/pymc.md, "When splitting pays").
+            The other calls (``dp.logp_dlogp``, ``dp.find_map``...) always
+            split.
 
     Returns:
         DataParallelModel
@@ -66,15 +75,15 @@ def data_parallel(model=None, data=None, unsplit=None, name="pymc_logp", mode=No
         SynkStateError: not forked, or already distributed.
         ValueError: no likelihood (no observed variable or ``pm.Potential``),
             a discrete free variable (no gradient), ``data``/``unsplit``
-            naming something else than a container (or a lifted array), or a
+            naming something else than a container (or a lifted array), a
             likelihood that cannot be split exactly (the message names the
-            variable).
+            variable), or ``split`` not True, False or None.
     """
     import pymc as pm
 
     from . import internals
 
     model = pm.modelcontext(model)
-    dp = DataParallelModel(model, data, unsplit, name, mode)
+    dp = DataParallelModel(model, data, unsplit, name, mode, split)
     internals.warn_when_pinned()  # pm.sample while forked: its chains would share one core
     return dp

@@ -15,7 +15,7 @@ import synkhronos as synk
 logger = logging.getLogger(__name__)
 
 # Runs of each way to evaluate k positions (vectorised, one by one) before keeping one.
-_TRIALS = 6
+TRIALS = 6
 
 
 class Calls:
@@ -33,6 +33,9 @@ class Calls:
         self.size, self.dtype = size, dtype
         self.data = None                   # the rows' Data (reset())
         self._held = {} if held else None  # k -> the positions' Data
+        # Several positions as one call each at one position (no many-position graph
+        # compiled): what crossover.decide sets where compiling would cost more than it saves.
+        self.separate = False
         self.reset(None)
 
     def reset(self, data):
@@ -84,9 +87,9 @@ class Calls:
         calls at each k try both.
         """
         k = len(positions)
-        if k == 1:
-            lp, g = self.one(positions[0])
-            return np.array([lp]), g[None]
+        if k == 1 or self.separate:
+            out = [self.one(x) for x in positions]
+            return np.array([lp for lp, _ in out]), np.stack([g for _, g in out])
         wins = self._batch_wins.get(k)
         if wins is not None:
             return self._many(self.fn if wins else self.fn_loop, positions)
@@ -106,14 +109,14 @@ class Calls:
         return both[:, 0], both[:, 1:]
 
     def _trial(self, k, positions):
-        """Evaluate by the way tried less so far; once each has run ``_TRIALS`` times, keep
+        """Evaluate by the way tried less so far; once each has run ``TRIALS`` times, keep
         the faster (the first run of each left out: it compiles and faults pages in)."""
         vec, loop = self._trials.setdefault(k, ([], []))
         times, fn = (vec, self.fn) if len(vec) <= len(loop) else (loop, self.fn_loop)
         t0 = time.perf_counter()
         out = self._many(fn, positions)
         times.append(time.perf_counter() - t0)
-        if len(vec) >= _TRIALS and len(loop) >= _TRIALS:
+        if len(vec) >= TRIALS and len(loop) >= TRIALS:
             wins = self._batch_wins[k] = min(vec[1:]) <= min(loop[1:])
             del self._trials[k]
             logger.debug("pymc model: %d positions a call %s (%.1f us vectorised, %.1f us in "

@@ -27,6 +27,9 @@ test-pymc-versions`` on 5.27).  What we rely on:
   and external samplers through ``mcmc._sample_external_nuts`` (nutpie's
   threads); ``warn_when_pinned()`` wraps both, once, to warn when they would
   start on a synkhronos master pinned to one core.
+- ``crossover`` times ``model.logp_dlogp_function(ravel_inputs=True)``'s
+  ``_pytensor_function`` as one of pm.sample's chains would call it
+  (``serial_logp_dlogp()``).
 - PyMC 6 returns ArviZ 1's ``DataTree``, PyMC 5 an ``InferenceData``: what
   ``pm.sample`` returns is returned as it is.
 
@@ -129,6 +132,13 @@ def sample_kwargs(name, chains, kwargs):
         nsk.setdefault("cores", chains)
         kwargs["nuts_sampler_kwargs"] = nsk
     return kwargs
+
+
+def serial_logp_dlogp(model):
+    """PyMC's own (logp, dlogp) at a flat vector, compiled as ``pm.sample`` compiles its NUTS step's."""
+    f = model.logp_dlogp_function(ravel_inputs=True)
+    f.set_extra_values({})
+    return f._pytensor_function
 
 
 def default_chains():

@@ -17,7 +17,7 @@ import synkhronos as synk
 
 from ... import compat
 from ...functions.build import compile_at_first_call
-from . import graphs, internals, rowcheck, terms
+from . import crossover, graphs, internals, rowcheck, terms
 from .batching import Batcher
 from .calls import Calls
 
@@ -68,14 +68,19 @@ class DataParallelModel:
         n_rows: rows of the split data.
         value_names, size, dtype: the flat parameter vector.
         mode: the PyTensor mode the rank's graphs compile in ("NUMBA", "CVM" or a ``Mode``).
+        split: ``data_parallel``'s ``split`` (None: measured at the first ``sample``).
+        decision: what the last ``sample`` chose (``crossover.Decision``), None before.
     """
 
-    def __init__(self, model, data, unsplit, name, mode=None):
+    def __init__(self, model, data, unsplit, name, mode=None, split=None):
         try:
             synk.layout()
         except synk.SynkStateError:
             raise synk.SynkStateError("data_parallel() needs synk.fork() first") from None
         self.mode = _rank_mode(mode)
+        self.split = crossover.check_split(split)
+        self.decision = None     # what the last sample() chose (crossover.Decision)
+        self.decisions = {}      # crossover.decide's, per rows, sampler, chains and cores
         self.model = model
         if not model.observed_RVs and not model.potentials:
             raise ValueError("data_parallel: the model has no likelihood (no observed "
@@ -172,6 +177,11 @@ class DataParallelModel:
                     "%s whole; terms split %s, whole %s", len(value_vars), self.size,
                     [c.name for c in plan.split], self.n_rows, [c.name for c in plan.whole],
                     [t.name for t in plan.split_terms], [t.name for t in plan.whole_terms])
+
+    @property
+    def given(self):
+        """Whether the rows came as ``synk.Data`` (``data=`` a dict): only the ranks hold them."""
+        return bool(self._given)
 
     @property
     def value_shapes(self):
@@ -374,6 +384,12 @@ class DataParallelModel:
         stops the chains and returns the draws made so far (PyMC's NUTS).
         ``cores=`` and ``model=`` (other than ``dp.model``) are ignored with a
         warning saying why.
+
+        Unless ``data_parallel(split=...)`` said, the first call of a set-up
+        times a data-parallel call against PyMC's serial one and, where
+        splitting would not gain, runs ``pm.sample`` itself (its chains on
+        the cores this process had before ``fork()``; ``cores=`` is then
+        used), saying so in one warning; ``dp.decision`` holds the choice.
 
         ``dp.batcher.calls`` and ``dp.batcher.positions`` count the data-parallel
         calls and the positions they evaluated since this call began (reset by

@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 import pymc as pm
 
-from . import internals
+from . import crossover, internals
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +33,8 @@ def sample(dp, draws, tune, chains, nuts_sampler, random_seed, **kwargs):
                       "(dp.model); build data_parallel(other_model) before synk.distribute() "
                       "to sample another", UserWarning, stacklevel=3)
     cores = kwargs.pop("cores", None)
-    if cores is not None:
-        warnings.warn(f"{where}: cores={cores} ignored: the {chains} chain(s) run in this "
-                      "process, every step of all of them one call over the ranks, "
-                      "and the ranks use the cores (synk.fork(n) sets how many)",
-                      UserWarning, stacklevel=3)
+    if cores is not None and (not isinstance(cores, int) or cores < 1):
+        raise ValueError(f"{where}: cores must be a positive int or None; got {cores!r}")
     nuts_sampler = internals.nuts_sampler(nuts_sampler, kwargs)
     if nuts_sampler == "nutpie":
         try:
@@ -47,8 +44,25 @@ def sample(dp, draws, tune, chains, nuts_sampler, random_seed, **kwargs):
                               "pip install -e '.[nutpie]'") from exc
     if tune is not None:   # None: pm.sample's own default (1000; PyMC 6 may choose)
         kwargs["tune"] = tune
-    kwargs = internals.sample_kwargs(nuts_sampler, chains, kwargs)
     dp.batcher.reset()
+    decision = dp.decision = crossover.decide(dp, nuts_sampler, chains, cores, draws, tune)
+    dp._calls.separate = decision.separate
+    if decision.reason == "measured" and not decision.split:
+        logger.warning(decision.describe())
+    else:
+        logger.info(decision.describe())
+    if not decision.split:
+        if cores is not None:
+            kwargs["cores"] = cores
+        with crossover.released():
+            return pm.sample(draws, chains=chains, random_seed=random_seed,
+                             nuts_sampler=nuts_sampler, model=dp.model, **kwargs)
+    if cores is not None:
+        warnings.warn(f"{where}: cores={cores} ignored: the {chains} chain(s) run in this "
+                      "process, every step of all of them one call over the ranks, "
+                      "and the ranks use the cores (synk.fork(n) sets how many)",
+                      UserWarning, stacklevel=3)
+    kwargs = internals.sample_kwargs(nuts_sampler, chains, kwargs)
     with internals.driving(dp):
         return pm.sample(draws, chains=chains, random_seed=random_seed,
                          nuts_sampler=nuts_sampler, model=dp.model, **kwargs)
