@@ -184,6 +184,16 @@ class DataParallelModel:
         return bool(self._given)
 
     @property
+    def separate_calls(self):
+        """Whether several positions go in a call each, no many-position graph compiled
+        (``crossover.Decision.separate``, set by each ``sample``)."""
+        return self._calls.separate
+
+    @separate_calls.setter
+    def separate_calls(self, flag):
+        self._calls.separate = bool(flag)
+
+    @property
     def value_shapes(self):
         """The shape of each value variable, in ``value_names`` order (the flat vector's parts)."""
         return [tuple(s) for s in self._shapes]

@@ -46,7 +46,7 @@ def sample(dp, draws, tune, chains, nuts_sampler, random_seed, **kwargs):
         kwargs["tune"] = tune
     dp.batcher.reset()
     decision = dp.decision = crossover.decide(dp, nuts_sampler, chains, cores, draws, tune)
-    dp._calls.separate = decision.separate
+    dp.separate_calls = decision.separate
     if decision.reason == "measured" and not decision.split:
         logger.warning(decision.describe())
     else:
