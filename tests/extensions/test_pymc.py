@@ -119,6 +119,8 @@ def test_mode_is_checked_before_anything_is_built(env):
 def test_split_is_checked_before_anything_is_built(env):
     with pytest.raises(ValueError, match=r"split must be True .*, False .* or None .*; got 'yes'"):
         synk_pymc.data_parallel(env.models["negbin"], split="yes")
+    with pytest.raises(ValueError, match=r"cores must be a positive int or None; got 0"):
+        env.dps["negbin"].sample(10, tune=10, chains=1, cores=0, progressbar=False)
 
 
 def test_crossover_rule():

@@ -2,6 +2,7 @@
 in one data-parallel call) and ``find_map`` (pm.find_MAP's optimisation on it)."""
 
 import logging
+import numbers
 import warnings
 
 import numpy as np
@@ -33,8 +34,10 @@ def sample(dp, draws, tune, chains, nuts_sampler, random_seed, **kwargs):
                       "(dp.model); build data_parallel(other_model) before synk.distribute() "
                       "to sample another", UserWarning, stacklevel=3)
     cores = kwargs.pop("cores", None)
-    if cores is not None and (not isinstance(cores, int) or cores < 1):
+    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, numbers.Integral)
+                              or cores < 1):
         raise ValueError(f"{where}: cores must be a positive int or None; got {cores!r}")
+    cores = None if cores is None else int(cores)
     nuts_sampler = internals.nuts_sampler(nuts_sampler, kwargs)
     if nuts_sampler == "nutpie":
         try:
