@@ -33,6 +33,8 @@ The parts, each model in a child process of its own (own memory, a quiet start):
             on the PyMC example gallery's models as their notebooks write them, at their
             own sizes (tests/helpers/pymc_gallery.py): pm.sample as PyMC runs it by
             default against dp.sample with the split measured (the default) and forced.
+  compile   seconds nutpie compiles each gallery model in a fresh process, and PyMC its
+            (logp, dlogp): what crossover.SAMPLER_COMPILE_S stands for.
 
     python bench/pymc_gallery.py --parts graphs                  # about 3 minutes here
     python bench/pymc_gallery.py --parts graphs --rows 1e5 --models radon,logistic
@@ -53,7 +55,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-PARTS = ("graphs", "sample", "startup", "e2e")
+PARTS = ("graphs", "sample", "startup", "e2e", "compile")
 SYSTEMS = ("pymc", "nutpie", "synk-pymc", "synk-nutpie")
 
 
@@ -524,6 +526,27 @@ def child_e2e(system, which, chains, draws, tune):
                   "secs": time.perf_counter() - t0, "decision": decision, **parts})
 
 
+def child_compile(which):
+    """A fresh process: seconds nutpie compiles a gallery model (``compile_pymc_model``, what
+    ``pm.sample(nuts_sampler="nutpie")`` does first) and PyMC compiles its (logp, dlogp)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from helpers import pymc_gallery
+
+    _quiet()
+    import nutpie
+    import pytensor
+    with pytensor.config.change_flags(floatX="float64"):
+        model = pymc_gallery.MODELS[which]()
+    t0 = time.perf_counter()
+    nutpie.compile_pymc_model(model)
+    t1 = time.perf_counter()
+    f = model.logp_dlogp_function(ravel_inputs=True)
+    f.set_extra_values({})
+    f._pytensor_function(_flat_point(model))   # Numba compiles at the first call
+    _emit("COMPILE", {"model": which, "nutpie_s": t1 - t0,
+                      "pymc_s": time.perf_counter() - t1})
+
+
 def _e2e(models, chains, systems, draws, tune, rounds):
     """Every system on every model, rounds alternating the systems' order; medians."""
     import statistics
@@ -561,7 +584,7 @@ def _run_child(args, env=None):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", *map(str, args)]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     found = [line for line in out.stdout.splitlines()
-             if line.startswith(("GRAPHS ", "SAMPLE ", "STARTUP ", "E2E "))]
+             if line.startswith(("GRAPHS ", "SAMPLE ", "STARTUP ", "E2E ", "COMPILE "))]
     if out.returncode or not found:
         sys.stderr.write(f"child {args} failed ({out.returncode}):\n{out.stderr[-3000:]}\n")
         return None
@@ -588,6 +611,8 @@ def main():
             child_graphs(rest[0], int(rest[1]), rest[2])
         elif kind == "startup":
             child_startup(rest[0], rest[1], int(rest[2]))
+        elif kind == "compile":
+            child_compile(rest[0])
         elif kind == "e2e":
             child_e2e(rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]))
         else:
@@ -625,6 +650,17 @@ def main():
         _sample_table(results, a.draws, a.tune)
     if "startup" in parts:
         _startup(models, int(float(a.rows or "1e3")))
+    if "compile" in parts:
+        sys.path.insert(0, os.path.join(ROOT, "tests"))
+        from helpers import pymc_gallery
+        names = list(pymc_gallery.MODELS) if a.models == ",".join(MODELS) else models
+        print("\n### Compiling, seconds in a fresh process: nutpie's compile_pymc_model "
+              "(pm.sample with nutpie) and PyMC's logp_dlogp_function (its NUTS)\n")
+        print("| model | nutpie | PyMC |\n|---|---:|---:|")
+        for m in names:
+            r = _run_child(["compile", m])
+            if r is not None:
+                print(f"| {m} | {r['nutpie_s']:.2f} | {r['pymc_s']:.2f} |", flush=True)
     if "e2e" in parts:
         sys.path.insert(0, os.path.join(ROOT, "tests"))
         from helpers import pymc_gallery

@@ -49,8 +49,8 @@ pays")."""
 
 SAMPLER_COMPILE_S = {"nutpie": 5.0}
 """What a sampler compiles of its own besides PyMC's (logp, dlogp), timed here: nutpie
-compiles the model again with Numba, 5.5-5.9 s a process on the gallery's models
-(2026-12-02, bench/pymc_gallery.py --parts e2e, bench/HISTORY.md), which dp.sample's
+compiles the model again with Numba, 5.2-8.4 s a process on the gallery's 7 models
+(2026-12-02, bench/pymc_gallery.py --parts compile, bench/HISTORY.md), which dp.sample's
 nutpie, on the data-parallel callback, does not."""
 
 DP_NUTPIE_S = 25e-6
