@@ -7,10 +7,12 @@ import pytensor
 from pytensor.compile import SharedVariable
 from pytensor.graph.basic import Variable
 
+from .. import compat
 from ..comm import reduce_ops
 from ..errors import SynkStateError
 from ..runtime import devices
 from ..runtime.state import require_forked, serialized
+from .deferred import Deferred
 from .function import Function
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,32 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
         ValueError: an unknown reduce op, or a sliceable shared variable the
             function does not use.
     """
+    return _build(inputs, outputs, bcast_inputs, updates, givens, sliceable_shareds, kwargs,
+                  deferred=False)
+
+
+@serialized
+def function_at_first_call(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
+                           sliceable_shareds=None, **kwargs):
+    """``function()``, with the PyTensor function built at its first call, in each process.
+
+    A seam for extensions (the PyMC extension's graphs at many positions,
+    called only when several chains ask at once): ``pytensor.function``'s
+    rewrites alone take up to seconds a graph, and ``distribute()`` compiles
+    every Numba-linked function's code in the master so that the workers,
+    started again from it, share the code; a function that may never be
+    called then costs all that up front.  Deferred, the master builds and
+    compiles it at the first call, before the call is posted, so that the
+    ranks load the code from PyTensor's cache instead of each compiling it
+    (``deferred.py``).  A graph with updates, givens, sliceable shared
+    variables, in-graph collectives or the JAX linker is built now, as ``function()`` builds it.  Master
+    only, before ``distribute()``; takes ``function()``'s arguments.
+    """
+    return _build(inputs, outputs, bcast_inputs, updates, givens, sliceable_shareds, kwargs,
+                  deferred=True)
+
+
+def _build(inputs, outputs, bcast_inputs, updates, givens, sliceable_shareds, kwargs, deferred):
     rt = require_forked("function()")
     if rt.registry.distributed:
         raise SynkStateError("function() must be called before distribute()")
@@ -66,8 +94,13 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
     if rt.config.device == "gpu":
         # GPU mode: shared variables live on the device as JAX arrays.
         kwargs.setdefault("mode", "JAX")
-    fn = pytensor.function(inputs + bcast_inputs, out_vars, updates=upd_pairs or None,
-                           givens=givens, **kwargs)
+    args = (inputs + bcast_inputs, out_vars)
+    if deferred and not upd_pairs and not givens and not sliceable and not _jax_mode(kwargs.get("mode")) \
+            and not _graph_holds_collective(out_vars):
+        fn = Deferred(args, kwargs)
+    else:
+        fn = pytensor.function(*args, updates=upd_pairs or None, givens=givens, **kwargs)
+        deferred = False
     used = {id(s) for s in fn.get_shared()}
     for s in sliceable:
         if id(s) not in used:
@@ -79,6 +112,7 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
             "synk.fork() before any JAX computation, or use another mode.")
     spec = FunctionSpec(len(rt.registry.functions), fn, inputs, bcast_inputs, out_vars, out_ops,
                         return_list, upd_pairs, upd_ops, givens, sliceable, kwargs)
+    spec.compile_at_first_call = deferred
     f = Function(spec)
     f.attach(rt)
     rt.registry.functions.append(f)
@@ -102,7 +136,7 @@ class FunctionSpec:
     sliceable: list
     kwargs: dict
     variants: dict = field(default_factory=dict)  # per process: compiled slicing variants
-    compile_at_first_call: bool = False           # not at distribute() (compile_at_first_call)
+    compile_at_first_call: bool = False           # built at the first call (function_at_first_call)
     simple: bool = field(init=False)              # one output with a collective op
     collective: bool = field(init=False)          # the graph holds in-graph collectives
     jax: bool = field(init=False)                 # runs on PyTensor's JAX backend
@@ -110,8 +144,17 @@ class FunctionSpec:
     def __post_init__(self):
         self.simple = (len(self.outputs) == 1
                        and self.output_ops[0] in reduce_ops.COLLECTIVE_OPS)
-        self.collective = _holds_collective(self.fn.maker.fgraph, set())
+        # A deferred graph holds none (function_at_first_call builds those now).
+        self.collective = (not isinstance(self.fn, Deferred)
+                           and _holds_collective(self.fn.maker.fgraph, set()))
         self.jax = devices.uses_jax(self.fn)
+
+    def ready(self):
+        """The compiled PyTensor function; a deferred one is built here first and kept."""
+        fn = self.fn
+        if type(fn) is Deferred:
+            fn = self.fn = fn.build()
+        return fn
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -119,21 +162,24 @@ class FunctionSpec:
         return state
 
 
-def compile_at_first_call(function):
-    """Leave ``function``'s code uncompiled at ``distribute()``: it compiles at its first call.
+def _jax_mode(mode):
+    """Whether ``mode`` (a name or a ``Mode``) links with JAX."""
+    if isinstance(mode, str):
+        return mode.upper() == "JAX"
+    return mode is not None and "JAX" in type(getattr(mode, "linker", None)).__name__
 
-    A seam for extensions (the PyMC extension's vectorised graph, used only
-    when several chains ask at once): ``distribute()`` compiles every
-    Numba-linked function's code in the master so that the workers, started
-    again from it, share the code; a function that may never be called then
-    costs its whole compile time (10-20 s for a PyMC model's gradient) up
-    front.  Deferred, the master compiles it at the first call, before the
-    call is posted, so that the ranks load the code from PyTensor's cache
-    (Numba's cache files) instead of each compiling its own.  Master only,
-    before ``distribute()``; returns ``function``.
-    """
-    function.spec.compile_at_first_call = True
-    return function
+
+def _graph_holds_collective(outputs):
+    """Whether the graph of ``outputs``, as given (not compiled), holds an in-graph collective."""
+    for var in compat.ancestors(outputs):
+        if var.owner is None:
+            continue
+        op = var.owner.op
+        inner = getattr(op, "fgraph", None)
+        if getattr(op, "synk_collective", False) or (
+                hasattr(inner, "apply_nodes") and _holds_collective(inner, set())):
+            return True
+    return False
 
 
 def _holds_collective(fgraph, seen):

@@ -119,7 +119,7 @@ class Function:
         """
         args = [a.data if isinstance(a, Data) else a for a in args]
         kwargs = {k: v.data if isinstance(v, Data) else v for k, v in kwargs.items()}
-        fn = self.spec.fn
+        fn = self.spec.ready()
         fn.trust_input = False  # user values: let PyTensor check and convert them
         try:
             out = fn(*args, **kwargs)
@@ -285,10 +285,10 @@ class Function:
         name = self.name or "function"
         spec = self.spec
         if spec.compile_at_first_call:
-            # The master compiles first, so that the ranks' first call loads the code
-            # from PyTensor's cache rather than each compiling it (build.compile_at_first_call).
+            # The master builds and compiles first, so that the ranks' first call loads the
+            # code from PyTensor's cache rather than each compiling it (function_at_first_call).
             spec.compile_at_first_call = False
-            compat.precompile(spec.fn)
+            compat.precompile(spec.ready())
         if kwargs or len(args) != len(self._all_inputs):
             args = self._bind(args, kwargs or {}, name)
         datas = []

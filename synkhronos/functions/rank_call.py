@@ -154,6 +154,7 @@ class Share:
                  "wait_updates")
 
     def __init__(self, spec, rt, msg, arrays=None):
+        spec.ready()   # a function built at its first call (build.function_at_first_call)
         descs = msg.descs
         arrays = [mappings.view(rt, d) for d in descs] if arrays is None else list(arrays)
         rows = None

@@ -172,6 +172,9 @@ def is_cupy_array(value):
 
 def uses_jax(fn):
     """Return True if the compiled PyTensor function ``fn`` runs on PyTensor's JAX backend."""
+    known = getattr(fn, "uses_jax", None)   # a function not built yet knows (functions/deferred.py)
+    if known is not None:
+        return known
     return type(fn.maker.linker).__name__ == "JAXLinker"
 
 

@@ -56,9 +56,10 @@ SEAMS = {
             "returns",
     },
     "pymc/model.py": {
-        "synkhronos.functions.build.compile_at_first_call":
-            "the graphs at many positions (several chains at once) compile when first called, "
-            "not in distribute(): no public synk.function argument defers a compile",
+        "synkhronos.functions.build.function_at_first_call":
+            "the graphs at many positions (several chains at once) are built and compiled when "
+            "first called, not in data_parallel() and distribute(): no public synk.function "
+            "argument defers a build",
     },
 }
 

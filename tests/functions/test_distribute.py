@@ -231,3 +231,32 @@ def test_compiled_code_is_ready_before_the_workers_start(forked, rng):
         got = f(synk.data(data), np.arange(3, dtype="int32"), **kw)[0]
         np.testing.assert_allclose(got, (rows[:, 0] * 0.5).sum() + 2 * 3, rtol=1e-6)
     assert len(jit.signatures) == 1         # and the calls used those very types
+
+
+def test_a_function_built_at_its_first_call(forked, rng):
+    """build.function_at_first_call: nothing compiled before its first call, then as function()."""
+    from synkhronos.functions.build import function_at_first_call
+    from synkhronos.functions.deferred import Deferred
+
+    forked(2)
+    x = pt.dmatrix("x")
+    s = pytensor.shared(np.float64(0.5), name="s_deferred")
+    f = function_at_first_call([x], outputs=[((x * s).sum(), "sum")], name="later")
+    g = synk.function([x], outputs=[((x - s).sum(), "sum")])   # shares s with f
+    assert type(f.spec.fn) is Deferred and f.name == "later"
+    assert f.spec.fn.get_shared() == [s]
+    synk.distribute()
+    assert type(f.spec.fn) is Deferred            # distribute() built nothing
+    data = rng.standard_normal((9, 3))
+    for _ in range(2):
+        np.testing.assert_allclose(f(synk.data(data))[0], (data * 0.5).sum(), rtol=1e-12)
+    assert type(f.spec.fn) is not Deferred
+    synk.broadcast(s, np.float64(2.0))            # one variable in every rank, both functions
+    np.testing.assert_allclose(f(synk.data(data))[0], (data * 2.0).sum(), rtol=1e-12)
+    np.testing.assert_allclose(g(synk.data(data))[0], (data - 2.0).sum(), rtol=1e-12)
+    # Updates cannot wait: such a graph is built at once, as function() builds it.
+    synk.close()
+    forked(1)
+    u = pytensor.shared(np.float64(0.0), name="u")
+    h = function_at_first_call([x], outputs=[(x.sum(), "sum")], updates=[(u, u + 1)])
+    assert type(h.spec.fn) is not Deferred

@@ -16,7 +16,7 @@ import pytensor.tensor as pt
 import synkhronos as synk
 
 from ... import compat
-from ...functions.build import compile_at_first_call
+from ...functions.build import function_at_first_call
 from . import crossover, graphs, internals, rowcheck, terms
 from .batching import Batcher
 from .calls import Calls
@@ -96,7 +96,7 @@ class DataParallelModel:
                 "discrete variable, or sum over its values in a pm.Potential / pm.Mixture), "
                 "or sample this model with pm.sample, whose compound steps (NUTS with "
                 "Metropolis) take discrete variables, serially")
-        point = model.initial_point()
+        point = self._point0 = model.initial_point()   # each initial_point() compiles a function
         self.value_names = [v.name for v in value_vars]
         self._shapes = [tuple(np.shape(point[n])) for n in self.value_names]
         self._sizes = [int(np.prod(s, dtype=int)) for s in self._shapes]
@@ -146,19 +146,18 @@ class DataParallelModel:
             fn1 = synk.function(inputs=inputs, bcast_inputs=[position],
                                       outputs=[(one, "sum")], name=name, mode=rank_mode,
                                       on_unused_input="ignore")
-            fn = synk.function(inputs=inputs, bcast_inputs=[positions],
-                                     outputs=[(both, "sum")], name=f"{name}_many",
-                                     mode=rank_mode, on_unused_input="ignore")
-            fn_loop = synk.function(inputs=inputs, bcast_inputs=[positions],
-                                          outputs=[(looped, "sum")], name=f"{name}_loop",
-                                          mode=rank_mode, on_unused_input="ignore")
+            # Only several chains at once call the graphs at many positions: they are
+            # built (rewritten and compiled) at their first call, not here and in
+            # distribute() (bench/pymc_gallery.py --parts startup).
+            fn = function_at_first_call(inputs=inputs, bcast_inputs=[positions],
+                                        outputs=[(both, "sum")], name=f"{name}_many",
+                                        mode=rank_mode, on_unused_input="ignore")
+            fn_loop = function_at_first_call(inputs=inputs, bcast_inputs=[positions],
+                                             outputs=[(looped, "sum")], name=f"{name}_loop",
+                                             mode=rank_mode, on_unused_input="ignore")
         except synk.SynkStateError as exc:
             raise synk.SynkStateError(f"data_parallel() must come after synk.fork() and "
                                       f"before synk.distribute() ({exc})") from None
-        # Only several chains at once call the graphs at many positions: their code
-        # compiles at their first call, not in distribute() (10-20 s each, cold).
-        compile_at_first_call(fn)
-        compile_at_first_call(fn_loop)
         self._data = None
         self._scattered = False      # scatter() done once (the first evaluation does it)
         self._seen = {}
@@ -201,7 +200,7 @@ class DataParallelModel:
     # -- data -------------------------------------------------------------------------------
     def _check_point(self, i):
         """The i-th point the row check tries: the initial point, then jittered ones."""
-        point = self.model.initial_point()
+        point = self._point0
         if i == 0:
             return point
         rng = np.random.default_rng(i)

@@ -1,0 +1,74 @@
+"""A PyTensor function built at its first call, in each process that calls it.
+
+Why: ``pytensor.function`` rewrites a graph before any code is compiled, and
+for a PyMC model's gradient at many positions (vectorised, or a Scan of the
+one-position graph) that alone took 0.8-1.7 s a graph in the master
+(bench/pymc_gallery.py --parts startup), paid at ``data_parallel()`` for
+graphs that a run with one chain, or one call per chain, never calls.
+Deferred, the graph is kept as it was given; the master builds it at its
+first call, before the call is posted (so that Numba's code is in PyTensor's
+cache), and each worker builds its own at the same call.
+
+Only plain graphs are deferred (no updates, givens, in-graph collectives or
+JAX linker): what the rest of the library reads of a function before its
+first call (its name, its shared variables, whether it is JAX) is then known
+from the graph itself.
+"""
+
+import pytensor
+from pytensor.compile import SharedVariable
+
+from .. import compat
+
+
+class Deferred:
+    """Stands for ``pytensor.function(*args, **kwargs)`` until ``build()``.
+
+    ``FunctionSpec.ready()`` swaps the built function in, so calls never go
+    through this object.  Attributes set before the build (``trust_input``)
+    are set on the built function.  Pickles as the graph, unbuilt.
+    """
+
+    uses_jax = False   # JAX-linked graphs are never deferred (devices.uses_jax)
+
+    def __init__(self, args, kwargs):
+        self.__dict__.update(_args=args, _kwargs=kwargs, _fn=None, _attrs={},
+                             name=kwargs.get("name"))
+
+    def get_shared(self):
+        """The graph's shared variables, as ``Function.get_shared`` lists a built one's."""
+        if self._fn is not None:
+            return self._fn.get_shared()
+        return [v for v in compat.ancestors(self._args[1]) if isinstance(v, SharedVariable)]
+
+    def build(self):
+        """The PyTensor function: built here at the first call of this, then the same one."""
+        fn = self._fn
+        if fn is None:
+            fn = pytensor.function(*self._args, **self._kwargs)
+            for k, v in self._attrs.items():
+                setattr(fn, k, v)
+            self.__dict__["_fn"] = fn
+        return fn
+
+    def __setattr__(self, name, value):
+        if self._fn is None:
+            self._attrs[name] = value
+        else:
+            setattr(self._fn, name, value)
+
+    def __getattr__(self, name):
+        # Anything else a built function has: build it (a read before the first call).
+        if name.startswith("__") or name in ("_args", "_kwargs", "_fn", "_attrs"):
+            raise AttributeError(name)
+        return getattr(self.build(), name)
+
+    def __call__(self, *args, **kwargs):
+        return self.build()(*args, **kwargs)
+
+    def __getstate__(self):
+        return {"_args": self._args, "_kwargs": self._kwargs, "_fn": None,
+                "_attrs": dict(self._attrs), "name": self.name}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
