@@ -70,8 +70,9 @@ def function_at_first_call(inputs, outputs=None, bcast_inputs=None, updates=None
     compiles it at the first call, before the call is posted, so that the
     ranks load the code from PyTensor's cache instead of each compiling it
     (``deferred.py``).  A graph with updates, givens, sliceable shared
-    variables, in-graph collectives or the JAX linker is built now, as ``function()`` builds it.  Master
-    only, before ``distribute()``; takes ``function()``'s arguments.
+    variables, in-graph collectives or the JAX linker is built now, as
+    ``function()`` builds it.  Master only, before ``distribute()``; takes
+    ``function()``'s arguments.
     """
     return _build(inputs, outputs, bcast_inputs, updates, givens, sliceable_shareds, kwargs,
                   deferred=True)
@@ -95,12 +96,12 @@ def _build(inputs, outputs, bcast_inputs, updates, givens, sliceable_shareds, kw
         # GPU mode: shared variables live on the device as JAX arrays.
         kwargs.setdefault("mode", "JAX")
     args = (inputs + bcast_inputs, out_vars)
-    if deferred and not upd_pairs and not givens and not sliceable and not _jax_mode(kwargs.get("mode")) \
-            and not _graph_holds_collective(out_vars):
+    deferred = (deferred and not upd_pairs and not givens and not sliceable
+                and not _jax_mode(kwargs.get("mode")) and not _graph_holds_collective(out_vars))
+    if deferred:
         fn = Deferred(args, kwargs)
     else:
         fn = pytensor.function(*args, updates=upd_pairs or None, givens=givens, **kwargs)
-        deferred = False
     used = {id(s) for s in fn.get_shared()}
     for s in sliceable:
         if id(s) not in used:
@@ -111,8 +112,8 @@ def _build(inputs, outputs, bcast_inputs, updates, givens, sliceable_shareds, kw
             "cannot run JAX-mode functions (their first JAX call would hang). Call "
             "synk.fork() before any JAX computation, or use another mode.")
     spec = FunctionSpec(len(rt.registry.functions), fn, inputs, bcast_inputs, out_vars, out_ops,
-                        return_list, upd_pairs, upd_ops, givens, sliceable, kwargs)
-    spec.compile_at_first_call = deferred
+                        return_list, upd_pairs, upd_ops, givens, sliceable, kwargs,
+                        compile_at_first_call=deferred)
     f = Function(spec)
     f.attach(rt)
     rt.registry.functions.append(f)

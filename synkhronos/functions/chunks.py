@@ -188,7 +188,7 @@ class MasterChunks:
             return msg._replace(chunks=self.plan), None
         rt.in_call = True
         try:
-            first = [np.array(r) for r in run_rows(spec.ready(), arrays, k, 0, rows)]
+            first = [np.array(r) for r in run_rows(spec.fn, arrays, k, 0, rows)]
         except Exception:  # noqa: BLE001 - the static split runs it again and reports it
             return msg, None
         finally:
@@ -240,7 +240,7 @@ def master_runner(spec, rt, plan, board, arrays, n_scattered):
     part: the master's chunks, the others' awaited (or run again), combined in
     chunk order.
     """
-    fn = spec.ready()
+    fn = spec.fn   # built: the master's first call builds a deferred one (Function._plan_call)
     fast, ctl = board.fast, board.ctl
     n_chunks = plan.n_chunks
     control = rt.control

@@ -18,6 +18,7 @@ from ..variables import access
 from ..variables.reductions import AllReduceMsg, all_reduce_local
 from . import chunks
 from .chunks import ChunkPlan
+from .deferred import Deferred
 from .outputs import machine_part
 from .slices import run_slices
 
@@ -154,7 +155,8 @@ class Share:
                  "wait_updates")
 
     def __init__(self, spec, rt, msg, arrays=None):
-        spec.ready()   # a function built at its first call (build.function_at_first_call)
+        if type(spec.fn) is Deferred:   # built at its first call (build.function_at_first_call)
+            spec.ready()
         descs = msg.descs
         arrays = [mappings.view(rt, d) for d in descs] if arrays is None else list(arrays)
         rows = None
