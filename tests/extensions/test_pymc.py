@@ -176,10 +176,13 @@ def test_crossover_samples_a_small_model_as_pm_sample_does(env, caplog, monkeypa
         # A short run: a call per chain, no many-position graph compiled for it.
         dp.split = None
         monkeypatch.setattr(crossover, "LEAPFROGS", 10)
+        # The measured decision above may have timed the many-position graphs (on a slow
+        # or cold machine): what this run does to them is compared with what it found.
+        kept = dict(dp._calls._batch_wins)
         dp.sample(10, **{**kw, "tune": 10})
         assert dp.decision.separate is True, dp.decision
-        # Neither many-position graph ran (nor compiled): no trial of them, none kept.
-        assert not dp._calls._trials and not dp._calls._batch_wins
+        # Neither many-position graph ran in this run: no trial of them, nothing new kept.
+        assert not dp._calls._trials and dp._calls._batch_wins == kept
         dp.split = False   # the branch the measured decision took, without measuring
         assert crossover.decide(dp, "pymc", 2, None, 30, 30) == crossover.Decision(
             False, "asked", "pymc", 2, crossover.sampling_cores(2, None), 2)
