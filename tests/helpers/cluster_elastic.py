@@ -14,6 +14,7 @@ train STEPS PLAN: a training run (make_train_function, Adam, Data inputs, plus a
 allreduce N: times all_reduce of 4 B and 1 MB (N rounds each), for bench/faults.py.
 """
 
+import logging
 import os
 import sys
 import time
@@ -86,9 +87,36 @@ def check(local):
     print("CLOSED", flush=True)
 
 
+def _fork_or_say_refused(n_parallel):
+    """fork(); a joiner prints when it knocked and when it was refused, on its own clock.
+
+    The door's answer is timed from these two lines, not from the process's start: a loaded
+    machine takes seconds to import torch and fork, which says nothing of the door.
+    """
+    knock = logging.getLogger("synkhronos.cluster.elastic.join")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("LOG %(monotonic).3f %(message)s"))
+    handler.addFilter(_stamp)
+    knock.addHandler(handler)
+    knock.setLevel(logging.INFO)
+    try:
+        synk.fork(n_parallel, use_gpu=False)
+    except synk.SynkError as exc:
+        if "refused this machine" in str(exc):
+            print(f"REFUSED at {time.monotonic():.3f}", flush=True)
+        raise
+    finally:
+        knock.removeHandler(handler)
+
+
+def _stamp(record):
+    record.monotonic = time.monotonic()
+    return True
+
+
 def train(n_steps, plan, pause_dir):
     cluster = os.environ.get("SYNK_CLUSTER") != "0"
-    synk.fork(1 if not cluster else None, use_gpu=False)
+    _fork_or_say_refused(1 if not cluster else None)
     synk.on_machines(_watch)
     step, x_data, y_data = build(dropout=False)
     x = pt.matrix("x")

@@ -122,6 +122,7 @@ def join_as_node(rt, launch, join_workers, pin):
         sock = zmq_socket(zmq.Context.instance(), zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, ident)
         sock.connect(f"tcp://{launch.host}:{launch.port}")
+        logger.info("knocking on the controller at %s:%d", launch.host, launch.port)
         sock.send_multipart([TAG.pack(HELLO), b""])
         nonce = _expect(sock, NONCE, CONNECT_TIMEOUT_S, "answer")
         sock.send_multipart([TAG.pack(PROOF), PROOF_MSG.pack(
