@@ -165,7 +165,7 @@ def child_overhead(calls, mode):
     P4 = np.tile(q, (4, 1))
     ones = np.ones((2, 1))
     nuts_call = internals.LogpDlogp(dp.batcher, dp.dtype)._pytensor_function
-    nutpie_call = internals.nutpie_model(dp)._make_logp_func()
+    nutpie_call = internals.nutpie_model(dp, dp.batcher)._make_logp_func()
     fns = {"tiny synk.function": lambda: tiny(xd),
            "bare PyTensor (same tiny graph)": lambda: bare(ones),
            "tiny call + a broadcast vector input": lambda: with_pos(xd, vd),
@@ -263,7 +263,7 @@ def child_steps(system, n_rows, draws, tune):
             nutpie_fn = None
         else:
             target = dp if system == "synk-nutpie" else standin
-            compiled = internals.nutpie_model(target)
+            compiled = internals.nutpie_model(target, target.batcher)
             nutpie_fn = compiled._make_logp_func()
         t0 = time.perf_counter()
         idata = nutpie.sample(compiled, draws=draws, tune=tune, chains=1, seed=1,

@@ -147,13 +147,22 @@ def test_crossover_samples_a_small_model_as_pm_sample_does(env, caplog, monkeypa
     """301 rows on 2 ranks over a long run: the call's fixed cost outweighs the rows, so
     dp.sample runs pm.sample itself (its chains on the cores the master had before fork),
     says so in one warning, and returns pm.sample's very draws; split=True / False override
-    it.  (A short run is predicted by its compiling: LEAPFROGS makes this one long.)"""
+    it.  PyMC's (logp, dlogp), compiled to time it, is the one pm.sample runs: PyMC
+    compiles no other.  (LEAPFROGS makes this run long.)"""
     import logging
     import os
 
     monkeypatch.setattr(crossover, "LEAPFROGS", 10_000)
 
     model, dp = env.models["negbin"], env.auto
+    compiled = []
+    own = type(model).logp_dlogp_function
+
+    def counted(self, *args, **kwargs):
+        compiled.append(args)
+        return own(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "logp_dlogp_function", counted)
     pinned = os.sched_getaffinity(0)
     kw = dict(tune=30, chains=2, random_seed=7, progressbar=False, nuts_sampler="pymc",
               compute_convergence_checks=False)
@@ -161,10 +170,15 @@ def test_crossover_samples_a_small_model_as_pm_sample_does(env, caplog, monkeypa
         idata = dp.sample(30, **kw)
     assert dp.decision.split is False and dp.decision.reason == "measured", dp.decision
     assert dp.decision.parallel_run_s * crossover.GAIN >= dp.decision.serial_run_s
+    # 2 chains of 60 us of PyMC's own work a step against one of 42 us and its call:
+    # not even a split at its best would gain, so nothing was built for the ranks.
+    assert dp.decision.predicted is True and dp.decision.callback is False, dp.decision
+    assert len(compiled) == 1, compiled
     said = [r.getMessage() for r in caplog.records if "would not gain" in r.getMessage()]
     assert len(said) == 1 and "split=True" in said[0], caplog.records
     assert dp.batcher.calls == 0
     assert os.sched_getaffinity(0) == pinned
+    monkeypatch.setattr(type(model), "logp_dlogp_function", own)
     with model:
         ref = pm.sample(30, cores=1, **kw)
     for name in ("alpha", "b"):
@@ -173,9 +187,11 @@ def test_crossover_samples_a_small_model_as_pm_sample_does(env, caplog, monkeypa
         dp.split = True
         dp.sample(10, **{**kw, "chains": 1})   # one chain: the graph distribute() compiled
         assert dp.decision.reason == "asked" and dp.batcher.calls > 0
-        # A short run: a call per chain, no many-position graph compiled for it.
+        # A short run: a call per chain, no many-position graph compiled for it.  With
+        # no sampler work of its own a split could gain at best: the decision times a call.
         dp.split = None
         monkeypatch.setattr(crossover, "LEAPFROGS", 10)
+        monkeypatch.setitem(crossover.SAMPLER_S, "pymc", 0.0)
         # The measured decision above may have timed the many-position graphs (on a slow
         # or cold machine): what this run does to them is compared with what it found.
         kept = dict(dp._calls._batch_wins)
@@ -188,6 +204,41 @@ def test_crossover_samples_a_small_model_as_pm_sample_does(env, caplog, monkeypa
             False, "asked", "pymc", 2, crossover.sampling_cores(2, None), 2)
     finally:
         dp.split = None
+
+
+def test_crossover_gives_nutpie_the_compiled_function(env, caplog, monkeypatch):
+    """Where nutpie would compile the model again for longer than the run (a short run of a
+    small model), dp.sample hands nutpie PyMC's compiled (logp, dlogp) instead, calls
+    nothing data-parallel, compiles nothing of nutpie's, and samples pm.sample's posterior."""
+    pytest.importorskip("nutpie")
+    import logging
+
+    import nutpie
+
+    model, dp = env.models["negbin"], env.auto
+
+    def refused(*args, **kwargs):
+        raise AssertionError("nutpie compiled the model")
+
+    kw = dict(tune=DRAWS, chains=2, random_seed=3, progressbar=False,
+              compute_convergence_checks=False)
+    # A split's gradient under nutpie dearer than it is: the way chosen here is the
+    # callback's, whatever this machine's timings (test_crossover_rule tests the figures).
+    monkeypatch.setattr(crossover, "DP_NUTPIE_S", 1e-3)
+    monkeypatch.setattr(nutpie, "compile_pymc_model", refused)
+    with caplog.at_level(logging.WARNING, logger="synkhronos"):
+        idata = dp.sample(DRAWS, nuts_sampler="nutpie", **kw)
+    monkeypatch.undo()
+    assert dp.decision.split is False and dp.decision.callback is True, dp.decision
+    said = [r.getMessage() for r in caplog.records if "would not gain" in r.getMessage()]
+    assert len(said) == 1 and "nutpie on PyMC's compiled" in said[0], said
+    assert dp.batcher.calls == 0
+    assert idata.posterior.sizes["chain"] == 2 and idata.posterior.sizes["draw"] == DRAWS
+    with model:
+        ref = pm.sample(DRAWS, cores=1, nuts_sampler="nutpie", **{**kw, "random_seed": 4})
+    assert set(idata.posterior.data_vars) == set(ref.posterior.data_vars)
+    z = pymc_models.z_scores(idata, ref, [v.name for v in model.free_RVs])
+    assert all(zm < 4.5 and zs < 4.5 for _, zm, zs in z), z
 
 
 def test_results_outlive_the_next_call(env):

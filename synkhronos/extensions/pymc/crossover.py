@@ -9,18 +9,31 @@ model times a data-parallel call and PyMC's own serial call (compiled as
 pm.sample compiles it, run in this process on one core as one of
 pm.sample's chains runs it) and predicts the rest of the run both ways:
 
-    pm.sample:  compiling its (logp, dlogp) (and nutpie's own, SAMPLER_COMPILE_S)
+    pm.sample:  what its sampler compiles of its own (nutpie: SAMPLER_COMPILE_S)
                 + steps x ceil(chains / cores) x (serial call + the sampler's own work)
     dp.sample:  steps x (chains x the sampler's own work + the call(s) at every chain's position)
 
 where ``cores`` is what pm.sample would run chains on (``min(chains,
 cores=, the machine's CPUs)``) and ``steps`` is ``(tune + draws) x
-LEAPFROGS``.  What data_parallel() and distribute() compiled is spent
-either way.  Splitting is kept where it is predicted ``GAIN`` times faster;
-else ``dp.sample`` runs ``pm.sample`` itself with this process's cores
-released (the ranks sleep meanwhile), and says so in one log line.  Left
-out: pm.sample's chain processes slowing each other (memory bandwidth,
-shared caches), which favours splitting.
+LEAPFROGS``.  PyMC's own (logp, dlogp), compiled here to time it, is the
+one pm.sample then runs (``internals.serving``): spent either way, as is
+what data_parallel() did.  The data-parallel call is first predicted, not
+built: the rows split over the ranks (``RANK_GRAPH_GAIN`` times faster per
+row at best) plus ``CALL_S``; where even that would not gain, nothing is
+built for the ranks.  Splitting is kept where it is predicted ``GAIN``
+times faster; else ``dp.sample`` runs ``pm.sample`` itself with this
+process's cores released (the ranks sleep meanwhile), and says so in one
+log line.  Left out: pm.sample's chain processes slowing each other (memory
+bandwidth, shared caches), which favours splitting.
+
+With nutpie there is a third way: nutpie on that same compiled (logp, dlogp),
+called back from its threads in this process, as the split's callback is, so
+that nutpie compiles nothing of its own (``Decision.callback``); the
+chains' calls then take turns (one interpreter), so it is predicted as
+
+    callback:   steps x chains x (serial call + CALLBACK_S)
+
+and taken where it beats pm.sample's own nutpie.
 """
 
 import contextlib
@@ -53,6 +66,10 @@ compiles the model again with Numba, 5.2-8.4 s a process on the gallery's 7 mode
 (2026-12-02, bench/pymc_gallery.py --parts compile, bench/HISTORY.md), which dp.sample's
 nutpie, on the data-parallel callback, does not."""
 
+CALLBACK_S = 10e-6
+"""A gradient of nutpie on PyMC's compiled function in this process, beyond the call:
+nutpie's thread calls back into Python and waits its turn."""
+
 DP_NUTPIE_S = 25e-6
 """A data-parallel gradient under nutpie beyond the call: nutpie's thread calls back into
 Python, and its request waits for the other chains' in the batcher."""
@@ -64,8 +81,24 @@ on PyMC 5.28 8-20 s a process (Numba's code is not cached there), 2026-12-02.  W
 call at every chain's position could save less than this over the run (at most a call
 per chain less each step), the chains take a call each and nothing more is compiled."""
 
+CALL_S = 3e-6
+"""A data-parallel call's cost beyond its ranks' share of the rows, at the least: 2.7 us
+on 2 ranks, the (logp, dlogp) call's fixed cost less its rank graph's run
+(bench/pymc_calls.py --parts overhead, bench/RESULTS.md, 2026-11-27)."""
+
+RANK_GRAPH_GAIN = 5.0
+"""How much faster per row a rank's graph may run than PyMC's own, at the most: the radon
+model's in Numba against PyMC's in C, 4.77x (bench/pymc_calls.py --parts ratio,
+bench/RESULTS.md, 2026-11-28).  The prediction before anything is built takes it, so
+that it never turns down a split that a built graph would have won."""
+
 TRIAL_S = 0.1
 """Seconds each side of the trial runs for (at least 5 calls, at most 500)."""
+
+SERIAL_TRIAL_S = 0.02
+"""Seconds PyMC's serial call is timed for (at least 5 calls, at most 500): no rank takes
+part, so the spread is the machine's alone (the 5-25 us calls of the gallery's models
+make 500 calls in 3-13 ms)."""
 
 LEAPFROGS = 10
 """Gradient evaluations a draw takes, for the prediction: NUTS's trees of depth 3-4, as
@@ -84,7 +117,11 @@ class Decision:
     ``parallel_s`` a data-parallel call at one position, ``parallel_many_s``
     one at every chain's position; ``serial_run_s`` and ``parallel_run_s``
     the rest of the run as predicted.  ``separate``: the chains' positions
-    go in a call each (``MANY_COMPILE_S``).
+    go in a call each (``MANY_COMPILE_S``).  ``predicted``: ``parallel_s``
+    was predicted, not timed (even at best it would not gain: nothing was
+    built for the ranks).  ``callback``: not split, nutpie samples on PyMC's
+    compiled (logp, dlogp) in this process instead of compiling its own
+    (``serial_run_s`` is that way's).
     """
 
     split: bool
@@ -100,6 +137,8 @@ class Decision:
     serial_run_s: float = None
     parallel_run_s: float = None
     separate: bool = False
+    predicted: bool = False
+    callback: bool = False
 
     def describe(self):
         """One line: what was chosen and why."""
@@ -109,19 +148,27 @@ class Decision:
         if self.reason == "asked":
             how = "data-parallel" if self.split else "as pm.sample does, in this process"
             return f"dp.sample: sampling {how} (data_parallel(split={self.split}))"
-        calls = f"a call {self.parallel_s * 1e6:.0f} us" + (", a call per chain"
-                                                           if self.separate else "")
+        calls = (f"a call {'at best ' if self.predicted else ''}"
+                 f"{self.parallel_s * 1e6:.0f} us" + (", a call per chain"
+                                                      if self.separate else ""))
         if self.parallel_many_s is not None:
             calls += f", at {self.chains} positions {self.parallel_many_s * 1e6:.0f} us"
+        if self.callback:
+            other = ("nutpie on PyMC's compiled (logp, dlogp) in this process (a call "
+                     f"{self.serial_s * 1e6:.0f} us, nothing more compiled)")
+        else:
+            other = (f"pm.sample on {self.cores} core(s) (a call {self.serial_s * 1e6:.0f} us"
+                     + (f", compiling {SAMPLER_COMPILE_S[self.sampler]:.1f} s)"
+                        if self.sampler in SAMPLER_COMPILE_S else ")"))
         figures = (f"{self.chains} chain(s), sampler {self.sampler}: predicted "
                    f"{self.parallel_run_s:.1f} s data-parallel on {self.ranks} ranks ({calls}) "
-                   f"against {self.serial_run_s:.1f} s for pm.sample on {self.cores} core(s) "
-                   f"(a call {self.serial_s * 1e6:.0f} us, compiling "
-                   f"{self.compile_s + SAMPLER_COMPILE_S.get(self.sampler, 0.0):.1f} s)")
+                   f"against {self.serial_run_s:.1f} s for {other}")
         if self.split:
             return f"dp.sample: splitting the rows gains ({figures})"
-        return (f"dp.sample: splitting the rows would not gain ({figures}); sampling as "
-                f"pm.sample does, in this process with its cores released. "
+        how = ("nutpie on PyMC's compiled (logp, dlogp)" if self.callback
+               else "as pm.sample does")
+        return (f"dp.sample: splitting the rows would not gain ({figures}); sampling {how}, "
+                f"in this process with its cores released. "
                 f"data_parallel(model, split=True) splits anyway")
 
 
@@ -135,7 +182,9 @@ def check_split(split):
 
 
 def sampling_cores(chains, cores):
-    """The cores ``pm.sample`` would run ``chains`` on: ``cores=`` or its default, at most the CPUs."""
+    """The cores ``dp.sample`` runs ``chains`` on where it does not split: ``cores=``, else
+    ``pm.sample``'s default over the cores this process had before ``fork()`` (``min(4,
+    cores)``, not PyMC's own, which takes half the CPUs for hardware threads), at most those."""
     available = len(unpinned_cores())
     if cores is None:
         cores = min(4, available)
@@ -145,9 +194,10 @@ def sampling_cores(chains, cores):
 def predict(sampler, chains, cores, steps, serial_s, compile_s, round_s):
     """(pm.sample's, dp.sample's) predicted seconds for ``steps`` gradients of every chain.
 
-    ``serial_s`` is PyMC's serial call and ``compile_s`` its compiling,
-    ``round_s`` the data-parallel call (or calls) at every chain's position;
-    see the module docstring.
+    ``serial_s`` is PyMC's serial call and ``compile_s`` what pm.sample
+    would compile that dp.sample does not, besides its sampler's own
+    (``SAMPLER_COMPILE_S``); ``round_s`` the data-parallel call (or calls) at
+    every chain's position; see the module docstring.
     """
     own = SAMPLER_S.get(sampler, SAMPLER_S["pymc"])
     compile_s += SAMPLER_COMPILE_S.get(sampler, 0.0)
@@ -184,13 +234,27 @@ def decide(dp, sampler, chains, cores, draws, tune):
     if known is not None:
         return known
     x = dp.initial_x().astype(dp.dtype)
+    serial = serial_function(dp)
+    call = serial.fn._pytensor_function
+    serial_s = _timed(lambda: call(x), SERIAL_TRIAL_S)
+    # The one pm.sample would run (internals.serving): nothing for it to compile again.
+    serial_run, at_best = predict(sampler, chains, n_cores, steps, serial_s, 0.0,
+                                  CALL_S + serial_s / (ranks * RANK_GRAPH_GAIN))
+    callback = False
+    if sampler == "nutpie":
+        callback_run = steps * chains * (serial_s + CALLBACK_S)
+        if callback_run < serial_run:
+            serial_run, callback = callback_run, True
+    if at_best * GAIN >= serial_run:
+        # Even the best a split could do would not gain: the ranks' graph is not built.
+        decision = dp.decisions[key] = Decision(
+            False, "measured", sampler, chains, n_cores, ranks, serial_s, serial.compile_s,
+            CALL_S + serial_s / (ranks * RANK_GRAPH_GAIN), None, serial_run, at_best,
+            predicted=True, callback=callback)
+        return decision
     one_s = _timed(lambda: dp.logp_dlogp(x))
-    t0 = time.perf_counter()
-    serial = internals.serial_logp_dlogp(dp.model)
-    serial(x)            # Numba compiles at the first call
-    compile_s = time.perf_counter() - t0
-    serial_s = _timed(lambda: serial(x))
-    serial_run, fastest = predict(sampler, chains, n_cores, steps, serial_s, compile_s, one_s)
+    compile_s = 0.0
+    _, fastest = predict(sampler, chains, n_cores, steps, serial_s, compile_s, one_s)
     many_s, parallel_run, separate = None, fastest, False
     if chains > 1 and steps * (chains - 1) * one_s < MANY_COMPILE_S:
         separate = True   # a call each: the many-position graphs would not pay their compile
@@ -204,17 +268,37 @@ def decide(dp, sampler, chains, cores, draws, tune):
             dp.logp_dlogp_many(P)
         many_s = _timed(lambda: dp.logp_dlogp_many(P))
         _, parallel_run = predict(sampler, chains, n_cores, steps, serial_s, compile_s, many_s)
-    decision = Decision(parallel_run * GAIN < serial_run, "measured", sampler, chains, n_cores,
-                        ranks, serial_s, compile_s, one_s, many_s, serial_run, parallel_run,
-                        separate)
+    split = parallel_run * GAIN < serial_run
+    decision = Decision(split, "measured", sampler, chains, n_cores, ranks, serial_s,
+                        serial.compile_s, one_s, many_s, serial_run, parallel_run, separate,
+                        callback=callback and not split)
     dp.decisions[key] = decision
     return decision
 
 
-def _timed(call):
-    """Median seconds of ``call()`` over about ``TRIAL_S``, after two warm-up calls."""
+@dataclasses.dataclass(frozen=True)
+class Serial:
+    """PyMC's own (logp, dlogp) of a model, compiled as pm.sample's NUTS compiles it, and how
+    long that took (seconds)."""
+
+    fn: object
+    compile_s: float
+
+
+def serial_function(dp):
+    """``dp.model``'s ``Serial``: compiled at the first decision, then the same one."""
+    if dp.serial is None:
+        t0 = time.perf_counter()
+        fn = internals.serial_logp_dlogp(dp.model)
+        fn._pytensor_function(dp.initial_x().astype(dp.dtype))  # Numba compiles at the first call
+        dp.serial = Serial(fn, time.perf_counter() - t0)
+    return dp.serial
+
+
+def _timed(call, seconds=TRIAL_S):
+    """Median seconds of ``call()`` over about ``seconds``, after two warm-up calls."""
     call(), call()
-    times, end = [], time.perf_counter() + TRIAL_S
+    times, end = [], time.perf_counter() + seconds
     while len(times) < 5 or (len(times) < 500 and time.perf_counter() < end):
         t0 = time.perf_counter()
         call()

@@ -29,7 +29,9 @@ test-pymc-versions`` on 5.27).  What we rely on:
   start on a synkhronos master pinned to one core.
 - ``crossover`` times ``model.logp_dlogp_function(ravel_inputs=True)``'s
   ``_pytensor_function`` as one of pm.sample's chains would call it
-  (``serial_logp_dlogp()``).
+  (``serial_logp_dlogp()``); where it does not split, ``serving()`` hands
+  that very function to pm.sample's NUTS step (its ``trust_input`` set, as
+  the step sets it), which then compiles nothing of its own.
 - PyMC 6 returns ArviZ 1's ``DataTree``, PyMC 5 an ``InferenceData``: what
   ``pm.sample`` returns is returned as it is.
 
@@ -135,10 +137,40 @@ def sample_kwargs(name, chains, kwargs):
 
 
 def serial_logp_dlogp(model):
-    """PyMC's own (logp, dlogp) at a flat vector, compiled as ``pm.sample`` compiles its NUTS step's."""
+    """PyMC's own (logp, dlogp), compiled as ``pm.sample`` compiles its NUTS step's.
+
+    Returns:
+        The ``ValueGradFunction``; its ``_pytensor_function`` takes a flat vector.
+    """
     f = model.logp_dlogp_function(ravel_inputs=True)
     f.set_extra_values({})
-    return f._pytensor_function
+    return f
+
+
+@contextlib.contextmanager
+def serving(model, fn):
+    """Within: ``pm.sample`` on ``model`` takes ``fn`` (``serial_logp_dlogp``'s) for its NUTS step.
+
+    Only where the step asks for what ``fn`` is: the gradient of every value
+    variable, raveled, compiled without other arguments (PyMC 5.28 would
+    compile it again; PyMC 6 keeps a cache of its own, which this bypasses).
+    """
+    original = model.logp_dlogp_function
+    names = [v.name for v in model.value_vars]
+
+    def logp_dlogp_function(grad_vars=None, *args, ravel_inputs=None, dtype=None,
+                            initial_point=None, **kwargs):
+        whole = grad_vars is None or [v.name for v in grad_vars] == names
+        if whole and ravel_inputs and not args and not kwargs and dtype in (None, fn.dtype):
+            return fn
+        return original(grad_vars, *args, ravel_inputs=ravel_inputs, dtype=dtype,
+                        initial_point=initial_point, **kwargs)
+
+    model.logp_dlogp_function = logp_dlogp_function
+    try:
+        yield
+    finally:
+        del model.logp_dlogp_function
 
 
 def default_chains():
@@ -310,7 +342,7 @@ def driving(dp):
     model.logp_dlogp_function = logp_dlogp_function
     mcmc._sample_many = _sample_many_together(batcher, model)
     if nutpie_mod is not None:
-        nutpie_mod.compile_pymc_model = lambda m, **kw: nutpie_model(dp, **kw)
+        nutpie_mod.compile_pymc_model = lambda m, **kw: nutpie_model(dp, batcher, **kw)
     _driving[0] += 1
     try:
         yield
@@ -322,6 +354,28 @@ def driving(dp):
             nutpie_mod.compile_pymc_model = saved_compile
 
 
+@contextlib.contextmanager
+def driving_serial(dp, fn):
+    """Within: ``pm.sample(nuts_sampler="nutpie")`` on ``dp.model`` samples with ``fn``
+    (``serial_logp_dlogp``'s), called back from nutpie's threads one at a time."""
+    call, lock = fn._pytensor_function, threading.Lock()
+
+    def logp_dlogp(x):
+        # One PyTensor function's storage serves one call at a time; the copy outlives the next.
+        with lock:
+            lp, g = call(x)
+            return lp, np.array(g, dtype=np.float64)
+
+    nutpie_mod, saved_compile = _nutpie_module()
+    nutpie_mod.compile_pymc_model = lambda m, **kw: nutpie_model(dp, logp_dlogp, **kw)
+    _driving[0] += 1
+    try:
+        yield
+    finally:
+        _driving[0] -= 1
+        nutpie_mod.compile_pymc_model = saved_compile
+
+
 def _nutpie_module():
     try:
         import nutpie
@@ -330,12 +384,13 @@ def _nutpie_module():
     return nutpie, nutpie.compile_pymc_model
 
 
-def nutpie_model(dp, var_names=None, initial_points=None, jitter_rvs=None,
+def nutpie_model(dp, batcher, var_names=None, initial_points=None, jitter_rvs=None,
                  default_initialization_strategy="support_point", **unused):
-    """A nutpie model (``from_pyfunc``) on ``dp``'s batched (logp, dlogp)."""
+    """A nutpie model (``from_pyfunc``) on ``batcher``: ``dp``'s batched (logp, dlogp), or
+    another callable from a flat float64 vector to (logp, gradient)."""
     from nutpie.compiled_pyfunc import from_pyfunc
 
-    model, batcher = dp.model, dp.batcher
+    model = dp.model
     names, shapes = list(dp.value_names), list(dp.value_shapes)
     remaining = [v for v in model.unobserved_value_vars if v.name not in names]
     if var_names is not None:

@@ -70,6 +70,8 @@ class DataParallelModel:
         mode: the PyTensor mode the rank's graphs compile in ("NUMBA", "CVM" or a ``Mode``).
         split: ``data_parallel``'s ``split`` (None: measured at the first ``sample``).
         decision: what the last ``sample`` chose (``crossover.Decision``), None before.
+        serial: PyMC's own (logp, dlogp) (``crossover.Serial``), compiled at the first
+            decision; None before.
     """
 
     def __init__(self, model, data, unsplit, name, mode=None, split=None):
@@ -81,6 +83,7 @@ class DataParallelModel:
         self.split = crossover.check_split(split)
         self.decision = None     # what the last sample() chose (crossover.Decision)
         self.decisions = {}      # crossover.decide's, per rows, sampler, chains and cores
+        self.serial = None       # PyMC's own (logp, dlogp), compiled at the first decision
         self.model = model
         if not model.observed_RVs and not model.potentials:
             raise ValueError("data_parallel: the model has no likelihood (no observed "
@@ -108,7 +111,7 @@ class DataParallelModel:
         all_terms = terms.model_terms(model)
         terms.refuse_random_draws(all_terms)
         plan = terms.choose(model, all_terms, list(given) if given else data, unsplit,
-                            lift=not given)
+                            lift=not given, point=point)
         terms.refuse_numpy_rows(model, plan)
         rank_mode = internals.pymc_mode(model, base=self.mode)
         rowcheck.check_rows(model, plan, value_vars, self._check_point,
@@ -143,12 +146,13 @@ class DataParallelModel:
         both = pt.concatenate([logps[:, None].astype(grads.dtype), grads], axis=1)
         looped = graphs.scanned(one, position, positions, mode=rank_mode)
         try:
-            fn1 = synk.function(inputs=inputs, bcast_inputs=[position],
-                                      outputs=[(one, "sum")], name=name, mode=rank_mode,
-                                      on_unused_input="ignore")
-            # Only several chains at once call the graphs at many positions: they are
-            # built (rewritten and compiled) at their first call, not here and in
-            # distribute() (bench/pymc_gallery.py --parts startup).
+            # Each graph is built (rewritten and compiled) at its first call, not here
+            # and in distribute(): dp.sample may find that splitting would not gain
+            # (crossover), and only several chains at once call the graphs at many
+            # positions (bench/pymc_gallery.py --parts startup).
+            fn1 = function_at_first_call(inputs=inputs, bcast_inputs=[position],
+                                         outputs=[(one, "sum")], name=name, mode=rank_mode,
+                                         on_unused_input="ignore")
             fn = function_at_first_call(inputs=inputs, bcast_inputs=[positions],
                                         outputs=[(both, "sum")], name=f"{name}_many",
                                         mode=rank_mode, on_unused_input="ignore")
@@ -337,8 +341,8 @@ class DataParallelModel:
         return out
 
     def initial_x(self):
-        """Return the model's initial point as a flat float64 vector."""
-        return self.ravel(self.model.initial_point()).astype(np.float64)
+        """Return the model's initial point (as ``data_parallel()`` found it) as a flat float64 vector."""
+        return self.ravel(self._point0).astype(np.float64)
 
     def _flat(self, point):
         if isinstance(point, dict):

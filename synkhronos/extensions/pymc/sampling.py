@@ -55,9 +55,17 @@ def sample(dp, draws, tune, chains, nuts_sampler, random_seed, **kwargs):
     else:
         logger.info(decision.describe())
     if not decision.split:
-        if cores is not None:
-            kwargs["cores"] = cores
-        with crossover.released():
+        serial = crossover.serial_function(dp).fn
+        if decision.callback:
+            # nutpie's chains call PyMC's compiled function back, as the split's callback.
+            kwargs = internals.sample_kwargs(nuts_sampler, chains, kwargs)
+            with crossover.released(), internals.driving_serial(dp, serial):
+                return pm.sample(draws, chains=chains, random_seed=random_seed,
+                                 nuts_sampler=nuts_sampler, model=dp.model, **kwargs)
+        # The chains on the cores synkhronos was given, as the prediction took them (PyMC's
+        # own default counts half the CPUs, taking the rest for hardware threads).
+        kwargs["cores"] = decision.cores
+        with crossover.released(), internals.serving(dp.model, serial):
             return pm.sample(draws, chains=chains, random_seed=random_seed,
                              nuts_sampler=nuts_sampler, model=dp.model, **kwargs)
     if cores is not None:

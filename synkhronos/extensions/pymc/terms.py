@@ -130,7 +130,7 @@ def refuse_random_draws(terms):
                 "sample minibatches yourself with synk.function(...)(batch=rows)")
 
 
-def choose(model, terms, data=None, unsplit=None, lift=True):
+def choose(model, terms, data=None, unsplit=None, lift=True, point=None):
     """Decide the containers to split and the terms that read them; return a ``Plan``.
 
     Args:
@@ -139,6 +139,8 @@ def choose(model, terms, data=None, unsplit=None, lift=True):
         unsplit: containers (or lifted arrays, by name) to keep whole on every rank even so.
         lift: split the NumPy arrays with one row per observation too (``Lifted``);
             False where the rows come from elsewhere (``data=`` a dict of ``synk.Data``).
+        point: the model's initial point, where the caller has it (each
+            ``model.initial_point()`` compiles a function).
     """
     by_name = containers_of(model)
     chosen = _resolve(by_name, data, "data") if data is not None else None
@@ -174,7 +176,7 @@ def choose(model, terms, data=None, unsplit=None, lift=True):
         (split_terms if split_set & set(_ancestors(term.graph)) else whole_terms).append(term)
     whole = [c for c in by_name.values() if c not in split_set]
     sizes = _row_sizes(split_terms, n_rows, split_set) if lifted else ()
-    params = _row_params(model, split_terms, n_rows) if lift else ()
+    params = _row_params(model, split_terms, n_rows, point) if lift else ()
     ids = None
     if params:   # a rank reads its entries of them, by row number
         ids = Lifted(pt.as_tensor_variable(np.arange(n_rows)), "row_ids")
@@ -201,7 +203,7 @@ def given_data(given, plan):
     return out
 
 
-def _row_params(model, split_terms, n_rows):
+def _row_params(model, split_terms, n_rows, point=None):
     """The free variables a split term reads with one entry per row (``theta`` of eight schools).
 
     A rank then reads its rows' entries; the prior of the whole vector stays
@@ -212,7 +214,8 @@ def _row_params(model, split_terms, n_rows):
     read = set()
     for term in split_terms:
         read.update(_read_by_position(term.graph))
-    point = model.initial_point()
+    if point is None:
+        point = model.initial_point()
     return tuple(v for v in model.value_vars
                  if v in read and np.ndim(point[v.name]) >= 1 and np.shape(point[v.name])[0] == n_rows)
 
