@@ -32,7 +32,8 @@ The parts, each model in a child process of its own (own memory, a quiet start):
             data_parallel, distribute, compiling, sampling), each run in a fresh process,
             on the PyMC example gallery's models as their notebooks write them, at their
             own sizes (tests/helpers/pymc_gallery.py): pm.sample as PyMC runs it by
-            default against dp.sample with the split measured (the default) and forced.
+            default against dp.sample with the split measured (the default) and forced;
+            --e2e-systems nutpie,synk-nutpie: each with nutpie (ratio against nutpie).
   compile   seconds nutpie compiles each gallery model in a fresh process, and PyMC its
             (logp, dlogp): what crossover.SAMPLER_COMPILE_S stands for.
 
@@ -487,7 +488,11 @@ E2E_SYSTEMS = ("pymc", "synk", "synk-split")
 E2E_WHAT = {"pymc": "pm.sample as the installed PyMC runs it by default (its sampler, its cores)",
             "synk": "synk.fork(2) + data_parallel(model) + distribute() + dp.sample, the "
                     "default (split measured)",
-            "synk-split": "the same with data_parallel(model, split=True)"}
+            "synk-split": "the same with data_parallel(model, split=True)",
+            "nutpie": "pm.sample(nuts_sampler=\"nutpie\")",
+            "synk-nutpie": "synk's default with dp.sample(nuts_sampler=\"nutpie\")"}
+# What each system's ratio is taken against: its own sampler's pm.sample.
+E2E_AGAINST = {"synk-nutpie": "nutpie"}
 
 
 def child_e2e(system, which, chains, draws, tune):
@@ -504,10 +509,12 @@ def child_e2e(system, which, chains, draws, tune):
               compute_convergence_checks=False)
     decision, parts = None, {}
     t0 = time.perf_counter()
-    if system == "pymc":
+    if system in ("pymc", "nutpie"):
         with model:
-            pm.sample(**kw)
+            pm.sample(**kw, **({"nuts_sampler": "nutpie"} if system == "nutpie" else {}))
     else:
+        if system == "synk-nutpie":
+            kw["nuts_sampler"] = "nutpie"
         import synkhronos as synk
         from synkhronos.extensions import pymc as synk_pymc
         synk.fork(2)
@@ -568,15 +575,17 @@ def _e2e(models, chains, systems, draws, tune, rounds):
           f"{draws} draws after {tune} tuning steps, median of {rounds} rounds)\n")
     for s in systems:
         print(f"- {s}: {E2E_WHAT[s]}")
+    rated = [s for s in systems if s.startswith("synk")]
+    against = {s: E2E_AGAINST.get(s, "pymc") for s in rated}
     print("\n| model | " + " | ".join(f"{s} s" for s in systems) + " | "
-          + " | ".join(f"{s} / pymc" for s in systems[1:]) + " |")
-    print("|---|" + "---:|" * (2 * len(systems) - 1))
+          + " | ".join(f"{s} / {against[s]}" for s in rated) + " |")
+    print("|---|" + "---:|" * (len(systems) + len(rated)))
     for m in models:
         med = {s: statistics.median(x["secs"] for x in runs.get((m, s), [])) if runs.get((m, s))
                else None for s in systems}
         cells = [f"{med[s]:.1f}" if med[s] else "-" for s in systems]
-        ratios = [f"{med[s] / med['pymc']:.2f}x" if med[s] and med.get("pymc") else "-"
-                  for s in systems[1:]]
+        ratios = [f"{med[s] / med[against[s]]:.2f}x" if med[s] and med.get(against[s]) else "-"
+                  for s in rated]
         print(f"| {m} | " + " | ".join(cells + ratios) + " |")
 
 

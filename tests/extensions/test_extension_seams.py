@@ -55,11 +55,12 @@ SEAMS = {
             "fork() pinned it: the set fork() saved (Processes.unpinned), which no public call "
             "returns",
     },
-    "pymc/model.py": {
+    "pymc/calls.py": {
         "synkhronos.functions.build.function_at_first_call":
-            "the graphs at many positions (several chains at once) are built and compiled when "
-            "first called, not in data_parallel() and distribute(): no public synk.function "
-            "argument defers a build",
+            "a model's graphs are built and compiled when first called, not in data_parallel() "
+            "and distribute(): dp.sample may not split at all, only several chains call the "
+            "graphs at many positions, and only the mode measured fastest is built on the "
+            "ranks; no public synk.function argument defers a build",
     },
 }
 

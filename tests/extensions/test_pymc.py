@@ -111,6 +111,43 @@ def test_the_other_mode_equals_pymc(env):
         _assert_grad_close(g, dlogp(point))
 
 
+def test_the_faster_mode_is_measured_and_only_it_is_built(env, caplog):
+    """mode=None: the first evaluation times the rank's graph in each mode on a rank's rows and
+    keeps the faster; the other mode's functions are never built, here or on the ranks."""
+    import logging
+
+    model, dp = env.models["survival"], env.dps["survival"]
+    with caplog.at_level(logging.INFO, logger="synkhronos"):
+        lp, g = dp.logp_dlogp(dp.initial_x())
+    assert dp.mode in synk_pymc.model.MODES, dp.mode
+    np.testing.assert_allclose(lp, model.compile_logp()(model.initial_point()), rtol=1e-10)
+    for mode, fns in dp._calls.ways.items():
+        built = [type(f.spec.fn).__name__ != "Deferred" for f in fns]
+        assert built == ([True, False, False] if mode == dp.mode else [False] * 3), (mode, built)
+    if caplog.records:   # said once, where this test made the first evaluation
+        said = [r.getMessage() for r in caplog.records if "graph runs in" in r.getMessage()]
+        assert said == [] or dp.mode in said[0], said
+
+
+def test_fastest_mode_keeps_the_faster():
+    """Of two modes, the one whose graph runs faster on a rank's share of the rows is kept:
+    here C code against PyTensor's Python linker over 60 elementwise steps."""
+    import pytensor.tensor as pt
+    from pytensor.compile.mode import Mode
+
+    from synkhronos.extensions.pymc import modes
+
+    X, p = pt.matrix("X", dtype="float64"), pt.vector("p", dtype="float64")
+    out = X * p
+    for i in range(60):
+        out = pt.tanh(out + i) * p
+    out = out.sum(axis=0)
+    rows = np.random.default_rng(0).normal(size=(400, 3))
+    best, seconds = modes.fastest([X], p, out, [rows], np.ones(3), 2,
+                                  {"PY": Mode(linker="py", optimizer=None), "CVM": "CVM"})
+    assert best == "CVM" and seconds["CVM"] < seconds["PY"], seconds
+
+
 def test_mode_is_checked_before_anything_is_built(env):
     with pytest.raises(ValueError, match=r"mode must be one of NUMBA, CVM"):
         synk_pymc.data_parallel(env.models["negbin"], mode="FAST")

@@ -1,8 +1,14 @@
-"""A DataParallelModel's data-parallel calls: at one position, or at many, vectorised or in a loop.
+"""A DataParallelModel's data-parallel functions and calls: at one position, or at many,
+vectorised or in a loop, in the mode measured fastest.
 
 Several positions (the chains') go in one call, either through the graph
 vectorised over them or through a loop of the one-position graph: whichever
-this model runs faster at that k, measured on its first calls.
+this model runs faster at that k, measured on its first calls.  Each
+function is built (rewritten and compiled) at its first call, not in
+``data_parallel()`` and ``distribute()``: ``dp.sample`` may find that
+splitting would not gain (``crossover``), only several chains at once call
+the graphs at many positions, and of the modes registered only the one
+measured fastest (``modes``) is ever built on the ranks.
 """
 
 import logging
@@ -12,10 +18,34 @@ import numpy as np
 
 import synkhronos as synk
 
+from ...functions.build import function_at_first_call
+from . import graphs
+
 logger = logging.getLogger(__name__)
 
 # Runs of each way to evaluate k positions (vectorised, one by one) before keeping one.
 TRIALS = 6
+
+
+def register(inputs, position, positions, one, both, modes, name):
+    """The model's synkhronos functions: mode -> (one position, vectorised, loop).
+
+    Each has one output (logp first, then the gradient): one reduction a
+    call.  ``modes`` maps a name to the PyTensor mode it compiles in; the
+    first mode's functions take ``name`` itself.  Master only, before
+    ``synk.distribute()``.
+    """
+    ways = {}
+    for i, (key, mode) in enumerate(modes.items()):
+        tag = f"_{key.lower()}" if i else ""
+        looped = graphs.scanned(one, position, positions, mode=mode)
+        ways[key] = tuple(
+            function_at_first_call(inputs=inputs, bcast_inputs=[at], outputs=[(out, "sum")],
+                                   name=f"{name}{tag}{suffix}", mode=mode,
+                                   on_unused_input="ignore")
+            for at, out, suffix in ((position, one, ""), (positions, both, "_many"),
+                                    (positions, looped, "_loop")))
+    return ways
 
 
 class Calls:
@@ -28,8 +58,13 @@ class Calls:
     travel inside the call as a NumPy input instead (``held`` False).
     """
 
-    def __init__(self, fn1, fn, fn_loop, size, dtype, held):
-        self.fn1, self.fn, self.fn_loop = fn1, fn, fn_loop  # one position, vectorised, loop
+    def __init__(self, ways, size, dtype, held, fastest=None):
+        # mode -> (one position, vectorised, loop); with several, ``fastest()`` names the
+        # one to keep, at the first evaluation.
+        self.ways, self._fastest = ways, fastest
+        self.mode = self.fn1 = self.fn = self.fn_loop = None
+        if fastest is None or len(ways) == 1:
+            self._keep(next(iter(ways)))
         self.size, self.dtype = size, dtype
         self.data = None                   # the rows' Data (reset())
         self._held = {} if held else None  # k -> the positions' Data
@@ -37,6 +72,14 @@ class Calls:
         # compiled): what crossover.decide sets where compiling would cost more than it saves.
         self.separate = False
         self.reset(None)
+
+    def _keep(self, mode):
+        self.mode = mode
+        self.fn1, self.fn, self.fn_loop = self.ways[mode]
+
+    def _choose(self):
+        """Keep the mode ``fastest()`` measures fastest (the first evaluation's work)."""
+        self._keep(self._fastest())
 
     def reset(self, data):
         """The rows are ``data`` now (a scatter): forget prepared arguments and measurements."""
@@ -71,6 +114,8 @@ class Calls:
         if args is None or self._held is None:
             args = self._call_args(0)
         args[1][...] = x
+        if self.mode is None:
+            self._choose()
         out = self.fn1(*args[0])[0]
         # The output is a fresh array at every call (combined over the ranks), so the
         # gradient, a view of it, outlives the next call as a sampler needs.
@@ -90,6 +135,8 @@ class Calls:
         if k == 1 or self.separate:
             out = [self.one(x) for x in positions]
             return np.array([lp for lp, _ in out]), np.stack([g for _, g in out])
+        if self.mode is None:
+            self._choose()
         wins = self._batch_wins.get(k)
         if wins is not None:
             return self._many(self.fn if wins else self.fn_loop, positions)

@@ -16,18 +16,19 @@ import pytensor.tensor as pt
 import synkhronos as synk
 
 from ... import compat
-from ...functions.build import function_at_first_call
-from . import crossover, graphs, internals, rowcheck, terms
+from . import calls as calls_mod
+from . import crossover, graphs, internals, modes, rowcheck, terms
 from .batching import Batcher
-from .calls import Calls
 
 logger = logging.getLogger(__name__)
 
 
-# The mode the ranks compile in unless told.  Numba, as nutpie compiles: measured per
-# row against PyTensor's default (C code through the cvm linker), it ran PyMC's own graph
-# and the rank's in 0.3-0.8x the time on a logistic regression and a radon-style model,
-# and compiled faster from a cold cache (bench/pymc_calls.py --parts modes, bench/RESULTS.md).
+# The modes the ranks may compile in: unless told, the first data-parallel evaluation
+# times the rank's graph in each and keeps the faster (modes.py).  Where the master does
+# not hold the rows to time it on (several machines, rows given as synk.Data), Numba, as
+# nutpie compiles: per row it ran PyMC's own graph and the rank's in 0.3-0.8x the time of C
+# code on a logistic regression and a radon-style model at 10^5 rows (bench/pymc_calls.py
+# --parts modes), though 5x slower on a dense one of 55 covariates (issue 47).
 DEFAULT_MODE = "NUMBA"
 MODES = ("NUMBA", "CVM")
 
@@ -38,10 +39,8 @@ _POINTED = weakref.WeakKeyDictionary()
 
 def _rank_mode(mode):
     """The PyTensor mode of the rank's graphs: a name from ``MODES`` or a ``Mode``; None
-    for ``DEFAULT_MODE``."""
-    if mode is None:
-        mode = DEFAULT_MODE
-    if not isinstance(mode, str):
+    to measure."""
+    if mode is None or not isinstance(mode, str):
         return mode
     if mode.upper() not in MODES:
         raise ValueError(f"data_parallel: mode must be one of {', '.join(MODES)}, a PyTensor "
@@ -67,7 +66,9 @@ class DataParallelModel:
         whole: the containers every rank reads whole.
         n_rows: rows of the split data.
         value_names, size, dtype: the flat parameter vector.
-        mode: the PyTensor mode the rank's graphs compile in ("NUMBA", "CVM" or a ``Mode``).
+        mode: the PyTensor mode the rank's graphs compile in ("NUMBA", "CVM" or a
+            ``Mode``); where ``data_parallel(mode=None)``, the faster on this model,
+            measured at the first data-parallel evaluation (None before).
         split: ``data_parallel``'s ``split`` (None: measured at the first ``sample``).
         decision: what the last ``sample`` chose (``crossover.Decision``), None before.
         serial: PyMC's own (logp, dlogp) (``crossover.Serial``), compiled at the first
@@ -79,7 +80,7 @@ class DataParallelModel:
             synk.layout()
         except synk.SynkStateError:
             raise synk.SynkStateError("data_parallel() needs synk.fork() first") from None
-        self.mode = _rank_mode(mode)
+        asked = _rank_mode(mode)
         self.split = crossover.check_split(split)
         self.decision = None     # what the last sample() chose (crossover.Decision)
         self.decisions = {}      # crossover.decide's, per rows, sampler, chains and cores
@@ -113,7 +114,6 @@ class DataParallelModel:
         plan = terms.choose(model, all_terms, list(given) if given else data, unsplit,
                             lift=not given, point=point)
         terms.refuse_numpy_rows(model, plan)
-        rank_mode = internals.pymc_mode(model, base=self.mode)
         rowcheck.check_rows(model, plan, value_vars, self._check_point,
                             internals.pymc_mode(model, fast=True))
         self._plan = plan
@@ -133,10 +133,9 @@ class DataParallelModel:
                                                           n_sym)
         logp = graphs.rank_logp(split_exprs, whole_expr, frac, self.dtype)
         logp = compat.clone_replace(logp, replace={n_sym: self._n_total})
-        # Three functions, each with one output (logp first, then the gradient): one
-        # reduction per call.  A lone position (one chain, find_map, logp_dlogp) runs
-        # PyMC's own graph on the rank's rows; several run either the graph vectorised
-        # over them or a loop of the one-position graph, whichever this model runs faster.
+        # A lone position (one chain, find_map, logp_dlogp) runs PyMC's own graph on the
+        # rank's rows; several run either the graph vectorised over them or a loop of the
+        # one-position graph, whichever this model runs faster (calls.Calls).
         position = pt.vector("position", dtype=self.dtype)
         positions = pt.matrix("positions", dtype=self.dtype)
         one = graphs.joined(logp, value_vars, self._shapes, position,
@@ -144,24 +143,19 @@ class DataParallelModel:
         logps, grads = graphs.batched(logp, value_vars, self._shapes, positions,
                                       pregrad=internals.rewrite_pregrad)
         both = pt.concatenate([logps[:, None].astype(grads.dtype), grads], axis=1)
-        looped = graphs.scanned(one, position, positions, mode=rank_mode)
+        measured = asked is None and not self._given and synk.layout().n_machines == 1
+        names = MODES if measured else [DEFAULT_MODE if asked is None else asked]
+        rank_modes = {m: internals.pymc_mode(model, base=m) for m in names}
         try:
-            # Each graph is built (rewritten and compiled) at its first call, not here
-            # and in distribute(): dp.sample may find that splitting would not gain
-            # (crossover), and only several chains at once call the graphs at many
-            # positions (bench/pymc_gallery.py --parts startup).
-            fn1 = function_at_first_call(inputs=inputs, bcast_inputs=[position],
-                                         outputs=[(one, "sum")], name=name, mode=rank_mode,
-                                         on_unused_input="ignore")
-            fn = function_at_first_call(inputs=inputs, bcast_inputs=[positions],
-                                        outputs=[(both, "sum")], name=f"{name}_many",
-                                        mode=rank_mode, on_unused_input="ignore")
-            fn_loop = function_at_first_call(inputs=inputs, bcast_inputs=[positions],
-                                             outputs=[(looped, "sum")], name=f"{name}_loop",
-                                             mode=rank_mode, on_unused_input="ignore")
+            ways = calls_mod.register(inputs, position, positions, one, both, rank_modes, name)
         except synk.SynkStateError as exc:
             raise synk.SynkStateError(f"data_parallel() must come after synk.fork() and "
                                       f"before synk.distribute() ({exc})") from None
+
+        def fastest():
+            rows = [d.data for d in self._data]
+            return modes.fastest(inputs, position, one, rows, self.initial_x().astype(self.dtype),
+                                 synk.layout().n_parallel, rank_modes)[0]
         self._data = None
         self._scattered = False      # scatter() done once (the first evaluation does it)
         self._seen = {}
@@ -172,14 +166,20 @@ class DataParallelModel:
             # arrays: the master's own copy is freed, and the workers, forked from it,
             # never map it (one copy of the rows, not two).  scatter() sends the rest.
             self._data = self._shared_rows()
-        self._calls = Calls(fn1, fn, fn_loop, self.size, self.dtype,
-                            held=synk.layout().n_machines == 1)
+        self._calls = calls_mod.Calls(ways, self.size, self.dtype,
+                                      held=synk.layout().n_machines == 1,
+                                      fastest=fastest if measured else None)
         self.batcher = Batcher(self._calls.many, one=self._calls.one)
         self.map_fns = None          # find_map's (sampling.find_map), built at its first call
         logger.info("pymc model: %d value variables (%d numbers), %s split by rows (%d), "
                     "%s whole; terms split %s, whole %s", len(value_vars), self.size,
                     [c.name for c in plan.split], self.n_rows, [c.name for c in plan.whole],
                     [t.name for t in plan.split_terms], [t.name for t in plan.whole_terms])
+
+    @property
+    def mode(self):
+        """The mode the rank's graphs run in; None until the first evaluation measured it."""
+        return self._calls.mode
 
     @property
     def given(self):
