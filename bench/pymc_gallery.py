@@ -33,7 +33,8 @@ The parts, each model in a child process of its own (own memory, a quiet start):
             on the PyMC example gallery's models as their notebooks write them, at their
             own sizes (tests/helpers/pymc_gallery.py): pm.sample as PyMC runs it by
             default against dp.sample with the split measured (the default) and forced;
-            --e2e-systems nutpie,synk-nutpie: each with nutpie (ratio against nutpie).
+            --e2e-systems nutpie,synk-nutpie: each with nutpie (ratio against nutpie);
+            --rows 1e5: every gallery model with rows, its rows bootstrapped to 10^5.
   compile   seconds nutpie compiles each gallery model in a fresh process, and PyMC its
             (logp, dlogp): what crossover.SAMPLER_COMPILE_S stands for.
 
@@ -495,8 +496,11 @@ E2E_WHAT = {"pymc": "pm.sample as the installed PyMC runs it by default (its sam
 E2E_AGAINST = {"synk-nutpie": "nutpie"}
 
 
-def child_e2e(system, which, chains, draws, tune):
-    """One run end to end: from the model built to the draws, set-up and compiling included."""
+def child_e2e(system, which, chains, draws, tune, rows=0):
+    """One run end to end: from the model built to the draws, set-up and compiling included.
+
+    ``rows``: the gallery model's rows bootstrapped to that many (0: its own).
+    """
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from helpers import pymc_gallery
 
@@ -504,7 +508,7 @@ def child_e2e(system, which, chains, draws, tune):
     import pymc as pm
     import pytensor
     with pytensor.config.change_flags(floatX="float64"):
-        model = pymc_gallery.MODELS[which]()
+        model = pymc_gallery.MODELS[which](**({"rows": rows} if rows else {}))
     kw = dict(draws=draws, tune=tune, chains=chains, random_seed=1, progressbar=False,
               compute_convergence_checks=False)
     decision, parts = None, {}
@@ -554,7 +558,7 @@ def child_compile(which):
                       "pymc_s": time.perf_counter() - t1})
 
 
-def _e2e(models, chains, systems, draws, tune, rounds):
+def _e2e(models, chains, systems, draws, tune, rounds, rows=0):
     """Every system on every model, rounds alternating the systems' order; medians."""
     import statistics
     runs = {}
@@ -562,7 +566,7 @@ def _e2e(models, chains, systems, draws, tune, rounds):
         for m in models:
             order = systems if r % 2 == 0 else systems[::-1]
             for s in order:
-                res = _run_child(["e2e", s, m, chains, draws, tune])
+                res = _run_child(["e2e", s, m, chains, draws, tune, rows])
                 if res is None:
                     continue
                 runs.setdefault((m, s), []).append(res)
@@ -572,7 +576,8 @@ def _e2e(models, chains, systems, draws, tune, rounds):
                 print(f"# round {r + 1}: {s} {m}: {res['secs']:.1f} s{extra} (load "
                       f"{os.getloadavg()[0]:.1f})", flush=True)
     print(f"\n### End to end: seconds from the model built to the draws ({chains} chains, "
-          f"{draws} draws after {tune} tuning steps, median of {rounds} rounds)\n")
+          f"{draws} draws after {tune} tuning steps, median of {rounds} rounds; "
+          f"{'rows bootstrapped to %d' % rows if rows else 'the gallery sizes'})\n")
     for s in systems:
         print(f"- {s}: {E2E_WHAT[s]}")
     rated = [s for s in systems if s.startswith("synk")]
@@ -623,7 +628,7 @@ def main():
         elif kind == "compile":
             child_compile(rest[0])
         elif kind == "e2e":
-            child_e2e(rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]))
+            child_e2e(rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]), int(rest[5]))
         else:
             child_sample(rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]), int(rest[5]))
         return
@@ -673,9 +678,11 @@ def main():
     if "e2e" in parts:
         sys.path.insert(0, os.path.join(ROOT, "tests"))
         from helpers import pymc_gallery
-        names = list(pymc_gallery.MODELS) if a.models == ",".join(MODELS) else models
+        rows = int(float(a.rows)) if a.rows else 0
+        every = pymc_gallery.WITH_ROWS if rows else list(pymc_gallery.MODELS)
+        names = every if a.models == ",".join(MODELS) else models
         _e2e(names, int(a.chains.split(",")[-1]), a.e2e_systems.split(","), a.draws, a.tune,
-             a.rounds)
+             a.rounds, rows)
 
 
 if __name__ == "__main__":

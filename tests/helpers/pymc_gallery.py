@@ -14,6 +14,11 @@ parameters the notebooks report.
   logistic    logistic regression, three covariates and an intercept: 500 rows
   censored    censored regression (pm.Censored): 500 rows
   rugby       rugby analytics: attack and defence per team, 60 matches, 6 teams
+
+Every model with rows (all but eight schools, whose rows each have a parameter of their
+own) takes ``rows=``: that many rows drawn with replacement from the notebook's (a
+bootstrap), for the bench's figures at 10^5 rows (``bench/pymc_gallery.py --parts e2e
+--rows 1e5``).
 """
 
 import numpy as np
@@ -21,7 +26,14 @@ import pymc as pm
 import pytensor.tensor as pt
 
 
-def radon(seed=0):
+def _boot(n, rows, seed=1):
+    """Indices of ``rows`` rows drawn with replacement from ``n`` (all ``n``, in order, for None)."""
+    if rows is None:
+        return np.arange(n)
+    return np.random.default_rng(seed).integers(0, n, int(rows))
+
+
+def radon(seed=0, rows=None):
     """A Primer on Bayesian Methods for Multilevel Modeling: partial pooling on county."""
     rng = np.random.default_rng(seed)
     n, n_counties = 919, 85
@@ -30,7 +42,9 @@ def radon(seed=0):
     floor_measure = (rng.random(n) < 0.17).astype("int64")
     log_radon = 1.5 + rng.normal(0, 0.3, n_counties)[county] - 0.66 * floor_measure \
         + rng.normal(0, 0.73, n)
-    coords = {"county": mn_counties, "obs_id": np.arange(n)}
+    i = _boot(n, rows)
+    county, floor_measure, log_radon = county[i], floor_measure[i], log_radon[i]
+    coords = {"county": mn_counties, "obs_id": np.arange(len(i))}
     with pm.Model(coords=coords) as varying_intercept:
         mu_a = pm.Normal("mu_a", mu=0.0, sigma=10.0)
         sigma_a = pm.Exponential("sigma_a", 1)
@@ -56,7 +70,7 @@ def schools():
     return NonCentered_eight
 
 
-def linear(seed=0):
+def linear(seed=0, rows=None):
     """GLM: Linear regression (its generated data: intercept 1, slope 2, noise 0.5)."""
     rng = np.random.default_rng(seed)
     size = 200
@@ -64,6 +78,8 @@ def linear(seed=0):
     x = np.linspace(0, 1, size)
     true_regression_line = true_intercept + true_slope * x
     y = true_regression_line + rng.normal(scale=0.5, size=size)
+    i = _boot(size, rows)
+    x, y = x[i], y[i]
     with pm.Model() as model:
         sigma = pm.HalfCauchy("sigma", beta=10)
         intercept = pm.Normal("Intercept", 0, sigma=20)
@@ -72,7 +88,7 @@ def linear(seed=0):
     return model
 
 
-def robust(seed=0):
+def robust(seed=0, rows=None):
     """GLM: Robust Linear Regression: a Student-t likelihood against three outliers."""
     rng = np.random.default_rng(seed)
     size = 100
@@ -80,6 +96,8 @@ def robust(seed=0):
     y = 1 + 2 * x + rng.normal(scale=0.5, size=size)
     x_out = np.append(x, [0.1, 0.15, 0.2])
     y_out = np.append(y, [8, 6, 9])
+    i = _boot(size + 3, rows)
+    x_out, y_out = x_out[i], y_out[i]
     with pm.Model() as robust_model:
         sigma = pm.HalfNormal("sigma", 10)
         intercept = pm.Normal("Intercept", 0, sigma=20)
@@ -89,7 +107,7 @@ def robust(seed=0):
     return robust_model
 
 
-def logistic(seed=0):
+def logistic(seed=0, rows=None):
     """GLM: Logistic Regression: income over 50K from age, education and hours (made rows)."""
     rng = np.random.default_rng(seed)
     n = 500
@@ -100,6 +118,8 @@ def logistic(seed=0):
                          (hours - hours.mean()) / hours.std()])
     p = 1 / (1 + np.exp(-(-1.2 + x @ np.array([0.6, 0.8, 0.4]))))
     income = (rng.random(n) < p).astype("int64")
+    i = _boot(n, rows)
+    x, income = x[i], income[i]
     labels = ["age", "educ", "hours"]
     with pm.Model(coords={"coeffs": labels}) as logistic_model:
         b = pm.Normal("b", 0, 10, dims="coeffs")
@@ -109,7 +129,7 @@ def logistic(seed=0):
     return logistic_model
 
 
-def censored(seed=0):
+def censored(seed=0, rows=None):
     """Censored Data Models: a regression whose outcome is clipped to [-1.5, 1.5]."""
     rng = np.random.default_rng(seed)
     n = 500
@@ -117,6 +137,8 @@ def censored(seed=0):
     y = -0.2 + 1.2 * x + rng.normal(scale=0.5, size=n)
     low, high = -1.5, 1.5
     y_censored = np.clip(y, low, high)
+    i = _boot(n, rows)
+    x, y_censored = x[i], y_censored[i]
     with pm.Model() as censored_model:
         a = pm.Normal("a", mu=0, sigma=1)
         b = pm.Normal("b", mu=0, sigma=1)
@@ -126,7 +148,7 @@ def censored(seed=0):
     return censored_model
 
 
-def rugby(seed=0):
+def rugby(seed=0, rows=None):
     """A Hierarchical model for Rugby prediction: Six Nations, 60 matches, 6 teams."""
     rng = np.random.default_rng(seed)
     teams = ["Wales", "France", "Ireland", "Scotland", "Italy", "England"]
@@ -137,7 +159,9 @@ def rugby(seed=0):
     att, dfn = rng.normal(0, 0.2, 6), rng.normal(0, 0.2, 6)
     home_score = rng.poisson(np.exp(3.0 + 0.2 + att[home_idx] + dfn[away_idx]))
     away_score = rng.poisson(np.exp(3.0 + att[away_idx] + dfn[home_idx]))
-    coords = {"team": teams, "match": np.arange(60)}
+    i = _boot(60, rows)
+    home_idx, away_idx, home_score, away_score = home_idx[i], away_idx[i], home_score[i], away_score[i]
+    coords = {"team": teams, "match": np.arange(len(i))}
     with pm.Model(coords=coords) as model:
         home = pm.Normal("home", mu=0, sigma=1)
         sd_att = pm.HalfNormal("sd_att", sigma=2)
@@ -156,3 +180,5 @@ def rugby(seed=0):
 
 MODELS = {"radon": radon, "schools": schools, "linear": linear, "robust": robust,
           "logistic": logistic, "censored": censored, "rugby": rugby}
+# The models that take rows= (eight schools has a parameter per row).
+WITH_ROWS = [k for k in MODELS if k != "schools"]
