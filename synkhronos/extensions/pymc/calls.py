@@ -62,6 +62,7 @@ class Calls:
         # mode -> (one position, vectorised, loop); with several, ``fastest()`` names the
         # one to keep, at the first evaluation.
         self.ways, self._fastest = ways, fastest
+        self._built = False
         self.mode = self.fn1 = self.fn = self.fn_loop = None
         if fastest is None or len(ways) == 1:
             self._keep(next(iter(ways)))
@@ -73,13 +74,20 @@ class Calls:
         self.separate = False
         self.reset(None)
 
+    @property
+    def built(self):
+        """Whether a data-parallel evaluation ran (and so built the one-position graph)."""
+        return self._built
+
     def _keep(self, mode):
         self.mode = mode
         self.fn1, self.fn, self.fn_loop = self.ways[mode]
 
-    def _choose(self):
-        """Keep the mode ``fastest()`` measures fastest (the first evaluation's work)."""
-        self._keep(self._fastest())
+    def _first(self):
+        """The first evaluation: keep the mode ``fastest()`` measures fastest, where several."""
+        if self.mode is None:
+            self._keep(self._fastest())
+        self._built = True
 
     def reset(self, data):
         """The rows are ``data`` now (a scatter): forget prepared arguments and measurements."""
@@ -114,8 +122,8 @@ class Calls:
         if args is None or self._held is None:
             args = self._call_args(0)
         args[1][...] = x
-        if self.mode is None:
-            self._choose()
+        if not self._built:
+            self._first()
         out = self.fn1(*args[0])[0]
         # The output is a fresh array at every call (combined over the ranks), so the
         # gradient, a view of it, outlives the next call as a sampler needs.
@@ -135,8 +143,8 @@ class Calls:
         if k == 1 or self.separate:
             out = [self.one(x) for x in positions]
             return np.array([lp for lp, _ in out]), np.stack([g for _, g in out])
-        if self.mode is None:
-            self._choose()
+        if not self._built:
+            self._first()
         wins = self._batch_wins.get(k)
         if wins is not None:
             return self._many(self.fn if wins else self.fn_loop, positions)

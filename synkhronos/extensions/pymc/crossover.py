@@ -19,9 +19,11 @@ LEAPFROGS``.  PyMC's own (logp, dlogp), compiled here to time it, is the
 one pm.sample then runs (``internals.serving``): spent either way, as is
 what data_parallel() did.  The data-parallel call is first predicted, not
 built: the rows split over the ranks (``RANK_GRAPH_GAIN`` times faster per
-row at best) plus ``CALL_S``; where even that would not gain, nothing is
-built for the ranks.  Splitting is kept where it is predicted ``GAIN``
-times faster; else ``dp.sample`` runs ``pm.sample`` itself with this
+row at best) plus ``CALL_S``, and building it (``BUILD_COMPILES`` times
+PyMC's own compile: the master compiles the rank's graph in each mode to
+keep the faster, ``modes``, then the ranks theirs); where even that would
+not gain, nothing is built for the ranks.  Splitting is kept where it is
+predicted ``GAIN`` times faster; else ``dp.sample`` runs ``pm.sample`` itself with this
 process's cores released (the ranks sleep meanwhile), and says so in one
 log line.  Left out: pm.sample's chain processes slowing each other (memory
 bandwidth, shared caches), which favours splitting.
@@ -65,6 +67,12 @@ SAMPLER_COMPILE_S = {"nutpie": 5.0}
 compiles the model again with Numba, 5.2-8.4 s a process on the gallery's 7 models
 (2026-12-02, bench/pymc_gallery.py --parts compile, bench/HISTORY.md), which dp.sample's
 nutpie, on the data-parallel callback, does not."""
+
+BUILD_COMPILES = 3.0
+"""Building the ranks' graph, in units of PyMC's own compile of its (logp, dlogp): the master
+compiles it in two modes to keep the faster, the ranks then the one kept (each theirs, at
+once).  On PyMC 5.28 Numba caches none of it, so a gallery model's first split call took
+3-8 s against PyMC's 0.3-0.8 s compile (2026-12-04, bench/pymc_gallery.py --parts e2e)."""
 
 CALLBACK_S = 10e-6
 """A gradient of nutpie on PyMC's compiled function in this process, beyond the call:
@@ -119,8 +127,9 @@ class Decision:
     the rest of the run as predicted.  ``separate``: the chains' positions
     go in a call each (``MANY_COMPILE_S``).  ``predicted``: ``parallel_s``
     was predicted, not timed (even at best it would not gain: nothing was
-    built for the ranks).  ``callback``: not split, nutpie samples on PyMC's
-    compiled (logp, dlogp) in this process instead of compiling its own
+    built for the ranks; ``parallel_run_s`` then counts building it).
+    ``callback``: the way not split is nutpie on PyMC's compiled (logp,
+    dlogp) in this process instead of nutpie compiling its own
     (``serial_run_s`` is that way's).
     """
 
@@ -240,6 +249,8 @@ def decide(dp, sampler, chains, cores, draws, tune):
     # The one pm.sample would run (internals.serving): nothing for it to compile again.
     serial_run, at_best = predict(sampler, chains, n_cores, steps, serial_s, 0.0,
                                   CALL_S + serial_s / (ranks * RANK_GRAPH_GAIN))
+    if not dp.built:
+        at_best += BUILD_COMPILES * serial.compile_s
     callback = False
     if sampler == "nutpie":
         callback_run = steps * chains * (serial_s + CALLBACK_S)
@@ -271,7 +282,7 @@ def decide(dp, sampler, chains, cores, draws, tune):
     split = parallel_run * GAIN < serial_run
     decision = Decision(split, "measured", sampler, chains, n_cores, ranks, serial_s,
                         serial.compile_s, one_s, many_s, serial_run, parallel_run, separate,
-                        callback=callback and not split)
+                        callback=callback)
     dp.decisions[key] = decision
     return decision
 

@@ -177,6 +177,11 @@ class DataParallelModel:
                     [t.name for t in plan.split_terms], [t.name for t in plan.whole_terms])
 
     @property
+    def built(self):
+        """Whether the ranks' graph was built (a data-parallel evaluation ran)."""
+        return self._calls.built
+
+    @property
     def mode(self):
         """The mode the rank's graphs run in; None until the first evaluation measured it."""
         return self._calls.mode
