@@ -26,8 +26,9 @@ The parts, each model in a child process of its own (own memory, a quiet start):
             (2 ranks), 1 and 2 chains, per model and row count.
   startup   seconds to the first draw, cold (empty PyTensor and Numba caches) then warm
             (the same caches again), each in a fresh process: pm.sample against
-            synk.fork(2) + data_parallel() + distribute() + dp.sample, PyMC's NUTS, one
-            chain of one tuning step and one draw (compiling is all but all of it).
+            synk.fork(2) + data_parallel() + distribute() + dp.sample, as it decides and
+            with split=True, PyMC's NUTS, one chain of one tuning step and one draw
+            (compiling is all but all of it).
   e2e       seconds from the model built to the draws, every step included (fork,
             data_parallel, distribute, compiling, sampling), each run in a fresh process,
             on the PyMC example gallery's models as their notebooks write them, at their
@@ -54,6 +55,8 @@ import sys
 import time
 
 import numpy as np
+
+import common
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -433,12 +436,13 @@ def child_startup(system, which, n_rows):
         from synkhronos.extensions import pymc as synk_pymc
         synk.fork(2)
         try:
-            dp = synk_pymc.data_parallel(model)
+            dp = synk_pymc.data_parallel(model, split=True if system == "synk-split" else None)
             t1 = time.perf_counter()
             synk.distribute()
             t2 = time.perf_counter()
             dp.sample(**kw)
-            parts = {"data_parallel_s": t1 - t0, "distribute_s": t2 - t1}
+            parts = {"data_parallel_s": t1 - t0, "distribute_s": t2 - t1,
+                     "split": dp.decision.split, "mode": dp.mode}
         finally:
             synk.close()
     _emit("STARTUP", {"system": system, "model": which, "rows": n_rows,
@@ -451,7 +455,7 @@ def _startup(models, n_rows):
     with tempfile.TemporaryDirectory(prefix="synk-startup-") as tmp:
         for m in models:
             row = {"model": m, "rows": n_rows}
-            for system in ("pymc", "synk"):
+            for system in ("pymc", "synk", "synk-split"):
                 cache = os.path.join(tmp, f"{m}-{system}")
                 env = dict(os.environ, PYTENSOR_FLAGS=f"base_compiledir={cache}",
                            NUMBA_CACHE_DIR=os.path.join(cache, "numba"))
@@ -464,23 +468,25 @@ def _startup(models, n_rows):
                               f"{os.getloadavg()[0]:.1f})", flush=True)
             results.append(row)
     print(f"\n### Seconds to the first draw, {n_rows} rows (pm.sample; synkhronos: fork(2), "
-          "data_parallel, distribute, dp.sample; PyMC's NUTS, 1 chain)\n")
-    print("| model | pm.sample cold | synk cold (data_parallel + distribute) | synk / pm, cold | "
-          "pm.sample warm | synk warm (data_parallel + distribute) | synk / pm, warm |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          "data_parallel, distribute, dp.sample, as decided (synk) and split=True "
+          "(synk-split, the ranks' mode measured at its first call); PyMC's NUTS, 1 chain)\n")
+    print("| model | caches | pm.sample | synk (data_parallel + distribute) | synk / pm | "
+          "synk-split (data_parallel + distribute, mode) | synk-split / pm |")
+    print("|---|---|---:|---:|---:|---:|---:|")
 
-    def cell(r):
+    def cell(r, mode=False):
         if r is None:
             return "-"
-        return f"{r['secs']:.1f} ({r['data_parallel_s']:.1f} + {r['distribute_s']:.1f})"
+        return (f"{r['secs']:.1f} ({r['data_parallel_s']:.1f} + {r['distribute_s']:.1f}"
+                + (f", {r['mode']})" if mode else ")"))
 
     def ratio(a, b):
         return f"{a['secs'] / b['secs']:.2f}x" if a and b else "-"
     for row in results:
-        pc, pw, sc, sw = (row[k] for k in ("pymc cold", "pymc warm", "synk cold", "synk warm"))
-        print(f"| {row['model']} | {pc['secs']:.1f} | {cell(sc)} | {ratio(sc, pc)} | "
-              f"{pw['secs']:.1f} | {cell(sw)} | {ratio(sw, pw)} |" if pc and pw else
-              f"| {row['model']} | - | {cell(sc)} | - | - | {cell(sw)} | - |")
+        for when in ("cold", "warm"):
+            p, s1, s2 = (row[f"{k} {when}"] for k in ("pymc", "synk", "synk-split"))
+            print(f"| {row['model']} | {when} | {p['secs'] if p else float('nan'):.1f} | "
+                  f"{cell(s1)} | {ratio(s1, p)} | {cell(s2, True)} | {ratio(s2, p)} |")
     print(flush=True)
 
 
@@ -636,7 +642,7 @@ def main():
     import pymc
     import pytensor
     models = a.models.split(",")
-    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, "
+    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {common.cpu_model()}, "
           f"{os.cpu_count()} CPUs, Python {platform.python_version()}, PyMC {pymc.__version__}, "
           f"PyTensor {pytensor.__version__}, NumPy {numpy.__version__}", flush=True)
     parts = a.parts.split(",")

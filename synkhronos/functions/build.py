@@ -58,7 +58,7 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
 
 @serialized
 def function_at_first_call(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
-                           sliceable_shareds=None, **kwargs):
+                           sliceable_shareds=None, lazy=None, **kwargs):
     """``function()``, with the PyTensor function built at its first call, in each process.
 
     A seam for extensions (the PyMC extension's graphs at many positions,
@@ -72,13 +72,20 @@ def function_at_first_call(inputs, outputs=None, bcast_inputs=None, updates=None
     (``deferred.py``).  A graph with updates, givens, sliceable shared
     variables, in-graph collectives or the JAX linker is built now, as
     ``function()`` builds it.  Master only, before ``distribute()``; takes
-    ``function()``'s arguments.
+    ``function()``'s arguments, and ``lazy``: a ``deferred.Lazy`` whose
+    ``make`` builds the output variables at the first call, in each
+    process; ``outputs`` then gives their ops, on placeholder variables
+    (one per output).
     """
+    if lazy is not None and (updates or givens or sliceable_shareds):
+        raise ValueError("function_at_first_call: lazy outputs take no updates, givens or "
+                         "sliceable_shareds")
     return _build(inputs, outputs, bcast_inputs, updates, givens, sliceable_shareds, kwargs,
-                  deferred=True)
+                  deferred=True, lazy=lazy)
 
 
-def _build(inputs, outputs, bcast_inputs, updates, givens, sliceable_shareds, kwargs, deferred):
+def _build(inputs, outputs, bcast_inputs, updates, givens, sliceable_shareds, kwargs, deferred,
+           lazy=None):
     rt = require_forked("function()")
     if rt.registry.distributed:
         raise SynkStateError("function() must be called before distribute()")
@@ -98,7 +105,12 @@ def _build(inputs, outputs, bcast_inputs, updates, givens, sliceable_shareds, kw
     args = (inputs + bcast_inputs, out_vars)
     deferred = (deferred and not upd_pairs and not givens and not sliceable
                 and not _jax_mode(kwargs.get("mode")) and not _graph_holds_collective(out_vars))
-    if deferred:
+    if lazy is not None:
+        if not deferred or _graph_holds_collective(lazy.base):
+            raise ValueError("function_at_first_call: lazy outputs need a plain graph (no "
+                             "in-graph collective, not the JAX linker)")
+        fn = Deferred(args, kwargs, lazy)
+    elif deferred:
         fn = Deferred(args, kwargs)
     else:
         fn = pytensor.function(*args, updates=upd_pairs or None, givens=givens, **kwargs)

@@ -13,12 +13,31 @@ Only plain graphs are deferred (no updates, givens, in-graph collectives or
 JAX linker): what the rest of the library reads of a function before its
 first call (its name, its shared variables, whether it is JAX) is then known
 from the graph itself.
+
+The graph itself may be built at the first call too (``Lazy``): building a
+gradient vectorised over many positions, or a Scan of one, took 0.1-0.3 s
+a graph for the gallery's PyMC models (2026-12-04), for graphs a run may
+never call.  Each process then builds it from what the function pickles
+(or, on one machine, what the worker inherited), so its shared variables
+are that process's own; ``base`` names a graph holding every one of them,
+for ``distribute()`` to find before the first call.
 """
+
+from typing import Callable, NamedTuple
 
 import pytensor
 from pytensor.compile import SharedVariable
 
 from .. import compat
+
+
+class Lazy(NamedTuple):
+    """Outputs made by ``make(*args)`` at the first call, in each process (a picklable
+    ``make``); every shared variable they read is in the graph of ``base``."""
+
+    make: Callable
+    args: tuple
+    base: list
 
 
 class Deferred:
@@ -31,21 +50,25 @@ class Deferred:
 
     uses_jax = False   # JAX-linked graphs are never deferred (devices.uses_jax)
 
-    def __init__(self, args, kwargs):
+    def __init__(self, args, kwargs, lazy=None):
         self.__dict__.update(_args=args, _kwargs=kwargs, _fn=None, _attrs={},
-                             name=kwargs.get("name"))
+                             name=kwargs.get("name"), _lazy=lazy)
 
     def get_shared(self):
         """The graph's shared variables, as ``Function.get_shared`` lists a built one's."""
         if self._fn is not None:
             return self._fn.get_shared()
-        return [v for v in compat.ancestors(self._args[1]) if isinstance(v, SharedVariable)]
+        graph = self._lazy.base if self._lazy is not None else self._args[1]
+        return [v for v in compat.ancestors(graph) if isinstance(v, SharedVariable)]
 
     def build(self):
         """The PyTensor function: built here at the first call of this, then the same one."""
         fn = self._fn
         if fn is None:
-            fn = pytensor.function(*self._args, **self._kwargs)
+            inputs, outputs = self._args
+            if self._lazy is not None:
+                outputs = self._lazy.make(*self._lazy.args)
+            fn = pytensor.function(inputs, outputs, **self._kwargs)
             for k, v in self._attrs.items():
                 setattr(fn, k, v)
             self.__dict__["_fn"] = fn
@@ -59,7 +82,7 @@ class Deferred:
 
     def __getattr__(self, name):
         # Anything else a built function has: build it (a read before the first call).
-        if name.startswith("__") or name in ("_args", "_kwargs", "_fn", "_attrs"):
+        if name.startswith("__") or name in ("_args", "_kwargs", "_fn", "_attrs", "_lazy"):
             raise AttributeError(name)
         return getattr(self.build(), name)
 
@@ -68,7 +91,7 @@ class Deferred:
 
     def __getstate__(self):
         return {"_args": self._args, "_kwargs": self._kwargs, "_fn": None,
-                "_attrs": dict(self._attrs), "name": self.name}
+                "_attrs": dict(self._attrs), "name": self.name, "_lazy": self._lazy}
 
     def __setstate__(self, state):
         self.__dict__.update(state)

@@ -260,3 +260,38 @@ def test_a_function_built_at_its_first_call(forked, rng):
     u = pytensor.shared(np.float64(0.0), name="u")
     h = function_at_first_call([x], outputs=[(x.sum(), "sum")], updates=[(u, u + 1)])
     assert type(h.spec.fn) is not Deferred
+
+
+def _cubes(x, s):
+    """The outputs of test_outputs_made_at_the_first_call's lazy function (picklable)."""
+    return [((x ** 3) * s).sum(axis=0)]
+
+
+def test_outputs_made_at_the_first_call(forked, rng):
+    """Lazy outputs: the graph itself is made at the first call, in each rank, from what it
+    was given; its shared variables are the ranks' own (a broadcast reaches them)."""
+    from synkhronos.functions.build import function_at_first_call
+    from synkhronos.functions.deferred import Lazy
+
+    forked(3)
+    x = pt.dmatrix("x")
+    s = pytensor.shared(np.float64(0.5), name="s_lazy")
+    made = []
+
+    def make(*args):
+        made.append(args)
+        return _cubes(*args)
+
+    f = function_at_first_call([x], outputs=[(pt.dvector(), "sum")], name="lazy",
+                               lazy=Lazy(make, (x, s), [s * 1]))
+    assert f.spec.fn.get_shared() == [s] and not made
+    with pytest.raises(ValueError, match="lazy outputs take no updates"):
+        function_at_first_call([x], outputs=[(pt.dvector(), "sum")], updates=[(s, s + 1)],
+                               lazy=Lazy(make, (x, s), [s]))
+    synk.distribute()
+    assert not made                                # distribute() made no graph
+    data = rng.standard_normal((10, 2))            # 10 rows: 4, 3, 3 over the ranks
+    np.testing.assert_allclose(f(synk.data(data))[0], (data ** 3 * 0.5).sum(0), rtol=1e-12)
+    assert len(made) == 1                          # the master's, once
+    synk.broadcast(s, np.float64(2.0))
+    np.testing.assert_allclose(f(synk.data(data))[0], (data ** 3 * 2.0).sum(0), rtol=1e-12)

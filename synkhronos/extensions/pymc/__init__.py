@@ -57,14 +57,19 @@ def data_parallel(model=None, data=None, unsplit=None, name="pymc_logp", mode=No
             only those count once).
         name: name of the synkhronos function (for logs and errors).
         mode: the PyTensor mode the ranks compile the log-density in:
-            "NUMBA", "CVM" (C code, PyTensor's default here) or a ``Mode``;
-            None: the measured default (docs/pymc.md, "Speed").
+            "NUMBA", "CVM" (C code) or a ``Mode``; None: the faster of the two
+            on this model, timed on a rank's share of the rows at the first
+            data-parallel evaluation (``dp.mode``; docs/pymc.md, "The ranks'
+            mode, measured").
         split: whether ``dp.sample`` splits the rows over the ranks: True
             always, False never (it runs ``pm.sample`` itself, in this
-            process with its cores released); None: the first ``dp.sample``
-            times a data-parallel call against PyMC's serial one and splits
-            only where that predicts a gain (``dp.decision`` holds what it
-            chose and the figures; docs/pymc.md, "When splitting pays").
+            process with its cores released, on PyMC's own compiled (logp,
+            dlogp)); None: the first ``dp.sample`` times PyMC's serial call,
+            predicts the run both ways (a split at its best before anything
+            is built for the ranks, then, where that could gain, a timed
+            data-parallel call) and splits only where that predicts a gain
+            (``dp.decision`` holds what it chose and the figures;
+            docs/pymc.md, "When splitting pays").
             The other calls (``dp.logp_dlogp``, ``dp.find_map``...) always
             split.
 

@@ -133,6 +133,17 @@ def scanned(one, position, positions, mode=None):
     return without_shape_checks(out)
 
 
+def many(logp, value_vars, shapes, positions, pregrad=None):
+    """[(logp, gradient) at every row of ``positions``]: ``batched``'s two joined, (k, size + 1)."""
+    logps, grads = batched(logp, value_vars, shapes, positions, pregrad=pregrad)
+    return [pt.concatenate([logps[:, None].astype(grads.dtype), grads], axis=1)]
+
+
+def looped(one, position, positions, mode=None):
+    """[``scanned``'s graph]: the outputs of a function built at its first call."""
+    return [scanned(one, position, positions, mode=mode)]
+
+
 def without_shape_checks(graph):
     """``graph`` (a variable or a list) without its ``SpecifyShape`` nodes (shape assertions).
 

@@ -140,14 +140,12 @@ class DataParallelModel:
         positions = pt.matrix("positions", dtype=self.dtype)
         one = graphs.joined(logp, value_vars, self._shapes, position,
                             pregrad=internals.rewrite_pregrad)
-        logps, grads = graphs.batched(logp, value_vars, self._shapes, positions,
-                                      pregrad=internals.rewrite_pregrad)
-        both = pt.concatenate([logps[:, None].astype(grads.dtype), grads], axis=1)
         measured = asked is None and not self._given and synk.layout().n_machines == 1
         names = MODES if measured else [DEFAULT_MODE if asked is None else asked]
         rank_modes = {m: internals.pymc_mode(model, base=m) for m in names}
         try:
-            ways = calls_mod.register(inputs, position, positions, one, both, rank_modes, name)
+            ways = calls_mod.register(inputs, position, positions, one, logp, value_vars,
+                                      self._shapes, internals.rewrite_pregrad, rank_modes, name)
         except synk.SynkStateError as exc:
             raise synk.SynkStateError(f"data_parallel() must come after synk.fork() and "
                                       f"before synk.distribute() ({exc})") from None
@@ -404,10 +402,12 @@ class DataParallelModel:
         warning saying why.
 
         Unless ``data_parallel(split=...)`` said, the first call of a set-up
-        times a data-parallel call against PyMC's serial one and, where
-        splitting would not gain, runs ``pm.sample`` itself (its chains on
-        the cores this process had before ``fork()``; ``cores=`` is then
-        used), saying so in one warning; ``dp.decision`` holds the choice.
+        predicts the run split and not (``crossover``) and, where splitting
+        would not gain, runs ``pm.sample`` itself on PyMC's (logp, dlogp)
+        compiled for the prediction (its chains on the cores this process
+        had before ``fork()``, or ``cores=``; with nutpie, nutpie on that
+        function where that beats nutpie compiling its own), saying so in
+        one warning; ``dp.decision`` holds the choice.
 
         ``dp.batcher.calls`` and ``dp.batcher.positions`` count the data-parallel
         calls and the positions they evaluated since this call began (reset by
