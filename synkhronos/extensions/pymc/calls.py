@@ -30,31 +30,31 @@ logger = logging.getLogger(__name__)
 TRIALS = 6
 
 
-def register(inputs, position, positions, one, logp, value_vars, shapes, pregrad, modes, name):
+def register(inputs, position, positions, logp, value_vars, shapes, pregrad, modes, name):
     """The model's synkhronos functions: mode -> (one position, vectorised, loop).
 
     Each has one output (logp first, then the gradient): one reduction a
-    call.  ``one`` is the one-position graph, from the rank's ``logp`` of
-    ``value_vars``; the graphs at many positions are made from them at their
-    first call, in each process (``graphs.many``, ``graphs.looped``).
-    ``modes`` maps a name to the PyTensor mode each compiles in; the first
-    mode's functions take ``name`` itself.  Master only, before
-    ``synk.distribute()``.
+    call.  Their graphs are made from the rank's ``logp`` of ``value_vars``
+    at their first call, in each process (``graphs.at_one``, ``graphs.many``,
+    ``graphs.looped``).  ``modes`` maps a name to the PyTensor mode each
+    compiles in; the first mode's functions take ``name`` itself.  Master
+    only, before ``synk.distribute()``.
     """
     ways = {}
     for i, (key, mode) in enumerate(modes.items()):
         tag = f"_{key.lower()}" if i else ""
-        lazies = (None,
-                  Lazy(graphs.many, (logp, value_vars, shapes, positions, pregrad), [logp]),
-                  Lazy(graphs.looped, (one, position, positions, mode), [one]))
         ways[key] = tuple(
-            function_at_first_call(inputs=inputs, bcast_inputs=[at], outputs=[(out, "sum")],
-                                   name=f"{name}{tag}{suffix}", mode=mode, lazy=lazy,
-                                   on_unused_input="ignore")
-            for at, out, suffix, lazy in (
-                (position, one, "", lazies[0]),
-                (positions, pt.matrix(dtype=one.dtype), "_many", lazies[1]),
-                (positions, pt.matrix(dtype=one.dtype), "_loop", lazies[2])))
+            function_at_first_call(inputs=inputs, bcast_inputs=[at],
+                                   outputs=[(out(dtype=position.dtype), "sum")],
+                                   name=f"{name}{tag}{suffix}", mode=mode,
+                                   lazy=Lazy(make, args, [logp]), on_unused_input="ignore")
+            for at, out, suffix, make, args in (
+                (position, pt.vector, "", graphs.at_one,
+                 (logp, value_vars, shapes, position, pregrad)),
+                (positions, pt.matrix, "_many", graphs.many,
+                 (logp, value_vars, shapes, positions, pregrad)),
+                (positions, pt.matrix, "_loop", graphs.looped,
+                 (logp, value_vars, shapes, position, positions, pregrad, mode))))
     return ways
 
 

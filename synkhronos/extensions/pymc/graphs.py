@@ -133,14 +133,22 @@ def scanned(one, position, positions, mode=None):
     return without_shape_checks(out)
 
 
+# The outputs of the rank's three functions, each made at its first call in each process
+# (functions/deferred.Lazy) from the rank's log-density ``logp`` of ``value_vars``.
+def at_one(logp, value_vars, shapes, position, pregrad=None):
+    """[``joined``'s graph]: (logp, gradient) at ``position``."""
+    return [joined(logp, value_vars, shapes, position, pregrad=pregrad)]
+
+
 def many(logp, value_vars, shapes, positions, pregrad=None):
     """[(logp, gradient) at every row of ``positions``]: ``batched``'s two joined, (k, size + 1)."""
     logps, grads = batched(logp, value_vars, shapes, positions, pregrad=pregrad)
     return [pt.concatenate([logps[:, None].astype(grads.dtype), grads], axis=1)]
 
 
-def looped(one, position, positions, mode=None):
-    """[``scanned``'s graph]: the outputs of a function built at its first call."""
+def looped(logp, value_vars, shapes, position, positions, pregrad=None, mode=None):
+    """[``scanned``'s graph of ``joined``'s at ``position``]: a loop over ``positions``."""
+    one = joined(logp, value_vars, shapes, position, pregrad=pregrad)
     return [scanned(one, position, positions, mode=mode)]
 
 

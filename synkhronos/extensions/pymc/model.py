@@ -138,19 +138,19 @@ class DataParallelModel:
         # one-position graph, whichever this model runs faster (calls.Calls).
         position = pt.vector("position", dtype=self.dtype)
         positions = pt.matrix("positions", dtype=self.dtype)
-        one = graphs.joined(logp, value_vars, self._shapes, position,
-                            pregrad=internals.rewrite_pregrad)
         measured = asked is None and not self._given and synk.layout().n_machines == 1
         names = MODES if measured else [DEFAULT_MODE if asked is None else asked]
         rank_modes = {m: internals.pymc_mode(model, base=m) for m in names}
         try:
-            ways = calls_mod.register(inputs, position, positions, one, logp, value_vars,
+            ways = calls_mod.register(inputs, position, positions, logp, value_vars,
                                       self._shapes, internals.rewrite_pregrad, rank_modes, name)
         except synk.SynkStateError as exc:
             raise synk.SynkStateError(f"data_parallel() must come after synk.fork() and "
                                       f"before synk.distribute() ({exc})") from None
 
         def fastest():
+            one = graphs.joined(logp, value_vars, self._shapes, position,
+                                pregrad=internals.rewrite_pregrad)
             rows = [d.data for d in self._data]
             return modes.fastest(inputs, position, one, rows, self.initial_x().astype(self.dtype),
                                  synk.layout().n_parallel, rank_modes)[0]
