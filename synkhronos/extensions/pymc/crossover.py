@@ -5,9 +5,9 @@ pays a data-parallel call's fixed cost (tens of microseconds) and, with
 PyMC's NUTS, every chain's Python work runs in this one process, where
 ``pm.sample`` runs each chain in a process of its own on its own core.  So,
 unless ``data_parallel(split=...)`` decided, the first ``dp.sample`` of a
-model times a data-parallel call and PyMC's own serial call (compiled as
-pm.sample compiles it, run in this process on one core as one of
-pm.sample's chains runs it) and predicts the rest of the run both ways:
+model times PyMC's own serial call (compiled as pm.sample compiles it, run
+in this process on one core as one of pm.sample's chains runs it) and, where
+it must, a data-parallel call, and predicts the rest of the run both ways:
 
     pm.sample:  what its sampler compiles of its own (nutpie: SAMPLER_COMPILE_S)
                 + steps x ceil(chains / cores) x (serial call + the sampler's own work)
@@ -23,9 +23,9 @@ row at best) plus ``CALL_S``, and building it (``BUILD_COMPILES`` times
 PyMC's own compile: the master compiles the rank's graph in each mode to
 keep the faster, ``modes``, then the ranks theirs); where even that would
 not gain, nothing is built for the ranks.  Splitting is kept where it is
-predicted ``GAIN`` times faster; else ``dp.sample`` runs ``pm.sample`` itself with this
-process's cores released (the ranks sleep meanwhile), and says so in one
-log line.  Left out: pm.sample's chain processes slowing each other (memory
+predicted ``GAIN`` times faster; else ``dp.sample`` runs ``pm.sample``
+itself with this process's cores released (the ranks sleep meanwhile), and
+says so in one log line.  Left out: pm.sample's chain processes slowing each other (memory
 bandwidth, shared caches), which favours splitting.
 
 With nutpie there is a third way: nutpie on that same compiled (logp, dlogp),
