@@ -38,6 +38,9 @@ The parts, each model in a child process of its own (own memory, a quiet start):
             --rows 1e5: every gallery model with rows, its rows bootstrapped to 10^5.
   compile   seconds nutpie compiles each gallery model in a fresh process, and PyMC its
             (logp, dlogp): what crossover.SAMPLER_COMPILE_S stands for.
+  crossover what dp.sample decides for each gallery model with rows, bootstrapped to
+            --rows (default 1e3,3e3,1e4,3e4,1e5), with PyMC's NUTS and nutpie (--chains,
+            --draws, --tune): the crossover, the first size at which it splits.
 
     python bench/pymc_gallery.py --parts graphs                  # about 3 minutes here
     python bench/pymc_gallery.py --parts graphs --rows 1e5 --models radon,logistic
@@ -60,7 +63,7 @@ import common
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-PARTS = ("graphs", "sample", "startup", "e2e", "compile")
+PARTS = ("graphs", "sample", "startup", "e2e", "compile", "crossover")
 SYSTEMS = ("pymc", "nutpie", "synk-pymc", "synk-nutpie")
 
 
@@ -543,6 +546,62 @@ def child_e2e(system, which, chains, draws, tune, rows=0):
                   "secs": time.perf_counter() - t0, "decision": decision, **parts})
 
 
+def child_crossover(which, rows, chains, draws, tune):
+    """A fresh process: what ``dp.sample`` would decide for a gallery model at ``rows`` rows
+    (bootstrapped), with PyMC's NUTS and with nutpie; nothing is sampled."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from helpers import pymc_gallery
+
+    _quiet()
+    import pytensor
+
+    import synkhronos as synk
+    from synkhronos.extensions import pymc as synk_pymc
+    from synkhronos.extensions.pymc import crossover
+    with pytensor.config.change_flags(floatX="float64"):
+        model = pymc_gallery.MODELS[which](rows=rows)
+    synk.fork(2)
+    try:
+        dp = synk_pymc.data_parallel(model)
+        synk.distribute()
+        out = {}
+        for sampler in ("pymc", "nutpie"):
+            d = crossover.decide(dp, sampler, chains, None, draws, tune)
+            out[sampler] = {"split": d.split, "callback": d.callback, "serial_us": d.serial_s * 1e6,
+                            "parallel_us": d.parallel_s * 1e6, "predicted": d.predicted}
+    finally:
+        synk.close()
+    _emit("CROSSOVER", {"model": which, "rows": rows, **out})
+
+
+def _crossover(models, rows, chains, draws, tune):
+    """The decision per model and row count; the crossover is the first size that splits."""
+    results = [r for m in models for n in rows
+               if (r := _run_child(["crossover", m, n, chains, draws, tune])) is not None]
+    print(f"\n### What dp.sample decides ({chains} chains, {draws} draws after {tune} tuning "
+          f"steps, 2 ranks): split (S) or not (-; c: nutpie on PyMC's compiled function); "
+          f"PyMC's serial call / the data-parallel call, us\n")
+    print("| model | " + " | ".join(f"{n} rows" for n in rows) + " | crossover, PyMC's NUTS | "
+          "crossover, nutpie |")
+    print("|---|" + "---|" * (len(rows) + 2))
+    for m in models:
+        got = {r["rows"]: r for r in results if r["model"] == m}
+
+        def cell(r):
+            if r is None:
+                return "failed"
+            return " / ".join(
+                ("S" if r[s]["split"] else "c" if r[s]["callback"] else "-")
+                + f" {r[s]['serial_us']:.0f}/{'<=' if r[s]['predicted'] else ''}"
+                  f"{r[s]['parallel_us']:.0f}" for s in ("pymc", "nutpie"))
+
+        def first(s):
+            return next((f"{n}" for n in rows if got.get(n) and got[n][s]["split"]),
+                        f"> {rows[-1]}")
+        print(f"| {m} | " + " | ".join(cell(got.get(n)) for n in rows)
+              + f" | {first('pymc')} | {first('nutpie')} |", flush=True)
+
+
 def child_compile(which):
     """A fresh process: seconds nutpie compiles a gallery model (``compile_pymc_model``, what
     ``pm.sample(nuts_sampler="nutpie")`` does first) and PyMC compiles its (logp, dlogp)."""
@@ -604,7 +663,8 @@ def _run_child(args, env=None):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", *map(str, args)]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     found = [line for line in out.stdout.splitlines()
-             if line.startswith(("GRAPHS ", "SAMPLE ", "STARTUP ", "E2E ", "COMPILE "))]
+             if line.startswith(("GRAPHS ", "SAMPLE ", "STARTUP ", "E2E ", "COMPILE ",
+                                         "CROSSOVER "))]
     if out.returncode or not found:
         sys.stderr.write(f"child {args} failed ({out.returncode}):\n{out.stderr[-3000:]}\n")
         return None
@@ -633,6 +693,8 @@ def main():
             child_startup(rest[0], rest[1], int(rest[2]))
         elif kind == "compile":
             child_compile(rest[0])
+        elif kind == "crossover":
+            child_crossover(rest[0], int(rest[1]), int(rest[2]), int(rest[3]), int(rest[4]))
         elif kind == "e2e":
             child_e2e(rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]), int(rest[5]))
         else:
@@ -681,6 +743,12 @@ def main():
             r = _run_child(["compile", m])
             if r is not None:
                 print(f"| {m} | {r['nutpie_s']:.2f} | {r['pymc_s']:.2f} |", flush=True)
+    if "crossover" in parts:
+        sys.path.insert(0, os.path.join(ROOT, "tests"))
+        from helpers import pymc_gallery
+        rows = [int(float(r)) for r in (a.rows or "1e3,3e3,1e4,3e4,1e5").split(",")]
+        names = pymc_gallery.WITH_ROWS if a.models == ",".join(MODELS) else models
+        _crossover(names, rows, int(a.chains.split(",")[-1]), a.draws, a.tune)
     if "e2e" in parts:
         sys.path.insert(0, os.path.join(ROOT, "tests"))
         from helpers import pymc_gallery
