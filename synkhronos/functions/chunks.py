@@ -168,6 +168,14 @@ class MasterChunks:
         self.board = None
         self.key = None
         self.plan = None
+        self.static_next = False   # the next call keeps its static split (static_once)
+
+    def static_once(self):
+        """The next call keeps its static split: where the ranks build the function at that
+        call (a function built at its first call), it ends only once every rank has built
+        it, instead of the master running every chunk alone meanwhile (on PyMC 5.28 a
+        rank's Numba compile took seconds: chunked calls ran at the master's pace alone)."""
+        self.static_next = True
 
     def plan_for(self, spec, rt, msg, arrays):
         """The call ``msg`` with its ``ChunkPlan``, and the master's results of chunk 0 or None.
@@ -176,6 +184,9 @@ class MasterChunks:
         The outputs' shapes are known once the function ran on a chunk: the
         first call of a new shape runs chunk 0 here, before the others start.
         """
+        if self.static_next:
+            self.static_next = False
+            return msg, None
         if not eligible(spec, rt, msg):
             return msg, None
         rows = chunk_rows(msg.n_rows)

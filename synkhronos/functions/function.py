@@ -289,6 +289,7 @@ class Function:
             # code from PyTensor's cache rather than each compiling it (function_at_first_call).
             spec.compile_at_first_call = False
             compat.precompile(spec.ready())
+            self._chunks.static_once()
         if kwargs or len(args) != len(self._all_inputs):
             args = self._bind(args, kwargs or {}, name)
         datas = []

@@ -193,6 +193,29 @@ def test_calls_that_keep_the_static_split(forked):
     assert reduced._chunks.plan is not None
 
 
+def test_a_function_built_at_its_first_call_is_built_on_every_rank_before_chunks(forked, rows):
+    """Its first call keeps the static split, so that it ends once every rank has built the
+    function (and not while the master runs every chunk alone); the next calls are
+    chunked, and their results are the same bits call after call."""
+    from synkhronos.functions.build import function_at_first_call
+
+    X, vs, want = rows
+    forked(2)
+    x, v, outs = _graph()
+    f = function_at_first_call([x], outputs=outs, bcast_inputs=[v])
+    synk.distribute()
+    d = synk.data(X)
+    for got, ref in zip(f(d, vs[0]), want[0]):
+        np.testing.assert_allclose(got, ref, rtol=1e-12)
+    assert f._chunks.plan is None
+    for vv, ref in zip(vs[1:], want[1:]):
+        got = f(d, vv)
+        for g, again, r in zip(got, f(d, vv), ref):
+            np.testing.assert_allclose(g, r, rtol=1e-13)
+            np.testing.assert_array_equal(g, again)
+    assert f._chunks.plan is not None
+
+
 def test_chunk_rows_rule_and_setting():
     assert chunks.chunk_rows(1000, {}) == 0                   # too few rows: static split
     assert chunks.chunk_rows(2048, {}) == 1024                # 2 chunks
