@@ -244,7 +244,7 @@ def decide(dp, sampler, chains, cores, draws, tune):
         return known
     x = dp.initial_x().astype(dp.dtype)
     serial = serial_function(dp)
-    call = serial.fn._pytensor_function
+    call = internals.serial_call(serial.fn)
     serial_s = _timed(lambda: call(x), SERIAL_TRIAL_S)
     # The one pm.sample would run (internals.serving): nothing for it to compile again.
     serial_run, at_best = predict(sampler, chains, n_cores, steps, serial_s, 0.0,
@@ -301,7 +301,7 @@ def serial_function(dp):
     if dp.serial is None:
         t0 = time.perf_counter()
         fn = internals.serial_logp_dlogp(dp.model)
-        fn._pytensor_function(dp.initial_x().astype(dp.dtype))  # Numba compiles at the first call
+        internals.serial_call(fn)(dp.initial_x().astype(dp.dtype))  # Numba compiles at the first call
         dp.serial = Serial(fn, time.perf_counter() - t0)
     return dp.serial
 

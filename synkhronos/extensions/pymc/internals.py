@@ -147,6 +147,11 @@ def serial_logp_dlogp(model):
     return f
 
 
+def serial_call(fn):
+    """``serial_logp_dlogp``'s function of a flat vector, as PyMC's leapfrog calls it."""
+    return fn._pytensor_function
+
+
 @contextlib.contextmanager
 def serving(model, fn):
     """Within: ``pm.sample`` on ``model`` takes ``fn`` (``serial_logp_dlogp``'s) for its NUTS step.
