@@ -168,14 +168,25 @@ class MasterChunks:
         self.board = None
         self.key = None
         self.plan = None
-        self.static_next = False   # the next call keeps its static split (static_once)
+        self.static_next = False   # the next call runs statically first (static_once)
 
     def static_once(self):
-        """The next call keeps its static split: where the ranks build the function at that
-        call (a function built at its first call), it ends only once every rank has built
-        it, instead of the master running every chunk alone meanwhile (on PyMC 5.28 a
-        rank's Numba compile took seconds: chunked calls ran at the master's pace alone)."""
+        """The next call, where chunked, is first run with its static split, its result unused.
+
+        Why: where the ranks build the function at that call (a function built at its
+        first call), chunks would run at the master's pace alone while a rank compiles
+        (on PyMC 5.28 a rank's Numba compile took seconds); the static call ends once
+        every rank has built it.  Its result is not returned, as a static split adds rows
+        in another order: every call, the first too, has the chunked calls' bits.
+        """
         self.static_next = True
+
+    def build_first(self, spec, rt, msg):
+        """Whether ``msg`` is to be run once with its static split first (``static_once``)."""
+        if not self.static_next:
+            return False
+        self.static_next = False
+        return eligible(spec, rt, msg) and chunk_rows(msg.n_rows) > 0
 
     def plan_for(self, spec, rt, msg, arrays):
         """The call ``msg`` with its ``ChunkPlan``, and the master's results of chunk 0 or None.
@@ -184,9 +195,6 @@ class MasterChunks:
         The outputs' shapes are known once the function ran on a chunk: the
         first call of a new shape runs chunk 0 here, before the others start.
         """
-        if self.static_next:
-            self.static_next = False
-            return msg, None
         if not eligible(spec, rt, msg):
             return msg, None
         rows = chunk_rows(msg.n_rows)

@@ -348,6 +348,11 @@ class Function:
             if then is not None:
                 msg = msg._replace(then=then(rt))
             spec = self.spec
+            if self._chunks.build_first(spec, rt, msg):
+                # Every rank builds the function in this static call (chunks.static_once).
+                share = Share(spec, rt, msg, arrays)
+                run_command(rt, Command.CALL, msg, lambda seq: own_share(share.run()),
+                            lambda mine: None, what=self.what)
             msg, first = self._chunks.plan_for(spec, rt, msg, arrays)  # chunks.py, where they apply
             kept = None
             if (plain and then is None and len(args) == len(self._all_inputs)

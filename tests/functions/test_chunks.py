@@ -194,26 +194,30 @@ def test_calls_that_keep_the_static_split(forked):
 
 
 def test_a_function_built_at_its_first_call_is_built_on_every_rank_before_chunks(forked, rows):
-    """Its first call keeps the static split, so that it ends once every rank has built the
-    function (and not while the master runs every chunk alone); the next calls are
-    chunked, and their results are the same bits call after call."""
+    """Its first call runs once with the static split, so that every rank has built the
+    function before chunks start (and the master does not run every chunk alone meanwhile);
+    what it returns is the chunked call's: the same bits at the first call as at the next."""
     from synkhronos.functions.build import function_at_first_call
 
     X, vs, want = rows
     forked(2)
     x, v, outs = _graph()
     f = function_at_first_call([x], outputs=outs, bcast_inputs=[v])
+    g = function_at_first_call([x], outputs=outs, bcast_inputs=[v])
     synk.distribute()
     d = synk.data(X)
-    for got, ref in zip(f(d, vs[0]), want[0]):
+    g(d, vs[1])                                   # g built and chunked
+    assert g._chunks.plan is not None
+    first = f(d, vs[0])
+    assert f._chunks.plan is not None
+    for got, again, ref in zip(first, g(d, vs[0]), want[0]):
         np.testing.assert_allclose(got, ref, rtol=1e-12)
-    assert f._chunks.plan is None
+        np.testing.assert_array_equal(got, again)  # the first call has the chunked bits
     for vv, ref in zip(vs[1:], want[1:]):
         got = f(d, vv)
-        for g, again, r in zip(got, f(d, vv), ref):
-            np.testing.assert_allclose(g, r, rtol=1e-13)
-            np.testing.assert_array_equal(g, again)
-    assert f._chunks.plan is not None
+        for g_, again, r in zip(got, f(d, vv), ref):
+            np.testing.assert_allclose(g_, r, rtol=1e-13)
+            np.testing.assert_array_equal(g_, again)
 
 
 def test_chunk_rows_rule_and_setting():
