@@ -153,10 +153,61 @@ def clone_replace(output, replace, strict=True):
     function lives in ``pytensor.graph.replace`` in every supported release.
     ``strict=False`` rebuilds every node above a replacement whose type
     differs (a constant's static shape replaced by an input of any length),
-    instead of asserting the old static shape on the new variable.
+    instead of asserting the old static shape on the new variable
+    (``rebuilt``).
     """
+    if not strict:
+        return rebuilt(output, replace)
     from pytensor.graph.replace import clone_replace as _clone_replace
     return _clone_replace(output, replace=replace, rebuild_strict=strict)
+
+
+def rebuilt(output, replace):
+    """``output`` (a variable or a list) rebuilt above ``replace``'s variables for their types.
+
+    Each node above a replacement is made again from its new inputs, so its
+    outputs' static shapes follow them.  PyTensor's own ``rebuild_strict=False``
+    keeps an ``OpFromGraph``'s input types, asserting them on the new inputs
+    (``SpecifyShape``): PyTensor 3.3's ``LogSumExp`` is one, so a NormalMixture
+    observed on 1000 rows asserted 1000 rows on a rank's share.  Here such an
+    op built from its inputs' types (``SymbolicOp``) is called again instead,
+    and a shape assertion above a replacement is dropped: it asserted the old
+    shape.
+    """
+    from pytensor.tensor.shape import SpecifyShape
+
+    outputs = output if isinstance(output, (list, tuple)) else [output]
+    memo = dict(replace)
+    stack = list(outputs)
+    while stack:
+        v = stack[-1]
+        if v in memo:
+            stack.pop()
+            continue
+        node = v.owner
+        if node is None:
+            memo[v] = v
+            stack.pop()
+            continue
+        pending = [i for i in node.inputs if i not in memo]
+        if pending:
+            stack.extend(pending)
+            continue
+        stack.pop()
+        new_inputs = [memo[i] for i in node.inputs]
+        if all(a is b for a, b in zip(new_inputs, node.inputs)):
+            outs = node.outputs
+        elif isinstance(node.op, SpecifyShape):
+            outs = [new_inputs[0]]
+        elif hasattr(node.op, "build_inner_graph"):   # a SymbolicOp: built for the input types
+            outs = node.op(*new_inputs)
+            outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        else:
+            outs = node.op.make_node(*new_inputs).outputs
+        for old, new in zip(node.outputs, outs):
+            memo[old] = new
+    got = [memo[o] for o in outputs]
+    return got if isinstance(output, (list, tuple)) else got[0]
 
 
 def scan(fn, sequences, mode=None):

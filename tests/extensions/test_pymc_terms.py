@@ -153,11 +153,40 @@ def _schools_indexed_model(numpy=False):
     return m
 
 
+def _mixture_model():
+    """A NormalMixture observed on a NumPy array (the gallery's Gaussian mixture): its logp
+    broadcasts the rows against the components, (rows, 3), inside PyTensor 3.3's LogSumExp,
+    an op built for its input's static shape (the whole data set's rows)."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(np.array([-3.0, 0.0, 4.0])[rng.integers(0, 3, N_ROWS)], 0.8)
+    with pm.Model() as m:
+        w = pm.Dirichlet("w", np.ones(3))
+        mu = pm.Normal("mu", np.array([-2.0, 0.0, 2.0]), 5, shape=3,
+                       transform=pm.distributions.transforms.ordered)
+        sd = pm.HalfNormal("sd", 2, shape=3)
+        pm.NormalMixture("x", w=w, mu=mu, sigma=sd, observed=x)
+    return m
+
+
+def _truncated_model():
+    """pm.Truncated over a NumPy covariate and observed data (the gallery's truncated
+    regression)."""
+    rng = np.random.default_rng(5)
+    x = rng.uniform(-5, 5, N_ROWS)
+    y = np.clip(rng.normal(0.8 * x + 1.0, 2.0), -4.9, 4.9)
+    with pm.Model() as m:
+        a, b = pm.Normal("a", 0, 5), pm.Normal("b", 0, 5)
+        s = pm.HalfNormal("s", 5)
+        pm.Truncated("y", pm.Normal.dist(mu=a + b * x, sigma=s), lower=-5, upper=5, observed=y)
+    return m
+
+
 AS_WRITTEN = {"schools": (_schools_model, {}), "schools_indexed": (_schools_indexed_model, {}),
               "schools_indexed_numpy": (lambda: _schools_indexed_model(numpy=True), {}),
               "numpy": (_numpy_model, {}), "indexed": (_indexed_model, {}),
               "indexed_wrapped": (lambda: _indexed_model(wrapped=True), {}),
               "censored": (_censored_model, {}), "potential": (_potential_model, {}),
+              "mixture": (_mixture_model, {}), "truncated": (_truncated_model, {}),
               "walk_numpy": (lambda: _random_walk_model(numpy=True), {"unsplit": ["walk_data"]})}
 
 
@@ -250,7 +279,8 @@ def test_now_exact_on_uneven_ranks(exact, name):
     split = {"numpy": ["y_obs_array1", "y_obs_data"], "indexed": ["y_obs_array1", "y_obs_data"],
              "indexed_wrapped": ["y", "y_obs_array1"], "potential": ["lik_array1", "lik_array2"],
              "censored": ["y_obs_array1", "y_obs_array2", "y_obs_array3", "y_obs_data"],
-             "schools": ["obs_array1", "obs_data", "row_ids"],
+             "schools": ["obs_array1", "obs_data", "row_ids"], "mixture": ["x_data"],
+             "truncated": ["y_array1", "y_data"],
              "schools_indexed": ["school_idx", "sigma", "y"],
              "schools_indexed_numpy": ["y_obs_array1", "y_obs_array2", "y_obs_data"]}
     if name in split:
