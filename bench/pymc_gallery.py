@@ -35,7 +35,9 @@ The parts, each model in a child process of its own (own memory, a quiet start):
             own sizes (tests/helpers/pymc_gallery.py): pm.sample as PyMC runs it by
             default against dp.sample with the split measured (the default) and forced;
             --e2e-systems nutpie,synk-nutpie: each with nutpie (ratio against nutpie);
-            --rows 1e5: every gallery model with rows, its rows bootstrapped to 10^5.
+            --rows 1e5: every gallery model with rows, its rows bootstrapped to 10^5;
+            --more: six other gallery models as a new user writes them
+            (bench/gallery_more.py), none of them in the tests.
   compile   seconds nutpie compiles each gallery model in a fresh process, and PyMC its
             (logp, dlogp): what crossover.SAMPLER_COMPILE_S stands for.
   crossover what dp.sample decides for each gallery model with rows, bootstrapped to
@@ -47,6 +49,7 @@ The parts, each model in a child process of its own (own memory, a quiet start):
     python bench/pymc_gallery.py --parts sample --rows 1e4,1e5 --draws 200 --tune 200
     python bench/pymc_gallery.py --parts startup --rows 1e3           # about 10 minutes here
     python bench/pymc_gallery.py --parts e2e --draws 500 --tune 500 --chains 2
+    python bench/pymc_gallery.py --parts e2e --more --draws 500 --tune 500 --chains 2
 """
 
 import argparse
@@ -505,10 +508,11 @@ E2E_WHAT = {"pymc": "pm.sample as the installed PyMC runs it by default (its sam
 E2E_AGAINST = {"synk-nutpie": "nutpie"}
 
 
-def child_e2e(system, which, chains, draws, tune, rows=0):
+def child_e2e(system, which, chains, draws, tune, rows=0, more=0):
     """One run end to end: from the model built to the draws, set-up and compiling included.
 
-    ``rows``: the gallery model's rows bootstrapped to that many (0: its own).
+    ``rows``: the gallery model's rows bootstrapped to that many (0: its own);
+    ``more``: the model is one of bench/gallery_more.py's.
     """
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from helpers import pymc_gallery
@@ -517,7 +521,11 @@ def child_e2e(system, which, chains, draws, tune, rows=0):
     import pymc as pm
     import pytensor
     with pytensor.config.change_flags(floatX="float64"):
-        model = pymc_gallery.MODELS[which](**({"rows": rows} if rows else {}))
+        if more:
+            import gallery_more
+            model = gallery_more.MODELS[which]()
+        else:
+            model = pymc_gallery.MODELS[which](**({"rows": rows} if rows else {}))
     kw = dict(draws=draws, tune=tune, chains=chains, random_seed=1, progressbar=False,
               compute_convergence_checks=False)
     decision, parts = None, {}
@@ -623,7 +631,7 @@ def child_compile(which):
                       "pymc_s": time.perf_counter() - t1})
 
 
-def _e2e(models, chains, systems, draws, tune, rounds, rows=0):
+def _e2e(models, chains, systems, draws, tune, rounds, rows=0, more=False):
     """Every system on every model, rounds alternating the systems' order; medians."""
     import statistics
     runs = {}
@@ -631,7 +639,7 @@ def _e2e(models, chains, systems, draws, tune, rounds, rows=0):
         for m in models:
             order = systems if r % 2 == 0 else systems[::-1]
             for s in order:
-                res = _run_child(["e2e", s, m, chains, draws, tune, rows])
+                res = _run_child(["e2e", s, m, chains, draws, tune, rows, int(more)])
                 if res is None:
                     continue
                 runs.setdefault((m, s), []).append(res)
@@ -642,7 +650,8 @@ def _e2e(models, chains, systems, draws, tune, rounds, rows=0):
                       f"{os.getloadavg()[0]:.1f})", flush=True)
     print(f"\n### End to end: seconds from the model built to the draws ({chains} chains, "
           f"{draws} draws after {tune} tuning steps, median of {rounds} rounds; "
-          f"{'rows bootstrapped to %d' % rows if rows else 'the gallery sizes'})\n")
+          f"{'rows bootstrapped to %d' % rows if rows else 'the gallery sizes'}"
+          f"{'; bench/gallery_more.py' if more else ''})\n")
     for s in systems:
         print(f"- {s}: {E2E_WHAT[s]}")
     rated = [s for s in systems if s.startswith("synk")]
@@ -683,6 +692,8 @@ def main():
     p.add_argument("--tune", type=int, default=200)
     p.add_argument("--e2e-systems", default=",".join(E2E_SYSTEMS))
     p.add_argument("--rounds", type=int, default=2, help="e2e: rounds, systems alternating")
+    p.add_argument("--more", action="store_true",
+                   help="e2e: bench/gallery_more.py's models (none in the tests)")
     p.add_argument("--child", nargs="+")
     a = p.parse_args()
     if a.child:
@@ -696,7 +707,8 @@ def main():
         elif kind == "crossover":
             child_crossover(rest[0], int(rest[1]), int(rest[2]), int(rest[3]), int(rest[4]))
         elif kind == "e2e":
-            child_e2e(rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]), int(rest[5]))
+            child_e2e(rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]), int(rest[5]),
+                      int(rest[6]))
         else:
             child_sample(rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]), int(rest[5]))
         return
@@ -754,9 +766,12 @@ def main():
         from helpers import pymc_gallery
         rows = int(float(a.rows)) if a.rows else 0
         every = pymc_gallery.WITH_ROWS if rows else list(pymc_gallery.MODELS)
+        if a.more:
+            import gallery_more
+            every = list(gallery_more.MODELS)
         names = every if a.models == ",".join(MODELS) else models
         _e2e(names, int(a.chains.split(",")[-1]), a.e2e_systems.split(","), a.draws, a.tune,
-             a.rounds, rows)
+             a.rounds, rows, a.more)
 
 
 if __name__ == "__main__":
