@@ -179,6 +179,13 @@ def test_crossover_rule():
                                    + 10 * (1e-3 + crossover.SAMPLER_S["nutpie"]))
     assert parallel == pytest.approx(10 * (0.5e-3 + crossover.DP_NUTPIE_S))
     assert crossover.check_split(None) is None and crossover.check_split(False) is False
+    # nutpie's own gradient runs in Numba: where the rank's graph was timed in both modes,
+    # its call is PyMC's C call times their ratio, and the decision says so.
+    assert crossover.numba_ratio({"NUMBA": 2e-4, "CVM": 8e-4}) == pytest.approx(0.25)
+    assert crossover.numba_ratio({"NUMBA": 2e-4}) is None and crossover.numba_ratio({}) is None
+    line = crossover.Decision(True, "measured", "nutpie", 2, 2, 2, 800e-6, 0.5, 100e-6, None,
+                              9.0, 2.0, True, numba_ratio=0.25).describe()
+    assert "a call 800 us, in nutpie's Numba 200 us, compiling 5.0 s" in line, line
 
 
 def test_crossover_samples_a_small_model_as_pm_sample_does(env, caplog, monkeypatch):

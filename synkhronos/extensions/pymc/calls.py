@@ -70,10 +70,11 @@ class Calls:
 
     def __init__(self, ways, size, dtype, held, fastest=None):
         # mode -> (one position, vectorised, loop); with several, ``fastest()`` names the
-        # one to keep, at the first evaluation.
+        # one to keep and each mode's seconds, at the first evaluation.
         self.ways, self._fastest = ways, fastest
         self._built = False
         self.mode = self.fn1 = self.fn = self.fn_loop = None
+        self.mode_seconds = {}   # mode -> seconds on a rank's rows, where measured
         if fastest is None or len(ways) == 1:
             self._keep(next(iter(ways)))
         self.size, self.dtype = size, dtype
@@ -96,7 +97,8 @@ class Calls:
     def _first(self):
         """The first evaluation: keep the mode ``fastest()`` measures fastest, where several."""
         if self.mode is None:
-            self._keep(self._fastest())
+            best, self.mode_seconds = self._fastest()
+            self._keep(best)
         self._built = True
 
     def reset(self, data):

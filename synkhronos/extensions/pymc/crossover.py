@@ -35,7 +35,10 @@ chains' calls then take turns (one interpreter), so it is predicted as
 
     callback:   steps x chains x (serial call + CALLBACK_S)
 
-and taken where it beats pm.sample's own nutpie.
+and taken where it beats pm.sample's own nutpie.  nutpie's own gradient runs in
+Numba: where the first data-parallel evaluation timed the rank's graph in Numba and
+in C (``modes``), pm.sample's nutpie is predicted at PyMC's C call times their ratio
+(``numba_ratio``).
 """
 
 import contextlib
@@ -130,7 +133,8 @@ class Decision:
     built for the ranks; ``parallel_run_s`` then counts building it).
     ``callback``: the way not split is nutpie on PyMC's compiled (logp,
     dlogp) in this process instead of nutpie compiling its own
-    (``serial_run_s`` is that way's).
+    (``serial_run_s`` is that way's).  ``numba_ratio``: with nutpie, its
+    Numba gradient predicted at this ratio of PyMC's C call (``numba_ratio()``).
     """
 
     split: bool
@@ -148,6 +152,7 @@ class Decision:
     separate: bool = False
     predicted: bool = False
     callback: bool = False
+    numba_ratio: float = None
 
     def describe(self):
         """One line: what was chosen and why."""
@@ -167,6 +172,8 @@ class Decision:
                      f"{self.serial_s * 1e6:.0f} us, nothing more compiled)")
         else:
             other = (f"pm.sample on {self.cores} core(s) (a call {self.serial_s * 1e6:.0f} us"
+                     + (f", in nutpie's Numba {self.serial_s * self.numba_ratio * 1e6:.0f} us"
+                        if self.numba_ratio is not None else "")
                      + (f", compiling {SAMPLER_COMPILE_S[self.sampler]:.1f} s)"
                         if self.sampler in SAMPLER_COMPILE_S else ")"))
         figures = (f"{self.chains} chain(s), sampler {self.sampler}: predicted "
@@ -264,7 +271,15 @@ def decide(dp, sampler, chains, cores, draws, tune):
             predicted=True, callback=callback)
         return decision
     one_s = _timed(lambda: dp.logp_dlogp(x))
-    compile_s = 0.0
+    compile_s, numba = 0.0, None
+    if sampler == "nutpie" and not callback:
+        # nutpie's own compile runs the model in Numba: where the first evaluation timed
+        # the rank's graph in Numba and in C, a gradient of nutpie's costs PyMC's C call
+        # times their ratio (at 10^5 rows on PyMC 5.28: radon 0.27, robust 0.62).
+        ratio = numba_ratio(dp.mode_seconds)
+        if ratio is not None:
+            numba = ratio
+            serial_run, _ = predict(sampler, chains, n_cores, steps, serial_s * ratio, 0.0, 0.0)
     _, fastest = predict(sampler, chains, n_cores, steps, serial_s, compile_s, one_s)
     many_s, parallel_run, separate = None, fastest, False
     if chains > 1 and steps * (chains - 1) * one_s < MANY_COMPILE_S:
@@ -282,9 +297,16 @@ def decide(dp, sampler, chains, cores, draws, tune):
     split = parallel_run * GAIN < serial_run
     decision = Decision(split, "measured", sampler, chains, n_cores, ranks, serial_s,
                         serial.compile_s, one_s, many_s, serial_run, parallel_run, separate,
-                        callback=callback)
+                        callback=callback, numba_ratio=numba)
     dp.decisions[key] = decision
     return decision
+
+
+def numba_ratio(seconds):
+    """Numba's time over C's for the rank's graph (``dp.mode_seconds``), or None where not
+    both were measured."""
+    numba, c = seconds.get("NUMBA"), seconds.get("CVM")
+    return numba / c if numba and c else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -153,7 +153,7 @@ class DataParallelModel:
                                 pregrad=internals.rewrite_pregrad)
             rows = [d.data for d in self._data]
             return modes.fastest(inputs, position, one, rows, self.initial_x().astype(self.dtype),
-                                 synk.layout().n_parallel, rank_modes)[0]
+                                 synk.layout().n_parallel, rank_modes)
         self._data = None
         self._scattered = False      # scatter() done once (the first evaluation does it)
         self._seen = {}
@@ -183,6 +183,12 @@ class DataParallelModel:
     def mode(self):
         """The mode the rank's graphs run in; None until the first evaluation measured it."""
         return self._calls.mode
+
+    @property
+    def mode_seconds(self):
+        """{mode: seconds} the rank's one-position graph took on a rank's rows where the
+        mode was measured (``modes.fastest``), else empty."""
+        return dict(self._calls.mode_seconds)
 
     @property
     def given(self):
