@@ -171,18 +171,13 @@ class MasterChunks:
         self.static_next = False   # the next call runs statically first (static_once)
 
     def static_once(self):
-        """The next call, where chunked, is first run with its static split, its result unused.
-
-        Why: where the ranks build the function at that call (a function built at its
-        first call), chunks would run at the master's pace alone while a rank compiles
-        (on PyMC 5.28 a rank's Numba compile took seconds); the static call ends once
-        every rank has built it.  Its result is not returned, as a static split adds rows
-        in another order: every call, the first too, has the chunked calls' bits.
-        """
+        """The next call, where chunked, first runs with its static split (result unused), so
+        every rank builds a function built at that call before chunks run (else at the master's
+        pace alone: a rank's Numba compile took seconds); every call returns the chunked bits."""
         self.static_next = True
 
     def build_first(self, spec, rt, msg):
-        """Whether ``msg`` is to be run once with its static split first (``static_once``)."""
+        """Whether ``msg`` first runs once with its static split (``static_once``)."""
         if not self.static_next:
             return False
         self.static_next = False

@@ -26,7 +26,7 @@ from ..variables.access import resolve
 from . import call_inputs
 from .outputs import collect
 from .chunks import MasterChunks
-from .kept import KeptCall, own_share
+from .kept import KeptCall, own_share, static_call
 from .rank_call import CallMsg, Share, ThenMsg
 
 _trace = trace.ON
@@ -285,8 +285,7 @@ class Function:
         name = self.name or "function"
         spec = self.spec
         if spec.compile_at_first_call:
-            # The master builds and compiles first, so that the ranks' first call loads the
-            # code from PyTensor's cache rather than each compiling it (function_at_first_call).
+            # The master compiles first: the ranks' first call loads PyTensor's cached code.
             spec.compile_at_first_call = False
             compat.precompile(spec.ready())
             self._chunks.static_once()
@@ -341,18 +340,14 @@ class Function:
         rt = self.runtime()
         prof = rt.profiler
         if prof is not None:
-            # Checking the arguments is the master's control overhead too.
-            prof.begin(self.what)
+            prof.begin(self.what)   # checking the arguments is the master's control overhead too
         try:
             msg, arrays = self.plan_call(args, kwargs, output_subset, batch, batch_s, num_slices)
             if then is not None:
                 msg = msg._replace(then=then(rt))
             spec = self.spec
-            if self._chunks.build_first(spec, rt, msg):
-                # Every rank builds the function in this static call (chunks.static_once).
-                share = Share(spec, rt, msg, arrays)
-                run_command(rt, Command.CALL, msg, lambda seq: own_share(share.run()),
-                            lambda mine: None, what=self.what)
+            if self._chunks.build_first(spec, rt, msg):  # every rank builds it first (static_once)
+                static_call(spec, rt, msg, arrays, self.what)
             msg, first = self._chunks.plan_for(spec, rt, msg, arrays)  # chunks.py, where they apply
             kept = None
             if (plain and then is None and len(args) == len(self._all_inputs)

@@ -98,3 +98,10 @@ def _combiner(spec, rt, name):
                 return [out] if listed else out
         return collect(spec, rt, mine, None, name)
     return after
+
+
+def static_call(spec, rt, msg, arrays, what):
+    """Run the call ``msg`` with its static split on every rank, its result unused: each rank
+    builds a function built at its first call (``chunks.MasterChunks.static_once``)."""
+    share = Share(spec, rt, msg, arrays)
+    run_command(rt, Command.CALL, msg, lambda seq: own_share(share.run()), what=what)
