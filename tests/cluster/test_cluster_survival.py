@@ -57,15 +57,25 @@ def _serial_losses(*extra):
 @pytest.mark.parametrize("what,bound_s", [("node master", 2.0), ("rank", 10.0)])
 def test_lost_machine_is_named_and_the_run_goes_on_exactly(what, bound_s):
     # The node master killed between calls; or one of the machine's ranks dies inside a
-    # call, its node master alive (it reports the death, then leaves the job). The bound
-    # for a rank is wider, and short of the 2 s: measured 1.9-2.2 s on one host,
-    # 4.2-5.1 s on 3 simulated machines sharing 2 cores (where the time goes is open).
+    # call, its node master alive (it reports the death, then leaves the job). A rank's
+    # death is timed from the moment it dies (KILLED AT, the wall clock the simulated
+    # machines share): the call it dies in first compiles its graph in every rank (Numba,
+    # object mode), 4-5 s of the 4.2-5.1 s measured from the call on 3 simulated machines
+    # sharing 2 cores, and 32-61 s in two loaded fresh-clone runs; the detection itself
+    # took 0.4-0.5 s (the sentinel's closed connection, then 0.1 s to agree).
     extra = ["--rank"] if what == "rank" else []
     rc, out = run(3, [SURVIVE, "calls", "2", *extra], flags=["--with-ft", "ulfm"])
     m = re.search(r"CAUGHT MachineLostError ([\d.]+) survived completed (True|False) "
                   r"machine 2 \(\S+, ranks 4\.\.5\)", out)
     assert m, out
-    assert float(m.group(1)) < bound_s, out
+    took = float(m.group(1))
+    if what == "rank":
+        killed = re.search(r"^KILLED AT ([\d.]+)$", out, re.M)
+        caught = re.search(r"^CAUGHT AT ([\d.]+)$", out, re.M)
+        assert killed and caught, out
+        took = float(caught.group(1)) - float(killed.group(1))
+        assert took > 0, out
+    assert took < bound_s, out
     if what == "rank":
         assert "rank 5 (pid" in out and "died" in out, out
     assert "LAYOUT 2 4 [2, 2] 6" in out, out  # ranks renumbered, n_parallel updated

@@ -65,6 +65,7 @@ def calls(per_machine, rank_dies):
         for _ in range(100000):
             (die if rank_dies else f_sum)(d)
     except synk.MachineLostError as exc:
+        print("CAUGHT AT", f"{time.time():.6f}", flush=True)
         print("CAUGHT", type(exc).__name__, f"{time.monotonic() - t0:.2f}",
               "survived" if exc.survived else "ended", "completed", exc.completed,
               str(exc).splitlines()[0], flush=True)
