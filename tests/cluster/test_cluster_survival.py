@@ -62,7 +62,7 @@ def test_lost_machine_is_named_and_the_run_goes_on_exactly(what, bound_s):
     # machines share): the call it dies in first compiles its graph in every rank (Numba,
     # object mode), 4-5 s of the 4.2-5.1 s measured from the call on 3 simulated machines
     # sharing 2 cores, and 32-61 s in two loaded fresh-clone runs; the detection itself
-    # took 0.4-0.5 s (the sentinel's closed connection, then 0.1 s to agree).
+    # took 0.15-0.45 s (the sentinel's closed connection, then 0.1 s to agree).
     extra = ["--rank"] if what == "rank" else []
     rc, out = run(3, [SURVIVE, "calls", "2", *extra], flags=["--with-ft", "ulfm"])
     m = re.search(r"CAUGHT MachineLostError ([\d.]+) survived completed (True|False) "

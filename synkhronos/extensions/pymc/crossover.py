@@ -271,15 +271,13 @@ def decide(dp, sampler, chains, cores, draws, tune):
             predicted=True, callback=callback)
         return decision
     one_s = _timed(lambda: dp.logp_dlogp(x))
-    compile_s, numba = 0.0, None
-    if sampler == "nutpie" and not callback:
-        # nutpie's own compile runs the model in Numba: where the first evaluation timed
-        # the rank's graph in Numba and in C, a gradient of nutpie's costs PyMC's C call
-        # times their ratio (at 10^5 rows on PyMC 5.28: radon 0.27, robust 0.62).
-        ratio = numba_ratio(dp.mode_seconds)
-        if ratio is not None:
-            numba = ratio
-            serial_run, _ = predict(sampler, chains, n_cores, steps, serial_s * ratio, 0.0, 0.0)
+    compile_s = 0.0
+    # nutpie's own compile runs the model in Numba: where the first evaluation timed the
+    # rank's graph in Numba and in C, a gradient of nutpie's costs PyMC's C call times
+    # their ratio (at 10^5 rows on PyMC 5.28: radon 0.27, robust 0.62).
+    numba = numba_ratio(dp.mode_seconds) if sampler == "nutpie" and not callback else None
+    if numba is not None:
+        serial_run, _ = predict(sampler, chains, n_cores, steps, serial_s * numba, 0.0, 0.0)
     _, fastest = predict(sampler, chains, n_cores, steps, serial_s, compile_s, one_s)
     many_s, parallel_run, separate = None, fastest, False
     if chains > 1 and steps * (chains - 1) * one_s < MANY_COMPILE_S:
