@@ -12,6 +12,11 @@ state's measurements):
          against PyMC's serial call in a process of its own, not pinned, with one
          BLAS thread (its best beside a busy core; the default two threads are
          shown too): each in a child process of its own, at every ``--rows``.
+         The ceiling: two serial processes (1 BLAS thread) at once, each on half
+         the rows, timed over the same wall-clock window, no communication; their
+         rows per second together over the serial process's is what any split of
+         the call across two processes could reach in that state (beside a busy
+         process on 2 cores, three runnable threads share two cores: about 4/3).
   calls  bench/call_overhead.py: a tiny call against the bare PyTensor call, a
          4-byte all_reduce against MPICH's, the MLP's fused step against the
          serial step on one BLAS thread (one run per state every 5 rounds).
@@ -59,7 +64,7 @@ def child_pymc(n_rows, which):
     if which == "dp":
         import synkhronos as synk
         from synkhronos.extensions import pymc as synk_pymc
-        synk.fork(2)
+        synk.fork(int(os.environ.get("BUSY_RANKS", "2")))
         dp = synk_pymc.data_parallel(model)
         synk.distribute()
         dp.scatter()
@@ -71,6 +76,18 @@ def child_pymc(n_rows, which):
         f()
     print("READY", flush=True)
     for line in sys.stdin:
+        if line.startswith("until"):
+            # The ceiling's halves: calls until a wall-clock deadline both share, so
+            # that neither runs any part of its window alone.
+            start, end = (float(x) for x in line.split()[1:])
+            while time.time() < start:
+                pass
+            n = 0
+            while time.time() < end:
+                f()
+                n += 1
+            print(json.dumps((end - start) / max(n, 1) * 1e6), flush=True)
+            continue
         calls = int(line)
         t0 = time.perf_counter()
         for _ in range(calls):
@@ -94,9 +111,40 @@ class Child:
         self.p.stdin.flush()
         return json.loads(self.p.stdout.readline())
 
+    def ask(self, line):
+        self.p.stdin.write(line + "\n")
+        self.p.stdin.flush()
+
+    def answer(self):
+        return json.loads(self.p.stdout.readline())
+
     def close(self):
         self.p.stdin.close()
         self.p.wait(timeout=60)
+
+
+class Pair:
+    """The ceiling: two serial children on half the rows each, timed over one window.
+
+    ``round`` returns the microseconds per call of the whole rows that the two
+    halves' throughput together amounts to, comparable with a serial call's.
+    """
+
+    def __init__(self, n, env):
+        self.halves = [Child(["pymc", str(n // 2), "serial"], env) for _ in range(2)]
+
+    def round(self, calls, per_call_us):
+        start = time.time() + 0.02
+        end = start + calls * per_call_us * 1e-6
+        for h in self.halves:
+            h.ask(f"until {start} {end}")
+        us = [h.answer() for h in self.halves]
+        rows_per_us = sum(0.5 / u for u in us)     # whole calls' worth of rows per us
+        return 1 / rows_per_us
+
+    def close(self):
+        for h in self.halves:
+            h.close()
 
 
 def _calls(env):
@@ -110,6 +158,7 @@ def _calls(env):
 
 
 PYMC_KINDS = ("serial 1 thread", "serial default threads", "dp chunks", "dp static split")
+CEILING = "ceiling: 2 serial processes, half the rows each"
 
 
 def _env():
@@ -126,7 +175,9 @@ def _pymc_children(n):
         if extra:
             name, _, sets = extra.partition(":")
             envs[name] = ("dp", dict(base, **dict(kv.split("=") for kv in sets.split(","))))
-    return {k: Child(["pymc", str(n), which], env) for k, (which, env) in envs.items()}
+    children = {k: Child(["pymc", str(n), which], env) for k, (which, env) in envs.items()}
+    children[CEILING] = Pair(n, one)
+    return children
 
 
 def _busy(n):
@@ -171,10 +222,17 @@ def main():
                     procs = _busy(args.busy) if state == "busy" else []
                     try:
                         # A new order each round, and a pause before each child: OpenBLAS's
-                        # threads spin a while after a call and slow whichever child is next.
+                        # threads spin a while after a call (2^28 cycles, about 0.1 s) and
+                        # slowed whichever child came next (with 0.05 s, the one after the
+                        # serial call on default threads took 3.1 ms at 10^5 rows, 2.3 alone).
                         for k in order[r % len(order):] + order[:r % len(order)]:
-                            time.sleep(0.05)
-                            got[state][k].append(children[k].round(calls))
+                            time.sleep(0.3)
+                            if k == CEILING:
+                                last = got[state]["serial 1 thread"]
+                                got[state][k].append(children[k].round(
+                                    calls, last[-1] if last else 60e-3 * n))
+                            else:
+                                got[state][k].append(children[k].round(calls))
                     finally:
                         _stop(procs)
         finally:
@@ -186,7 +244,7 @@ def main():
         for k in children:
             print(f"| PyMC (logp, dlogp), {n} rows: {k}, us (median) | {med['quiet'][k]:.0f} | "
                   f"{med['busy'][k]:.0f} |")
-        for k in [k for k in children if k.startswith("dp") or k not in PYMC_KINDS]:
+        for k in [k for k in children if k not in PYMC_KINDS[:2]]:
             r = {s: statistics.median([a / b for a, b in zip(got[s]["serial 1 thread"], got[s][k])])
                  for s in got}
             print(f"| {n} rows: PyMC serial (1 thread) / {k} (x, median of paired rounds) | "

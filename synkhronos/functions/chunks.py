@@ -112,11 +112,6 @@ def eligible(spec, rt, msg):
             and all(op in reduce_ops.COLLECTIVE_OPS for op in spec.output_ops))
 
 
-def run_rows(fn, arrays, n_scattered, lo, hi):
-    """``fn`` on rows lo:hi of the scattered inputs (the broadcast ones whole)."""
-    return fn(*[a[lo:hi] for a in arrays[:n_scattered]], *arrays[n_scattered:])
-
-
 class Board:
     """A function's chunk board on this machine (see the module's docstring)."""
 
@@ -202,7 +197,7 @@ class MasterChunks:
             return msg._replace(chunks=self.plan), None
         rt.in_call = True
         try:
-            first = [np.array(r) for r in run_rows(spec.fn, arrays, k, 0, rows)]
+            first = [np.array(r) for r in spec.fn(*[a[:rows] for a in arrays[:k]], *arrays[k:])]
         except Exception:  # noqa: BLE001 - the static split runs it again and reports it
             return msg, None
         finally:
@@ -269,12 +264,15 @@ def master_runner(spec, rt, plan, board, arrays, n_scattered):
     bools = [op in ("sum", "prod") and np.dtype(dt) == np.bool_
              for op, (dt, _, _) in zip(ops, plan.layout)]
     state = [None]
+    trade = rt.processes.core_trade
 
     def arm(seq, first):
         state[0] = first
         fast.publish(CLAIM, (seq << CLAIM_BITS) | (0 if first is None else 1), ZERO)
 
     def local(seq):
+        if trade is not None:
+            trade.maybe()
         results = [None] * n_chunks
         if state[0] is not None:
             results[0], state[0] = state[0], None
