@@ -7,6 +7,7 @@ put back), as on a fresh CI machine.  Prints one line per target as it ends, the
 table with each target's minutes and pass or fail.
 
     python bench/suite_time.py --cold          # about 45 minutes on 2 cores
+    python bench/suite_time.py --busy 2        # beside two spinning processes (issue 48)
 """
 
 import argparse
@@ -29,6 +30,8 @@ def main():
     p.add_argument("--cold", action="store_true", help="an empty PyTensor compile cache")
     p.add_argument("--targets", default=",".join(TARGETS))
     p.add_argument("--keep", action="store_true", help="keep the clone and its logs")
+    p.add_argument("--busy", type=int, default=0,
+                   help="processes spinning (while True: pass, not pinned) for the whole run")
     a = p.parse_args()
     cache = os.path.expanduser("~/.pytensor")
     aside = cache + f".suite-time-{os.getpid()}"
@@ -37,13 +40,15 @@ def main():
     work = tempfile.mkdtemp(prefix="synk-suite-")
     clone = os.path.join(work, "clone")
     rows = []
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.busy)]
     try:
         subprocess.run(["git", "clone", "-q", ROOT, clone], check=True)
         print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {cpu_model()}, "
               f"{os.cpu_count()} CPUs, commit "
               + subprocess.run(["git", "-C", clone, "rev-parse", "--short", "HEAD"],
                                capture_output=True, text=True).stdout.strip()
-              + (", cold compile cache" if a.cold else ""), flush=True)
+              + (", cold compile cache" if a.cold else "")
+              + (f", beside {a.busy} busy process(es)" if a.busy else ""), flush=True)
         t_all = time.perf_counter()
         for target in a.targets.split(","):
             log = os.path.join(work, f"{target}.log")
@@ -64,6 +69,9 @@ def main():
             a.keep = True
             print(f"\nlogs in {work}")
     finally:
+        for b in busy:
+            b.kill()
+            b.wait()
         if a.cold and os.path.exists(aside):
             shutil.rmtree(cache, ignore_errors=True)
             os.rename(aside, cache)

@@ -224,7 +224,7 @@ SETTINGS = {
     "SYNK_MACHINES": (lambda v: None if v.isdigit() and int(v) >= 1 else "a number >= 1", True),
     "SYNK_CHUNK_ROWS": (lambda v: None if v.strip().isdigit() else
                         "a number of rows >= 0 (0: no chunks)", False),
-    "SYNK_CORE_TRADE": (lambda v: None if v.strip() in ("0", "1") else "0 or 1", False),
+    "SYNK_CORE_TRADE": (_seconds(allow_zero=True), False),
 }
 
 

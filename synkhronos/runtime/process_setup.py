@@ -74,7 +74,9 @@ def pin(rt, rank, restore=False, moved=None):
         before = os.sched_getaffinity(0)
         os.sched_setaffinity(0, {(moved or {}).get(rank, rt.config.cores[rank])})
         if restore:
-            rt.processes.core_trade = cores.core_trade(rt)
+            trade = rt.processes.core_trade = cores.core_trade(rt)
+            if trade is not None:
+                rt.processes.restore.append(trade.close)
             rt.processes.unpinned = frozenset(before)
             rt.processes.restore.append(lambda: os.sched_setaffinity(0, before))
 

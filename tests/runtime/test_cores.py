@@ -46,7 +46,7 @@ def _scripted(monkeypatch, waits, affinity):
 
     def look():
         current = next(looks)
-        monkeypatch.setattr(cores, "run_wait_ns", lambda pid: current.get(pid))
+        trade.wait_ns = lambda pid: current.get(pid)
         trade.maybe()
     return trade, state, moved, look
 
@@ -106,7 +106,7 @@ def _busy_on(core):
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or cores.run_wait_ns(os.getpid()) is None,
                     reason="needs 2 cores and /proc/<pid>/schedstat")
-@pytest.mark.parametrize("setting, trades", [("1", True), ("0", False)])
+@pytest.mark.parametrize("setting, trades", [("0.02", True), ("0", False)])
 def test_a_busy_process_on_the_masters_core_moves_the_master(forked, monkeypatch, setting, trades):
     monkeypatch.setenv(cores.TRADE_ENV, setting)
     x = pt.dmatrix("x")
