@@ -53,7 +53,8 @@ MIN_ROWS = 1024     # a chunk's fewest rows: below, a call's fixed cost (10-15 u
 MAX_CHUNKS = 16     # more chunks only add calls (each its fixed cost) once ranks balance
 RANK_BITS = 10      # a chunk flag: the call's seq, then the local rank that finished it
 CLAIM, FAILED, ZERO, FLAGS = 0, 1, 2, 8
-STEAL_MIN_S = 100e-6  # the master runs a late chunk itself after this, or 3 chunks' time
+STEAL_MIN_S = 100e-6  # the master runs a late chunk itself after this, or 3 chunks' time (1
+# where another program holds a worker's core: CoreTrade.contended; bench/HISTORY.md 12-05)
 ALIGN = 64
 
 
@@ -298,7 +299,8 @@ def master_runner(spec, rt, plan, board, arrays, n_scattered):
                 continue
             if not steal_ns:
                 per_chunk = (time.perf_counter() - t0) / mine if mine else 0.0
-                steal_ns = int(max(STEAL_MIN_S, 3 * per_chunk) * 1e9)
+                late = 1 if trade is not None and trade.contended else 3
+                steal_ns = int(max(STEAL_MIN_S, late * per_chunk) * 1e9)
             got = _await(rt, control, fast, ctl, flags[c], seq, steal_ns)
             if got is None:
                 return None  # a rank failed: run_command reports it

@@ -86,6 +86,7 @@ class CoreTrade:
         self.next_ns = 0
         self.last = None      # (time ns, {pid: wait ns}) at the last look
         self.trades = 0
+        self.contended = False  # a worker waited WAIT_MIN of the last period for its core
         self.fds = {}         # pid -> its schedstat, kept open: a read is then one pread
 
     def wait_ns(self, pid):
@@ -130,6 +131,7 @@ class CoreTrade:
         share = {p: (w - last[1][p]) / span for p, w in waits.items()
                  if w is not None and last[1].get(p) is not None}
         mine = share.pop(me)
+        self.contended = any(v >= self.wait_min for v in share.values())
         if mine < self.wait_min or not share:
             return
         pid, theirs = min(share.items(), key=lambda kv: kv[1])

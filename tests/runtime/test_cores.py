@@ -62,6 +62,7 @@ def test_the_master_trades_with_the_least_contended_worker(monkeypatch):
     assert trade.trades == 0  # a first look only reads the figures
     look()
     assert trade.trades == 1
+    assert trade.contended  # worker 101 waited a third of the period: chunks are stolen sooner
     assert state["affinity"][me] == {2} and state["affinity"][102] == {0}
     assert state["affinity"][101] == {1}
     assert moved == {0: 2, 2: 0}
@@ -82,6 +83,7 @@ def test_no_trade_where_it_cannot_pay(monkeypatch, waits, affinity, why):
     look()
     assert trade.trades == 0, why
     assert state["set"] == [] and moved == {}
+    assert trade.contended == (why == "every core as contended")
 
 
 def test_a_trade_is_judged_on_waits_measured_after_it(monkeypatch):
