@@ -129,6 +129,36 @@ def test_pm_sample_runs_every_chain_through_the_batcher(sampler):
     assert mcmc._sample_many.__module__ == "pymc.sampling.mcmc"
 
 
+@pytest.mark.parametrize("at_once", [False, True])
+def test_nutpie_on_the_serial_function_runs_one_chain_after_the_other(at_once):
+    """The callback way (nutpie on PyMC's own function, one call at a time): chains in turn,
+    not threads taking turns at its lock; at_once=True (the batcher's way) interleaves them."""
+    import threading
+
+    pytest.importorskip("nutpie")
+    model = _model()
+    dp = _stand_in(model)
+    call = internals.serial_call(internals.serial_logp_dlogp(model))
+    threads = []
+
+    def recording(x):
+        threads.append(threading.get_ident())
+        return call(x)
+
+    kw = internals.sample_kwargs("nutpie", 2, {"progressbar": False,
+                                               "compute_convergence_checks": False},
+                                 at_once=at_once)
+    with internals.driving_serial(dp, types.SimpleNamespace(_pytensor_function=recording)):
+        idata = pm.sample(50, tune=50, chains=2, random_seed=1, model=model,
+                          nuts_sampler="nutpie", **kw)
+    assert idata.posterior.sizes["chain"] == 2 and idata.posterior.sizes["draw"] == 50
+    switches = sum(a != b for a, b in zip(threads, threads[1:]))
+    if at_once:
+        assert switches > 20, switches
+    else:
+        assert switches <= 2, switches  # one thread, or a block of calls per chain
+
+
 class _Ran(Exception):
     pass
 

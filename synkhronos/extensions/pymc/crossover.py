@@ -77,9 +77,10 @@ compiles it in two modes to keep the faster, the ranks then the one kept (each t
 once).  On PyMC 5.28 Numba caches none of it, so a gallery model's first split call took
 3-8 s against PyMC's 0.3-0.8 s compile (2026-12-04, bench/pymc_gallery.py --parts e2e)."""
 
-CALLBACK_S = 10e-6
+CALLBACK_S = 20e-6
 """A gradient of nutpie on PyMC's compiled function in this process, beyond the call:
-nutpie's thread calls back into Python and waits its turn."""
+nutpie's thread calls back into Python, one chain after the other (splines, 2 chains:
+16 us a gradient beyond the call on PyMC 6.4, 21 us on 5.28; 2026-12-05)."""
 
 DP_NUTPIE_S = 25e-6
 """A data-parallel gradient under nutpie beyond the call: nutpie's thread calls back into

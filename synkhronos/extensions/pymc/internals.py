@@ -109,7 +109,7 @@ def nuts_sampler(name, kwargs):
     return "nutpie" if usable else "pymc"
 
 
-def sample_kwargs(name, chains, kwargs):
+def sample_kwargs(name, chains, kwargs, at_once=True):
     """``pm.sample``'s arguments that make every chain of sampler ``name`` run at once here.
 
     PyMC's own NUTS: ``cores=1`` (its chains in ``_sample_many``, which
@@ -117,21 +117,26 @@ def sample_kwargs(name, chains, kwargs):
     requests meet in one call; PyMC 5 passes ``nuts_sampler_kwargs`` on to
     ``nutpie.sample``, PyMC 6 its own ``cores``.  PyMC 6 would raise the BLAS
     threads to ``cores`` while sampling: ``blas_cores=None`` keeps this
-    process at the one thread its rank has.
+    process at the one thread its rank has.  ``at_once=False`` (nutpie on
+    PyMC's serial function, which serves one call at a time): one chain after
+    the other, since threads would only take turns at its lock (splines, 500 +
+    500 draws, 2 chains: 3.9-4.1 s against 5.3-7.8 on PyMC 6.4, 9.3 against
+    19.2 on 5.28; bench/HISTORY.md, 2026-12-05).
 
     Returns:
         A copy of ``kwargs`` with those arguments set.
     """
     kwargs = dict(kwargs)
+    threads = chains if at_once else 1
     if name != "nutpie":
         kwargs["cores"] = 1
     elif pymc_version() >= (6, 0):
-        kwargs["cores"] = chains
+        kwargs["cores"] = threads
         kwargs.setdefault("blas_cores", None)
     else:
         kwargs["cores"] = 1
         nsk = dict(kwargs.pop("nuts_sampler_kwargs", None) or {})
-        nsk.setdefault("cores", chains)
+        nsk.setdefault("cores", threads)
         kwargs["nuts_sampler_kwargs"] = nsk
     return kwargs
 

@@ -57,8 +57,9 @@ def sample(dp, draws, tune, chains, nuts_sampler, random_seed, **kwargs):
     if not decision.split:
         serial = crossover.serial_function(dp).fn
         if decision.callback:
-            # nutpie's chains call PyMC's compiled function back, as the split's callback.
-            kwargs = internals.sample_kwargs(nuts_sampler, chains, kwargs)
+            # nutpie's chains call PyMC's compiled function back, as the split's callback,
+            # one chain after the other (the function serves one call at a time).
+            kwargs = internals.sample_kwargs(nuts_sampler, chains, kwargs, at_once=False)
             with crossover.released(), internals.driving_serial(dp, serial):
                 return pm.sample(draws, chains=chains, random_seed=random_seed,
                                  nuts_sampler=nuts_sampler, model=dp.model, **kwargs)
