@@ -2,6 +2,7 @@
 
 import os
 import threading
+import time
 
 from synkhronos.cluster import doorbell
 from synkhronos.cluster.link import wait_for
@@ -46,6 +47,12 @@ def test_a_wait_with_a_doorbell_returns_once_the_awaited_message_comes():
     came, checks = threading.Event(), []
 
     def send():
+        # The message comes once the waiter has checked liveness at least once: on a loaded
+        # machine (two busy processes beside the suite) the waiter's first 0.1 s can pass
+        # before its first check, and the doorbell then answers without one.
+        deadline = time.monotonic() + 30
+        while not checks and time.monotonic() < deadline:
+            time.sleep(0.001)
         came.set()
         doorbell.ring(w)
     timer = threading.Timer(0.1, send)
