@@ -16,8 +16,8 @@ How: at most every ``PERIOD_S``, on a chunked call, the master reads how long it
 and each worker on this machine waited, runnable, for their cores since the last
 look (``/proc/<pid>/schedstat``, its second field); where the master waited at
 least ``WAIT_MIN`` of that time and a worker at most half as much, the two trade
-cores, every thread of each.  The next period only re-reads the figures, so that
-a move is judged on waits measured after it.  ``SYNK_CORE_TRADE`` sets the seconds
+cores, every thread of each that was on them.  The next period only re-reads the
+figures, so that a move is judged on waits measured after it.  ``SYNK_CORE_TRADE`` sets the seconds
 between looks; 0 turns trades off.
 """
 
@@ -53,15 +53,20 @@ def cores_of(pid):
     return os.sched_getaffinity(pid)
 
 
-def _set_cores(pid, cores):
-    """Pin every thread of process ``pid`` to ``cores``; False where it is gone."""
+def _set_cores(pid, old, new):
+    """Move every thread of process ``pid`` pinned to ``old`` onto ``new``; False where it is gone.
+
+    Only those: threads the process had before ``fork()`` pinned it (a notebook's
+    own) keep the cores they had.
+    """
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return False
     for tid in tids:
         try:
-            os.sched_setaffinity(int(tid), cores)
+            if os.sched_getaffinity(int(tid)) == old:
+                os.sched_setaffinity(int(tid), new)
         except (OSError, ValueError):
             pass  # a thread that ended since
     return True
@@ -143,8 +148,8 @@ class CoreTrade:
             return
         if len(here) != 1 or len(there) != 1 or here == there:
             return  # released to every core (crossover.released) or not pinned: leave it
-        if _set_cores(pid, here):
-            _set_cores(me, there)
+        if _set_cores(pid, there, here):
+            _set_cores(me, here, there)
             self.moved[index[pid]], self.moved[self.me] = min(here), min(there)
             self.trades += 1
             self.last = None  # judge the next move on waits measured after this one

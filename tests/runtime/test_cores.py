@@ -8,6 +8,7 @@ trade are checked against PyTensor's serial function.
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -34,9 +35,10 @@ def _scripted(monkeypatch, waits, affinity):
     me = os.getpid()
     monkeypatch.setattr(cores, "cores_of", lambda pid: set(state["affinity"][me if pid == 0 else pid]))
 
-    def set_cores(pid, c):
-        state["affinity"][pid] = set(c)
-        state["set"].append((pid, min(c)))
+    def set_cores(pid, old, new):
+        assert state["affinity"][pid] == old
+        state["affinity"][pid] = set(new)
+        state["set"].append((pid, min(new)))
         return True
     monkeypatch.setattr(cores, "_set_cores", set_cores)
     moved = {}
@@ -128,6 +130,12 @@ def test_a_busy_process_on_the_masters_core_moves_the_master(forked, monkeypatch
     worker = rt.processes.procs[1].pid
     worker_core = next(iter(os.sched_getaffinity(worker)))
     assert master_core != worker_core
+    # A thread of the master's that is not pinned (a notebook's own) keeps its cores.
+    free = set(os.sched_getaffinity(worker)) | {master_core}
+    release = threading.Event()
+    other = threading.Thread(target=release.wait, daemon=True)
+    other.start()
+    os.sched_setaffinity(other.native_id, free)
     busy = _busy_on(master_core)
     try:
         deadline = time.monotonic() + 20
@@ -139,13 +147,17 @@ def test_a_busy_process_on_the_masters_core_moves_the_master(forked, monkeypatch
                 break
         # Chunked: the rows' sums in chunk order, as PyTensor's serial call's up to rounding.
         np.testing.assert_allclose(got, serial(X, vv), rtol=1e-12)
+        kept = os.sched_getaffinity(other.native_id)
     finally:
         busy.kill()
         busy.wait()
+        release.set()
+        other.join()
     if trades:
         assert rt.processes.core_trade.trades >= 1
         assert os.sched_getaffinity(0) == {worker_core}
         assert os.sched_getaffinity(worker) == {master_core}
+        assert kept == free
     else:
         assert os.sched_getaffinity(0) == {master_core}
         assert os.sched_getaffinity(worker) == {worker_core}
