@@ -154,7 +154,7 @@ def test_nutpie_on_the_serial_function_runs_one_chain_after_the_other(at_once):
     assert idata.posterior.sizes["chain"] == 2 and idata.posterior.sizes["draw"] == 50
     switches = sum(a != b for a, b in zip(threads, threads[1:]))
     if at_once:
-        assert switches > 20, switches
+        assert switches > 2, switches  # quiet: dozens; beside two busy processes: 12
     else:
         assert switches <= 2, switches  # one thread, or a block of calls per chain
 
