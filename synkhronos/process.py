@@ -295,14 +295,14 @@ def _worker_main(rt, rank, tie, last=0, segments=None):
     rt.place.rank = rt.place.rank_offset + rank
     if trace.ON:
         trace.set_rank(rank)
-    moved, rt.processes = rt.processes.moved, Processes()
+    rt.processes = Processes()
     rt.registry.datas = {}  # this rank's mappings, by Data id
     if segments:
         mappings.map_segments(rt, segments)
     if rt.config.device == "gpu":
         process_setup.select_gpu(rt, rank)
     else:
-        process_setup.pin(rt, rank, moved=moved)
+        process_setup.pin(rt, rank)
     rt.check = worker_check(rt.config.master_pid)
     rt.backend.bind_check(command_check(rt.check, rt.control.aborted_now))
     worker.loop(rt, last)

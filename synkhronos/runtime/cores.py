@@ -17,8 +17,8 @@ and each worker on this machine waited, runnable, for their cores since the last
 look (``/proc/<pid>/schedstat``, its second field); where the master waited at
 least ``WAIT_MIN`` of that time and a worker at most half as much, the two trade
 cores, every thread of each that was on them.  The next period only re-reads the
-figures, so that a move is judged on waits measured after it.  ``SYNK_CORE_TRADE`` sets the seconds
-between looks; 0 turns trades off.
+figures, so that a move is judged on waits measured after it.  ``SYNK_CORE_TRADE``
+sets the seconds between looks; 0 turns trades off.
 """
 
 import logging
@@ -75,17 +75,14 @@ def _set_cores(pid, old, new):
 class CoreTrade:
     """The master's watch over its ranks' waits for their cores (see the module's docstring).
 
-    ``procs`` is the live ``{local index: process}`` of this machine's workers
-    (``distribute()`` may start some again); ``moved`` the ``{local index: core}``
-    of the ranks that traded, which a worker started later pins itself by.
+    ``procs`` is the live ``{local index: process}`` of this machine's workers.
+    Trades start at the first call, after ``distribute()`` started the workers
+    for the last time: no worker pins itself after one.
     """
 
-    def __init__(self, procs, moved, me, period_s=PERIOD_S, wait_min=WAIT_MIN,
-                 clock=time.perf_counter_ns):
+    def __init__(self, procs, period_s=PERIOD_S, wait_min=WAIT_MIN, clock=time.perf_counter_ns):
         self.clock = clock
         self.procs = procs
-        self.moved = moved
-        self.me = me          # the master's local index
         self.period_ns = int(period_s * 1e9)
         self.wait_min = wait_min
         self.next_ns = 0
@@ -150,7 +147,6 @@ class CoreTrade:
             return  # released to every core (crossover.released) or not pinned: leave it
         if _set_cores(pid, there, here):
             _set_cores(me, here, there)
-            self.moved[index[pid]], self.moved[self.me] = min(here), min(there)
             self.trades += 1
             self.last = None  # judge the next move on waits measured after this one
             logger.debug("master moved from core %d to core %d (waited %.0f%% of the last "
@@ -169,4 +165,4 @@ def core_trade(rt, env=os.environ):
         return None
     if rt.place.n_local > len(rt.config.cores) or run_wait_ns(os.getpid()) is None:
         return None  # not pinned (more ranks than cores), or no schedstat in this kernel
-    return CoreTrade(rt.processes.procs, rt.processes.moved, rt.place.local_index, period_s)
+    return CoreTrade(rt.processes.procs, period_s)

@@ -64,15 +64,11 @@ def limit_threads(rt):
     rt.processes.restore.append(limiter.restore_original_limits)
 
 
-def pin(rt, rank, restore=False, moved=None):
-    """Pin this process to its own core when this machine has enough cores.
-
-    ``moved``: the master's ``{local index: core}`` of ranks that traded cores
-    since ``fork()`` (``cores.CoreTrade``); a worker started again takes its rank's.
-    """
+def pin(rt, rank, restore=False):
+    """Pin this process to its own core when this machine has enough cores."""
     if rt.place.n_local <= len(rt.config.cores):
         before = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, {(moved or {}).get(rank, rt.config.cores[rank])})
+        os.sched_setaffinity(0, {rt.config.cores[rank]})
         if restore:
             trade = rt.processes.core_trade = cores.core_trade(rt)
             if trade is not None:

@@ -98,7 +98,6 @@ class Processes:
     monitor: Optional[Callable] = None              # liveness.Monitor, also the leader's check
     restore: list = field(default_factory=list)     # callables undoing fork() in this process
     unpinned: Optional[frozenset] = None            # this process's cores before fork() pinned it
-    moved: dict = field(default_factory=dict)       # local index -> core, ranks that traded cores
     core_trade: Optional[Any] = None                # cores.CoreTrade (one machine, ranks pinned)
     cleanup_dirs: list = field(default_factory=list)  # removed by the janitor after a crash
     lock_fd: int = -1                               # the run's lock (shmem.hold_run_lock)
