@@ -24,11 +24,12 @@ one flag per chunk (``seq << RANK_BITS | rank`` of whoever finished it) and a
 region per (chunk, rank) for the results: a rank writes only its own regions,
 so a late rank of an older call can overwrite no result the master reads.
 
-Which calls (``eligible``): one machine, CPU mode, outputs all under a reduce op
+Which calls (``eligible``): CPU mode, outputs all under a reduce op
 ("sum", "avg", "prod", "max", "min"), no updates, no in-graph collectives, no
-call options, at least two chunks' worth of rows (``chunk_rows``).  Others
-keep their static split.  ``SYNK_CHUNK_ROWS=0`` turns chunks off; another
-value fixes the rows of a chunk.
+call options, at least two chunks' worth of rows (``chunk_rows``); in a
+cluster, inputs that every machine holds whole, whose chunks spread over the
+ranks with no board (spread.py).  Others keep their static split.
+``SYNK_CHUNK_ROWS=0`` turns chunks off; another value fixes the rows of a chunk.
 """
 
 import os
@@ -46,7 +47,8 @@ from ..runtime.liveness import CHECK_NS
 from ..runtime.peers import ALONE
 from ..runtime.run import run_command
 from ..runtime.shmem import SharedArray
-
+from .outputs import MACHINE_PART_BYTES
+from .spread import chunk_args, in_chunk_order
 
 CHUNK_ROWS_ENV = "SYNK_CHUNK_ROWS"
 MIN_ROWS = 1024     # a chunk's fewest rows: below, a call's fixed cost (10-15 us) shows
@@ -106,7 +108,9 @@ def chunk_rows(n_rows, env=os.environ):
 
 def eligible(spec, rt, msg):
     """Whether the call ``msg`` of ``spec`` may run in chunks (before rows are counted)."""
-    return (rt.peers is ALONE and msg.n_scattered > 0 and msg.sel is None and msg.then is None
+    # A cluster's call spreads its chunks over the ranks (spread.py) where every machine
+    # holds every row: no machine plan (no NumPy inputs sent in parts, no PlacedData).
+    return ((rt.peers is ALONE or msg.plan is None) and msg.n_scattered > 0 and msg.sel is None and msg.then is None
             and msg.subset is None and msg.num_slices == 1 and msg.sel_s is None and msg.plan is None
             and spec.outputs and not spec.updates and not spec.sliceable and not spec.collective
             and not spec.jax and rt.config.device == "cpu" and rt.profiler is None
@@ -195,7 +199,8 @@ class MasterChunks:
         key = (msg.n_rows, rows, tuple(a.shape[1:] for a in arrays[:k]),
                tuple(np.shape(a) for a in arrays[k:]))
         if key == self.key:
-            return msg._replace(chunks=self.plan), None
+            return (msg if self.plan is None else msg._replace(chunks=self.plan)), None
+        n_chunks = -(-msg.n_rows // rows)
         rt.in_call = True
         try:
             first = [np.array(r) for r in spec.fn(*[a[:rows] for a in arrays[:k]], *arrays[k:])]
@@ -203,8 +208,16 @@ class MasterChunks:
             return msg, None
         finally:
             rt.in_call = False
+        if rt.peers is not ALONE:
+            # No board: each rank its share of the chunks, gathered to the master (spread.py).
+            # Outputs too large to travel chunk by chunk keep the static split, which
+            # combines them machine by machine (outputs.MACHINE_PART_BYTES).
+            self.key, self.plan = key, None
+            if sum(r.nbytes for r in first) >= MACHINE_PART_BYTES:
+                return msg, None
+            self.plan = ChunkPlan(None, 0, 0, msg.n_rows, rows, n_chunks, (), 0)
+            return msg._replace(chunks=self.plan), first
         layout, region_bytes = _layout(first)
-        n_chunks = -(-msg.n_rows // rows)
         n_local = rt.place.n_local
         if self.board is None or not self.board.fits(n_chunks, region_bytes):
             self.close()
@@ -227,13 +240,6 @@ class MasterChunks:
         if self.board is not None:
             self.board.close(unlink=True)
         self.board = self.key = self.plan = None
-
-
-def chunk_args(plan, arrays, n_scattered):
-    """Each chunk's arguments: its rows of the scattered inputs, the broadcast ones whole."""
-    bcast = tuple(arrays[n_scattered:])
-    return [tuple(a[lo:hi] for a in arrays[:n_scattered]) + bcast
-            for lo, hi in map(plan.bounds, range(plan.n_chunks))]
 
 
 def _owned(results):
@@ -317,13 +323,7 @@ def master_runner(spec, rt, plan, board, arrays, n_scattered):
             control.wait_done(rt, seq, rt.check)
             return None
         control.early = seq
-        out = []
-        for j, op in enumerate(ops):
-            parts = [r[j] for r in results]
-            if bools[j]:
-                parts = [p.astype(np.int_) for p in parts]
-            out.append(reduce_ops.combine(op, parts, weights))
-        return out if listed else out[0]
+        return in_chunk_order(ops, results, weights, bools, listed)
 
     return arm, local
 

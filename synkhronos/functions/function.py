@@ -23,7 +23,7 @@ from ..runtime.commands import Command
 from ..runtime.run import run_command
 from ..runtime.state import serialized
 from ..variables.access import resolve
-from . import call_inputs
+from . import call_inputs, spread
 from .outputs import collect
 from .chunks import MasterChunks
 from .kept import KeptCall, own_share, static_call
@@ -62,8 +62,7 @@ class Function:
 
     def forget_run(self):
         """Drop what this Function keeps of its run (its messages and input copies); close() calls it."""
-        self._scratch = {}
-        self._kept = None
+        self._scratch, self._kept = {}, None
         self._chunks.close()
 
     def __getstate__(self):
@@ -362,8 +361,9 @@ class Function:
                 kept = kept.kept  # posted as kept; run the long way, which books the profile's laps
             if _trace:
                 trace.stamp(trace.CHECKED)
-            if msg.chunks is not None:
-                return self._chunks.run(spec, rt, msg, arrays, first, self.what, kept)
+            if msg.chunks is not None:  # chunks.py; a cluster's spread over its ranks: spread.py
+                run = self._chunks.run if msg.chunks.name else spread.run
+                return run(spec, rt, msg, arrays, first, self.what, kept)
             share = Share(spec, rt, msg, arrays)
             return run_command(rt, Command.CALL, msg, lambda seq: own_share(share.run()),
                                lambda mine: collect(spec, rt, mine, msg.subset, self.name or "function"),

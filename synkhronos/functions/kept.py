@@ -8,6 +8,7 @@ from ..inputs.data_object import Data
 from ..runtime import trace
 from ..runtime.commands import Command
 from ..runtime.run import run_command
+from . import spread
 from .chunks import master_runner
 from .outputs import collect
 from .rank_call import Share
@@ -47,6 +48,11 @@ class KeptCall:
         spec = function.spec
         self.what = function.what
         self.arm = None
+        if msg.chunks is not None and msg.chunks.name is None:
+            # A cluster's chunks, spread over its ranks (spread.py).
+            self.arm, self.local, self.after = spread.master_runner(spec, rt, msg.chunks, arrays,
+                                                                    msg.n_scattered)
+            return
         if msg.chunks is not None:
             # Chunks: the master's runner combines every chunk itself (chunks.py).
             self.arm, self.local = master_runner(spec, rt, msg.chunks, board, arrays,

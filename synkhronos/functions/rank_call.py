@@ -16,7 +16,7 @@ from ..runtime import devices, trace
 from ..runtime.commands import Command, handler
 from ..variables import access
 from ..variables.reductions import AllReduceMsg, all_reduce_local
-from . import chunks
+from . import chunks, spread
 from .chunks import ChunkPlan
 from .deferred import Deferred
 from .outputs import machine_part
@@ -84,6 +84,8 @@ def _label(rt, msg):
 
 def _combine(rt, msg, entries):
     """A node master: its machine's ranks' outputs, combined before they travel."""
+    if msg.chunks is not None:
+        return entries  # each rank's chunks, combined in chunk order in the master (spread.py)
     place = rt.place
     return machine_part(rt.registry.functions[msg.function_id].spec, msg.subset, entries,
                         place.rank_offset, place.n_local)
@@ -93,7 +95,7 @@ def _call_prepare(rt, msg):
     """What a worker runs for a kept CALL message: its share, prepared once (or None)."""
     spec = rt.registry.functions[msg.function_id].spec
     if msg.chunks is not None:
-        return chunks.worker_runner(spec, rt, msg)
+        return (chunks if msg.chunks.name else spread).worker_runner(spec, rt, msg)
     if not Share.reusable_for(spec, msg):
         return None
     run = Share(spec, rt, msg).bound()
@@ -109,7 +111,8 @@ def _call_prepare(rt, msg):
          prepare=_call_prepare)
 def _call_worker(rt, msg):
     if msg.chunks is not None:
-        chunks.worker_runner(rt.registry.functions[msg.function_id].spec, rt, msg)()
+        spec = rt.registry.functions[msg.function_id].spec
+        (chunks if msg.chunks.name else spread).worker_runner(spec, rt, msg)()
         return
     execute(rt.registry.functions[msg.function_id].spec, rt, msg)
 

@@ -52,6 +52,23 @@ def test_cluster_contract(n_machines, local):
         assert_nothing_left(m, out, "cluster_checks.py")
 
 
+def test_small_reductions_have_the_same_bits_on_any_machines():
+    """A synk.function of small reductions (functions/spread.py): on 2 machines x 1 and x 2,
+    the bits of 1 and 3 ranks on one machine (the rows' chunks, combined in chunk order)."""
+    script = os.path.join(HERE, "helpers", "same_bits.py")
+    proc = subprocess.run([sys.executable, script, "function", "1,3"], cwd=HERE,
+                          env=_env(OneHost(1)), capture_output=True, text=True, timeout=120)
+    one = dict(re.findall(r"^BITS (\d+) (\w+)$", proc.stdout, re.M))
+    assert proc.returncode == 0 and len(set(one.values())) == 1 and len(one) == 2, \
+        proc.stdout + proc.stderr
+    with machines(2) as m:
+        for local in (1, 2):
+            rc, out, _ = mpirun(m, 2, [script, "function", str(local)])
+            assert rc == 0 and "MACHINES 2\n" in out and "OK large outputs" in out, out
+            assert re.findall(r"^BITS \d+ (\w+)$", out, re.M) == [one["1"]], (out, one)
+            assert_nothing_left(m, out, "same_bits.py")
+
+
 def test_remote_rank_error_then_the_run_goes_on():
     with machines(3) as m:
         rc, out, _ = mpirun(m, 3, [FAULTS, "remote-error", "2"])

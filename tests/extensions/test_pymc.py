@@ -9,6 +9,7 @@ simulated machines; tests/test_pymc_terms.py has the cases that used to be
 silently wrong.  Skipped where PyMC is not installed.
 """
 
+import re
 import threading
 import types
 
@@ -598,57 +599,8 @@ def test_demo_runs_small():
     assert diff < 1e-6
 
 
-_SAME_DRAWS = r"""
-import hashlib, json, sys
-import numpy as np
-import pymc as pm
-import synkhronos as synk
-from synkhronos.extensions import pymc as synk_pymc
-
-n = 4096  # 4 chunks of 1024 rows (functions/chunks.py)
-i = np.arange(n, dtype=np.float64)
-x = np.sin(i[:, None] * np.array([0.731, 1.917]) + 0.5)
-u = np.abs(np.sin(i * 12.9898) * 43758.5453) % 1.0
-if sys.argv[1] == "logistic":
-    y = (u < 1 / (1 + np.exp(-(0.3 + x @ [0.8, -0.5])))).astype("int64")
-    with pm.Model() as model:
-        a = pm.Normal("a", 0, 2)
-        b = pm.Normal("b", 0, 1, shape=2)
-        pm.Bernoulli("obs", logit_p=a + pm.math.dot(x, b), observed=y)
-    watch = ["a", "b"]
-else:
-    # Radon-style, as its notebook writes it: rows indexed by a NumPy array of groups.
-    g = (np.arange(n) * 7) % 20
-    y = 0.5 + 0.05 * g + 0.8 * x[:, 0] + 0.3 * (u - 0.5)
-    with pm.Model() as model:
-        mu = pm.Normal("mu", 0, 2)
-        sa = pm.HalfNormal("sa", 1)
-        a = pm.Normal("a", mu, sa, shape=20)
-        b = pm.Normal("b", 0, 1)
-        s = pm.HalfNormal("s", 1)
-        pm.Normal("obs", a[g] + b * x[:, 0], s, observed=y)
-    watch = ["b", "mu"]
-out = {}
-for ranks in (1, 2, 3, 4):
-    synk.fork(ranks, use_gpu=False)
-    # mode fixed: where measured, the faster backend can differ from run to run.
-    dp = synk_pymc.data_parallel(model, split=True, mode="NUMBA")
-    synk.distribute()
-    idata = dp.sample(40, tune=40, chains=1, random_seed=11, nuts_sampler="pymc",
-                      progressbar=False, compute_convergence_checks=False)
-    post = idata.posterior
-    out[ranks] = hashlib.sha256(b"".join(np.ascontiguousarray(post[v].values).tobytes()
-                                         for v in sorted(post.data_vars))).hexdigest()
-    means = [float(m) for v in watch for m in np.ravel(post[v].mean(("chain", "draw")))]
-    synk.close()
-print("DRAWS " + json.dumps({"hashes": out, "means": means}))
-"""
-
-
-@pytest.mark.parametrize("kind, means", [("logistic", [0.3, 0.8, -0.5]),  # a, b
-                                         ("radon", [0.8, 0.975])])  # b; mu: 0.5 + 0.05 x mean group
-def test_the_same_draws_on_any_number_of_ranks(kind, means):
-    """dp.sample with a fixed seed: bit-identical draws on 1, 2, 3 and 4 ranks (chunked calls)."""
+def _same_bits(kind, ranks):
+    """tests/helpers/same_bits.py on this machine: ``({ranks: hash}, means of the last run)``."""
     import json
     import os
     import subprocess
@@ -656,10 +608,43 @@ def test_the_same_draws_on_any_number_of_ranks(kind, means):
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", _SAME_DRAWS, kind], cwd=root, env=env,
+    proc = subprocess.run([sys.executable, "tests/helpers/same_bits.py", kind,
+                           ",".join(map(str, ranks))], cwd=root, env=env,
                           capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    got = json.loads(proc.stdout.rsplit("DRAWS ", 1)[1])
-    assert len(set(got["hashes"].values())) == 1, got["hashes"]
+    assert proc.returncode == 0 and "ALL OK" in proc.stdout, \
+        proc.stdout[-3000:] + proc.stderr[-3000:]
+    return _bits(proc.stdout), json.loads(proc.stdout.rsplit("MEANS ", 1)[1].splitlines()[0])
+
+
+def _bits(out):
+    return {int(r): h for r, h in re.findall(r"^BITS (\d+) (\w+)$", out, re.M)}
+
+
+SAME_DRAWS_MODELS = [("logistic", [0.3, 0.8, -0.5]),  # a, b
+                     ("radon", [0.8, 0.975])]  # b; mu: 0.5 + 0.05 x mean group
+
+
+@pytest.mark.parametrize("kind, means", SAME_DRAWS_MODELS)
+def test_the_same_draws_on_any_number_of_ranks(kind, means):
+    """dp.sample with a fixed seed: bit-identical draws on 1, 2, 3 and 4 ranks (chunked calls)."""
+    hashes, got = _same_bits(kind, (1, 2, 3, 4))
+    assert len(hashes) == 4 and len(set(hashes.values())) == 1, hashes
     # The draws are the model's: near the coefficients the rows were made from.
-    np.testing.assert_allclose(got["means"], means, atol=0.25)
+    np.testing.assert_allclose(got, means, atol=0.25)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", [k for k, _ in SAME_DRAWS_MODELS])
+def test_the_same_draws_on_two_simulated_machines(kind):
+    """dp.sample with a fixed seed on 2 machines x 1 rank: the draws of 1 rank on one machine."""
+    why = _why_no_cluster()
+    if why:
+        pytest.skip(why)
+    from helpers.cluster_jobs import assert_nothing_left, machines, mpirun
+
+    one, _ = _same_bits(kind, (1,))
+    with machines(2) as m:
+        rc, out, _ = mpirun(m, 2, ["helpers/same_bits.py", kind, "1"], timeout=280)
+        assert rc == 0 and "ALL OK" in out and "MACHINES 2\n" in out, out
+        assert _bits(out) == one, (out, one)
+        assert_nothing_left(m, out, "same_bits.py")
