@@ -108,9 +108,9 @@ def chunk_rows(n_rows, env=os.environ):
 
 def eligible(spec, rt, msg):
     """Whether the call ``msg`` of ``spec`` may run in chunks (before rows are counted)."""
-    # A cluster's call spreads its chunks over the ranks (spread.py) where every machine
-    # holds every row: no machine plan (no NumPy inputs sent in parts, no PlacedData).
-    return ((rt.peers is ALONE or msg.plan is None) and msg.n_scattered > 0 and msg.sel is None and msg.then is None
+    # In a cluster, where every machine holds every row (no machine plan: no NumPy inputs
+    # sent in parts, no PlacedData), its chunks spread over the ranks (spread.py).
+    return (msg.n_scattered > 0 and msg.sel is None and msg.then is None
             and msg.subset is None and msg.num_slices == 1 and msg.sel_s is None and msg.plan is None
             and spec.outputs and not spec.updates and not spec.sliceable and not spec.collective
             and not spec.jax and rt.config.device == "cpu" and rt.profiler is None
