@@ -21,7 +21,7 @@ from ..inputs.produced import place_call_inputs
 from ..runtime import trace
 from ..runtime.commands import Command
 from ..runtime.run import run_command
-from ..runtime.state import serialized
+from ..runtime.state import CALL_LOCK, serialized
 from ..variables.access import resolve
 from . import call_inputs, spread
 from .outputs import collect
@@ -173,7 +173,6 @@ class Function:
             raise TypeError(f"{where}: missing inputs: {', '.join(missing)}")
         return values
 
-    @serialized
     def __call__(self, *args, output_subset=None, batch=None, batch_s=None, num_slices=1,
                  **kwargs):
         """Run on every rank over its share of the inputs; return reduced outputs.
@@ -218,18 +217,22 @@ class Function:
                 beyond the master's sliceable shareds (nothing runs).
             WorkerError: a rank raised; the runtime stays usable.
         """
-        # The one rule for reuse: no call options here, and Data only (KeptCall.matches,
-        # or _run where the call is kept).
+        # The one rule for reuse: no call options, and Data only (KeptCall.ready, or _run
+        # where the call is kept).  A repeat holds and checks what serialized would.
         plain = (output_subset is None and batch is None and batch_s is None
                  and type(num_slices) is int and num_slices == 1 and not kwargs)
         kept = self._kept
-        if plain and kept is not None and kept.matches(args):
-            rt = kept.rt
-            # What runtime() checks that can change once a call was kept (a call
-            # inside a call, close(), a profile) sends the call the long way.
-            if rt is self._rt and not rt.closed and not rt.in_call and rt.profiler is None:
-                return kept.run()
+        if plain and kept is not None and kept.rt is self._rt:
+            with CALL_LOCK:
+                if kept.ready(args):
+                    return kept.run()
+        return self._call(args, kwargs, output_subset, batch, batch_s, num_slices, plain)
+
+    def _call(self, args, kwargs, output_subset, batch, batch_s, num_slices, plain):
+        """``__call__``'s general path, a public entry point (its errors name ``__call__``)."""
         return self._run(args, kwargs, output_subset, batch, batch_s, num_slices, None, plain)
+    _call.__qualname__ = "Function.__call__"
+    _call = serialized(_call)
 
     def then_all_reduce(self, shared_vars, op, then, dtype=None):
         """Return a callable that runs this function, an all-reduce and ``then`` as one command.
@@ -299,8 +302,7 @@ class Function:
                 datas.append(v)
             elif spans and i < n_scattered and not isinstance(v, Data):
                 # Each machine will be sent only the rows its ranks use.
-                datas.append(call_inputs.Rows(call_inputs.input_array(name, self._all_inputs[i],
-                                                                   v)))
+                datas.append(call_inputs.Rows(call_inputs.input_array(name, self._all_inputs[i], v)))
             else:
                 datas.append(call_inputs.as_data(name, self._all_inputs[i], v, rt, self._scratch,
                                                  i, placed_ok=i < n_scattered))
@@ -316,11 +318,9 @@ class Function:
             datas[:n_scattered] = scattered
         if type(num_slices) is not int or num_slices != 1:
             call_inputs.check_num_slices(name, num_slices, spec)
-        sel_s = None
+        sel_s = subset = None
         if batch_s is not None:
-            sel_s = call_inputs.check_batch_s(name, spec, batch_s, rt.place.rank,
-                                              rt.place.n_parallel)
-        subset = None
+            sel_s = call_inputs.check_batch_s(name, spec, batch_s, rt.place.rank, rt.place.n_parallel)
         if output_subset is not None:
             subset = call_inputs.check_subset(name, len(spec.outputs), output_subset)
         # tuple.__new__: a named tuple's own constructor runs Python code at every call.

@@ -7,7 +7,9 @@ share of a kept message ready, as the master keeps its own here.
 from ..inputs.data_object import Data
 from ..runtime import trace
 from ..runtime.commands import Command
-from ..runtime.run import run_command
+from ..runtime.peers import ALONE
+from ..runtime.run import repeat, run_command
+from ..runtime.state import PID
 from . import spread
 from .chunks import master_runner
 from .outputs import collect
@@ -32,7 +34,7 @@ class KeptCall:
     """
 
     __slots__ = ("rt", "msg", "kept", "descs", "arrays", "local", "after", "what", "epoch",
-                 "arm")
+                 "arm", "again", "pid")
 
     def __init__(self, function, rt, msg, arrays, kept, board=None):
         self.rt = rt
@@ -47,7 +49,8 @@ class KeptCall:
         self.arrays = tuple(arrays)
         spec = function.spec
         self.what = function.what
-        self.arm = None
+        self.pid = PID[0]   # the master's: a child forked with this call may not run it
+        self.arm = self.again = None
         if msg.chunks is not None and msg.chunks.name is None:
             # A cluster's chunks, spread over its ranks (spread.py).
             self.arm, self.local, self.after = spread.master_runner(spec, rt, msg.chunks, arrays,
@@ -68,9 +71,19 @@ class KeptCall:
         name = function.name or "function"
         self.after = _combiner(spec, rt, name)
 
-    def matches(self, args):
-        """Whether ``args`` are the kept call's Data, unchanged in memory and shape."""
-        if len(args) != len(self.descs) or self.rt.registry.epoch != self.epoch:
+    def ready(self, args):
+        """Whether this call runs again now, with ``args``, as a public call of its run may.
+
+        ``args`` are the kept call's Data, unchanged in memory and shape; the
+        caller holds ``state.CALL_LOCK``; this process is the run's master, on
+        one machine, with the run open, not inside a call and not profiled.
+        What ``runtime()`` and ``serialized`` check, for ``Function.__call__``'s
+        fast path (anything else: its general path says why).
+        """
+        rt = self.rt
+        if (PID[0] != self.pid or rt.closed or rt.in_call or rt.profiler is not None
+                or rt.peers is not ALONE or len(args) != len(self.descs)
+                or rt.registry.epoch != self.epoch):
             return False
         for a, desc, arr in zip(args, self.descs, self.arrays):
             if type(a) is not Data or not a.unchanged(desc, arr):
@@ -86,8 +99,11 @@ class KeptCall:
             trace.stamp(trace.CHECKED)
         if self.arm is not None:
             self.arm(self.rt.control.seq + 1, first)
-        return run_command(self.rt, Command.CALL, self.msg, self.local, self.after,
-                           what=self.what, kept=self.kept)
+        again = self.again
+        if again is None:
+            again = self.again = repeat(self.rt, Command.CALL, self.msg, self.local, self.after,
+                                        self.what, self.kept)
+        return again()
 
 
 def _combiner(spec, rt, name):

@@ -150,6 +150,33 @@ class Control:
             trace.stamp(trace.POSTED)
         return self.seq
 
+    def repost(self, rt, kept):
+        """Post the kept message ``kept`` again where nothing else is to do; return its seq, or 0.
+
+        ``post``'s common case alone: the area holds ``kept`` (so a worker still
+        in an early-closed repeat of it reads the same bytes), no Data to unmap,
+        workers to tell.  0: call ``post``.
+        """
+        if self.msg_id != kept.id or rt.registry.freed or not self.workers:
+            return 0
+        self.last = kept.data
+        self.seq = self.current = seq = self.seq + 1
+        self.fast.publish(SEQ, seq, SEQ_WAITERS)
+        if _trace:
+            trace.stamp(trace.POSTED)
+        return seq
+
+    def settled(self, seq):
+        """Whether every worker finished ``seq`` with OK within one spin (no check, no sleep).
+
+        False says nothing: ``wait_done`` and ``any_failed`` then settle it.
+        """
+        if self.early == seq:
+            return True   # chunks: every chunk is done; ranks that took none are not awaited
+        return (self.fast.wait_all(self.done_slots, EQ, seq, DONE_WAITERS - DONE,
+                                   min(self.spin_ns, CHECK_NS), 0)
+                and not self.fast.count_ne(self.status_slots, OK))
+
     def _write(self, rt, data):
         n = len(data)
         if n > self.msg.nbytes:

@@ -18,7 +18,8 @@ logger = logging.getLogger(__name__)
 _trace = trace.ON
 
 
-def run_command(rt, cmd, payload, local=None, after=None, what=None, wire=None, kept=None):
+def run_command(rt, cmd, payload, local=None, after=None, what=None, wire=None, kept=None,
+                posted=0):
     """Run ``cmd`` on every rank and ``local(seq)`` here; return its result.  Leader only.
 
     ``after(result)``, if given, runs once every rank has finished without
@@ -27,7 +28,8 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None, wire=None, 
     barrier), carrying every failing rank's traceback.  ``what`` describes
     the command in profiles and in errors about ranks that stall (default:
     its name).  ``wire`` is the message as another machine sent it, ``kept``
-    the message as ``Control.keep`` pickled it (``Control.post``).
+    the message as ``Control.keep`` pickled it (``Control.post``); ``posted``
+    the seq of that very message where ``repeat``'s runner posted it already.
     """
     control = rt.control
     peers = rt.peers
@@ -38,16 +40,17 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None, wire=None, 
     prof = rt.profiler
     if prof is not None:
         prof.begin(what or cmd.name.lower())
-    seq = control.post(rt, cmd, payload, wire, kept)
+    seq = posted or control.post(rt, cmd, payload, wire, kept)
     result = local_exc = remote = None
     local_ok = False  # this process's own share finished (a lost machine asks)
     try:
         if not alone:
             peers.forward(cmd, control.last)
-        rt.processes.monitor.begin(what or cmd)  # a Command is named only if a rank stalls
-        if prof is not None:
-            prof.lap("control")
-        rt.backend.begin(seq)
+        if not posted:  # else repeat() began it, and its share ran
+            rt.processes.monitor.begin(what or cmd)  # a Command is named only if a rank stalls
+            if prof is not None:
+                prof.lap("control")
+            rt.backend.begin(seq)
         try:
             if local is not None:
                 result = local(seq)
@@ -96,6 +99,50 @@ def run_command(rt, cmd, payload, local=None, after=None, what=None, wire=None, 
     if prof is not None:
         prof.end("reduce")
     return result
+
+
+def repeat(rt, cmd, payload, local, after, what, kept):
+    """``run_command`` of a kept message as a callable without arguments, for its repeats.
+
+    On one machine, without a profile, where the message area still holds
+    ``kept`` (``Control.repost``) and every worker finished within the first
+    wait's spin, a repeat runs only the steps that do something: post, run
+    ``local``, wait, ``after``.  Anything else (a failure, a slow rank, a
+    profile, debug logging) goes on in ``run_command`` itself from the step
+    where it happened, so errors, stalls and dead ranks are handled in one place.
+    """
+    control, backend = rt.control, rt.backend
+    settled, begin = control.settled, rt.processes.monitor.begin
+    debug = logger.isEnabledFor
+
+    def general(seq, local_now):
+        return run_command(rt, cmd, payload, local_now, after, what, kept=kept, posted=seq)
+
+    def run():
+        if rt.profiler is not None or rt.peers is not ALONE or debug(logging.DEBUG):
+            return run_command(rt, cmd, payload, local, after, what, kept=kept)
+        seq = control.repost(rt, kept)
+        if not seq:
+            return run_command(rt, cmd, payload, local, after, what, kept=kept)
+        begin(what)
+        backend.begin(seq)
+        try:
+            result = local(seq)
+        except BaseException as exc:  # noqa: BLE001 - run_command handles it, as its own
+            def again(_, exc=exc):
+                raise exc
+            return general(seq, again)
+        if not settled(seq):
+            # A rank still runs (or failed, or died): wait, check and report the long way.
+            return general(seq, lambda _: result)
+        if _trace:
+            trace.stamp(trace.WAITED)
+        if after is not None:
+            result = after(result)
+        if _trace:
+            trace.stamp(trace.COMBINED)
+        return result
+    return run
 
 
 def interrupted(exc):

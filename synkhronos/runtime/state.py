@@ -240,6 +240,10 @@ _DEPTH = [0]  # public calls under way in the thread that holds _LOCK
 # This process's pid: os.getpid() is a system call, and every public call asks.
 _PID = [os.getpid()]
 os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
+# For a repeated call's own check (functions/kept.py, KeptCall.ready): what ``serialized``
+# holds and asks, without its argument packing, on one machine (no peers' turn to give).
+CALL_LOCK = _LOCK
+PID = _PID
 
 
 def _require_master_process(what):
