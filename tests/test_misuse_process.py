@@ -222,9 +222,10 @@ def test_a_child_of_the_master_cannot_drive_the_workers(forked):
     forked(2)
     f = _sum_function()
     v = synk.data(np.arange(4.0))
+    assert f(v) == f(v) == 6.0         # a repeat: the child's call below takes its fast path
 
     def body():
-        for call in (lambda: f(np.arange(4.0)), lambda: synk.data(np.ones(2)),
+        for call in (lambda: f(v), lambda: f(np.arange(4.0)), lambda: synk.data(np.ones(2)),
                      lambda: v.set_value(np.ones(3)), synk.close, synk.profile().__enter__):
             try:
                 call()

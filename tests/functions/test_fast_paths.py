@@ -9,6 +9,7 @@ and check every result against NumPy.
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
+from pytensor.raise_op import Assert
 import pytest
 
 import synkhronos as synk
@@ -215,3 +216,60 @@ def test_small_array_outputs_fall_back_where_ranks_differ(forked):
     np.testing.assert_array_equal(cols(two), [2.0, 2.0])
     np.testing.assert_array_equal(cols(two), [2.0, 2.0])
     np.testing.assert_array_equal(cols(d), [10.0, 10.0])
+
+
+@pytest.mark.parametrize("spin", [None, "0"])
+def test_repeats_that_fail_or_find_a_rank_still_running_go_the_long_way(forked, monkeypatch, spin):
+    """A repeated call's fast path (runtime/run.py, repeat): a rank that fails on new contents
+    of the same Data, the master's share failing, and (without spinning, SYNK_SPIN_S=0) a
+    worker not yet done at the first look all finish in run_command: reported, and the run
+    goes on with the right sums."""
+    if spin is not None:
+        monkeypatch.setenv("SYNK_SPIN_S", spin)
+    forked(2)
+    x = pt.dvector("x")
+    checked = Assert("a value of 100 or more")(x, pt.all(pt.lt(x, 100.0)))
+    f = synk.function([x], (checked.sum(), "sum"))
+    synk.distribute()
+    a = np.arange(8.0)
+    d = synk.data(a)
+    for _ in range(3):
+        assert f(d) == a.sum()
+    for row, rank in ((6, 1), (1, 0)):   # rank 1's rows, then the master's
+        d[row] = 1000.0
+        for _ in range(2):
+            with pytest.raises(synk.WorkerError, match=f"failed in rank {rank}") as info:
+                f(d)
+            assert "a value of 100 or more" in str(info.value)
+        d[row] = a[row]
+        for _ in range(3):
+            assert f(d) == a.sum()
+    d[:] = a + 1.0
+    assert f(d) == (a + 1.0).sum()
+
+
+def test_a_repeated_call_waits_for_another_threads_call(forked):
+    """Threads calling the same function at once take turns (the repeat holds the call lock)."""
+    import threading
+
+    forked(2)
+    x = pt.dvector("x")
+    f = synk.function([x], (pt.sum(x ** 2), "sum"))
+    synk.distribute()
+    a = np.arange(64.0)
+    d = synk.data(a)
+    want = float((a ** 2).sum())
+    got, errors = [], []
+
+    def calls():
+        try:
+            for _ in range(300):
+                got.append(float(f(d)))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+    threads = [threading.Thread(target=calls) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and len(got) == 900 and set(got) == {want}
