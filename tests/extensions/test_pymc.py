@@ -187,6 +187,14 @@ def test_crossover_rule():
     line = crossover.Decision(True, "measured", "nutpie", 2, 2, 2, 800e-6, 0.5, 100e-6, None,
                               9.0, 2.0, True, numba_ratio=0.25).describe()
     assert "a call 800 us, in nutpie's Numba 200 us, compiling 5.0 s" in line, line
+    # The callback way costs 2 x (100 + 20) us a gradient for 2 chains, nutpie's own
+    # compile 5 s and then 104 us a gradient on 2 cores: over 1000 draws nutpie's own wins
+    # from 5 / (1000 x 136e-6) = 36.8 gradients a draw on.
+    turns = crossover.callback_turns(1000, 2, 2, 100e-6)
+    assert turns == pytest.approx(crossover.SAMPLER_COMPILE_S["nutpie"] / (
+        1000 * (2 * (100e-6 + crossover.CALLBACK_S) - (100e-6 + crossover.SAMPLER_S["nutpie"]))))
+    # One chain: 16 us more a gradient the callback way, so nutpie's own wins from 312.5 on.
+    assert crossover.callback_turns(1000, 1, 1, 100e-6) == pytest.approx(312.5)
 
 
 def test_crossover_samples_a_small_model_as_pm_sample_does(env, caplog, monkeypatch):
@@ -285,6 +293,42 @@ def test_crossover_gives_nutpie_the_compiled_function(env, caplog, monkeypatch):
     assert set(idata.posterior.data_vars) == set(ref.posterior.data_vars)
     z = pymc_models.z_scores(idata, ref, [v.name for v in model.free_RVs])
     assert all(zm < 4.5 and zs < 4.5 for _, zm, zs in z), z
+
+
+def test_nutpie_way_turns_on_the_gradients_a_draw_takes(env, monkeypatch):
+    """Where the choice between nutpie on PyMC's compiled function and nutpie's own compile
+    turns on the gradients a draw takes, a short nutpie run counts them, and the choice
+    follows the count; where the run would be long against the sampling, or the choice
+    does not turn on it, nothing is counted."""
+    pytest.importorskip("nutpie")
+    model, dp = env.models["negbin"], env.auto
+    counted = []
+    own_count = crossover.leapfrogs
+
+    def counting(*args):
+        counted.append(own_count(*args))
+        return counted[-1]
+
+    monkeypatch.setattr(crossover, "leapfrogs", counting)
+    monkeypatch.setattr(crossover, "DP_NUTPIE_S", 1e-3)   # no split: the two other ways
+    try:
+        monkeypatch.setattr(crossover, "callback_turns", lambda *a: 50.0)
+        d = crossover.decide(dp, "nutpie", 2, None, 1000, 1000)
+        assert len(counted) == 1 and d.leapfrogs == counted[0] and 1 <= d.leapfrogs <= 1023
+        # The prediction as the decision states it, with the draws' count.
+        steps = 2000 * d.leapfrogs
+        callback = steps * 2 * (d.serial_s + crossover.CALLBACK_S)
+        native, _ = crossover.predict("nutpie", 2, d.cores, steps, d.serial_s, 0.0, 0.0)
+        assert d.callback == (callback < native), d
+        assert "gradients a draw as counted" in d.describe()
+        # 50 draws of nutpie against 2 x 100 of sampling: not worth a count.
+        assert crossover.decide(dp, "nutpie", 2, None, 50, 50).leapfrogs is None
+        # A choice that does not turn on the count (the callback way at any count).
+        monkeypatch.setattr(crossover, "callback_turns", lambda *a: None)
+        assert crossover.decide(dp, "nutpie", 2, None, 999, 999).leapfrogs is None
+        assert len(counted) == 1
+    finally:
+        dp.decisions.clear()
 
 
 def test_results_outlive_the_next_call(env):

@@ -38,7 +38,12 @@ chains' calls then take turns (one interpreter), so it is predicted as
 and taken where it beats pm.sample's own nutpie.  nutpie's own gradient runs in
 Numba: where the first data-parallel evaluation timed the rank's graph in Numba and
 in C (``modes``), pm.sample's nutpie is predicted at PyMC's C call times their ratio
-(``numba_ratio``).
+(``numba_ratio``).  Where the choice between the callback and nutpie's own compile
+turns on how many gradients a draw takes, a short nutpie run on the callback counts
+them (``leapfrogs``) instead of taking ``LEAPFROGS``.
+
+One decision and the figures it stands on, each constant with the measurement behind
+it, hence over 400 lines.
 """
 
 import contextlib
@@ -116,6 +121,19 @@ LEAPFROGS = 10
 """Gradient evaluations a draw takes, for the prediction: NUTS's trees of depth 3-4, as
 tuned models take (tests/extensions/test_pymc.py counts n_steps per draw)."""
 
+MAX_LEAPFROGS = 1023
+"""The most a draw takes: NUTS's trees at their default greatest depth, 10."""
+
+TRIAL_TUNE, TRIAL_DRAWS = 30, 20
+"""nutpie's short run on PyMC's compiled function in this process (the callback way) that
+counts the gradients a draw takes (``leapfrogs``), where the choice between that way and
+nutpie's own compile turns on the count: the draws after a short tuning.  It costs
+``(TRIAL_TUNE + TRIAL_DRAWS) / (chains x (tune + draws))`` of the callback way's run, so it
+runs only where that is at most ``TRIAL_SHARE``.  The splines model takes 92 gradients a
+draw, not 10: nutpie's own compile wins there (docs/pymc.md)."""
+
+TRIAL_SHARE = 0.05
+
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
@@ -136,6 +154,8 @@ class Decision:
     dlogp) in this process instead of nutpie compiling its own
     (``serial_run_s`` is that way's).  ``numba_ratio``: with nutpie, its
     Numba gradient predicted at this ratio of PyMC's C call (``numba_ratio()``).
+    ``leapfrogs``: the gradients a draw takes, where counted (``leapfrogs()``;
+    else ``LEAPFROGS`` is assumed).
     """
 
     split: bool
@@ -154,6 +174,7 @@ class Decision:
     predicted: bool = False
     callback: bool = False
     numba_ratio: float = None
+    leapfrogs: float = None
 
     def describe(self):
         """One line: what was chosen and why."""
@@ -177,7 +198,9 @@ class Decision:
                         if self.numba_ratio is not None else "")
                      + (f", compiling {SAMPLER_COMPILE_S[self.sampler]:.1f} s)"
                         if self.sampler in SAMPLER_COMPILE_S else ")"))
-        figures = (f"{self.chains} chain(s), sampler {self.sampler}: predicted "
+        counted = ("" if self.leapfrogs is None
+                   else f", {self.leapfrogs:.0f} gradients a draw as counted")
+        figures = (f"{self.chains} chain(s), sampler {self.sampler}{counted}: predicted "
                    f"{self.parallel_run_s:.1f} s data-parallel on {self.ranks} ranks ({calls}) "
                    f"against {self.serial_run_s:.1f} s for {other}")
         if self.split:
@@ -259,8 +282,19 @@ def decide(dp, sampler, chains, cores, draws, tune):
                                   CALL_S + serial_s / (ranks * RANK_GRAPH_GAIN))
     if not dp.built:
         at_best += BUILD_COMPILES * serial.compile_s
-    callback = False
+    callback, per_draw = False, None
     if sampler == "nutpie":
+        draws_all = steps // LEAPFROGS
+        turns = callback_turns(draws_all, chains, n_cores, serial_s)
+        if (turns is not None and LEAPFROGS < turns < MAX_LEAPFROGS
+                and TRIAL_TUNE + TRIAL_DRAWS <= TRIAL_SHARE * chains * draws_all):
+            # Which way wins turns on the gradients a draw takes: count them.
+            per_draw = leapfrogs(dp, serial)
+            steps = int(round(draws_all * (per_draw or LEAPFROGS)))
+            serial_run, at_best = predict(sampler, chains, n_cores, steps, serial_s, 0.0,
+                                          CALL_S + serial_s / (ranks * RANK_GRAPH_GAIN))
+            if not dp.built:
+                at_best += BUILD_COMPILES * serial.compile_s
         callback_run = steps * chains * (serial_s + CALLBACK_S)
         if callback_run < serial_run:
             serial_run, callback = callback_run, True
@@ -269,7 +303,7 @@ def decide(dp, sampler, chains, cores, draws, tune):
         decision = dp.decisions[key] = Decision(
             False, "measured", sampler, chains, n_cores, ranks, serial_s, serial.compile_s,
             CALL_S + serial_s / (ranks * RANK_GRAPH_GAIN), None, serial_run, at_best,
-            predicted=True, callback=callback)
+            predicted=True, callback=callback, leapfrogs=per_draw)
         return decision
     one_s = _timed(lambda: dp.logp_dlogp(x))
     compile_s = 0.0
@@ -296,9 +330,43 @@ def decide(dp, sampler, chains, cores, draws, tune):
     split = parallel_run * GAIN < serial_run
     decision = Decision(split, "measured", sampler, chains, n_cores, ranks, serial_s,
                         serial.compile_s, one_s, many_s, serial_run, parallel_run, separate,
-                        callback=callback, numba_ratio=numba)
+                        callback=callback, numba_ratio=numba, leapfrogs=per_draw)
     dp.decisions[key] = decision
     return decision
+
+
+def callback_turns(draws, chains, cores, serial_s):
+    """Gradients a draw must take for nutpie's own compile to beat the callback way, or None
+    where the callback way costs no more a gradient (then it wins at any count)."""
+    own = SAMPLER_S["nutpie"]
+    per_step = draws * (chains * (serial_s + CALLBACK_S)
+                        - math.ceil(chains / cores) * (serial_s + own))
+    return SAMPLER_COMPILE_S["nutpie"] / per_step if per_step > 0 else None
+
+
+def leapfrogs(dp, serial):
+    """Gradients a draw takes: the mean over a short nutpie run on ``serial`` (the callback
+    way, ``TRIAL_TUNE`` tuning steps then ``TRIAL_DRAWS`` draws), its output kept quiet."""
+    import warnings
+
+    import pymc as pm
+
+    kwargs = internals.sample_kwargs("nutpie", 1, {"tune": TRIAL_TUNE}, at_once=False)
+    pymc_log = logging.getLogger("pymc")
+    level = pymc_log.level
+    pymc_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), released(), internals.driving_serial(dp, serial.fn):
+            warnings.simplefilter("ignore")
+            idata = pm.sample(TRIAL_DRAWS, chains=1, random_seed=0, nuts_sampler="nutpie",
+                              model=dp.model, progressbar=False,
+                              compute_convergence_checks=False, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the run itself reports what nutpie cannot do
+        logger.debug("dp.sample: counting nutpie's gradients a draw failed: %r", exc)
+        return None
+    finally:
+        pymc_log.setLevel(level)
+    return float(np.mean(idata.sample_stats["n_steps"]))
 
 
 def numba_ratio(seconds):
