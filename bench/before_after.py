@@ -11,7 +11,7 @@ bench/collectives.py once with each version, alternating, so both see the
 same machine; the figures printed are the medians over the rounds (the best
 for the call overhead, as bench/call_overhead.py reports it).  ``--cluster``
 adds, per layout (machines x ranks per machine, on simulated machines: root),
-bench/cluster_call.py's call with a 1 MB output, tiny call, 4-byte all_reduce and
+bench/cluster_call.py's call with a 1 MB output, tiny call, 10^5-row call, 4-byte all_reduce and
 tiny call after a 20 ms pause.
 """
 
@@ -72,7 +72,8 @@ def figures(tree, steps, calls, cluster):
     return got
 
 
-CLUSTER_FIGURES = ("call, 1 MB output", "tiny call", "all_reduce 4 B", "tiny call after 20 ms")
+CLUSTER_FIGURES = ("call, 1 MB output", "tiny call", "call, 10^5 rows", "all_reduce 4 B",
+                   "tiny call after 20 ms")
 
 
 def main():

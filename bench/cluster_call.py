@@ -10,6 +10,9 @@ per machine forks ``--local`` ranks and the controller times, per call:
   "sum", holds ``--output-bytes`` bytes (float32) on every rank; every rank's
   (or, combined, every machine's) result travels to the controller;
 - ``tiny call``: a call with a 0-d output, the latency of one CALL;
+- ``call, 10^5 rows``: small reductions (a sum over rows of 5 columns, a mean) of
+  10^5 x 5 float64 rows that every machine holds: a call that runs in chunks, spread
+  over the ranks in a cluster (synkhronos/functions/spread.py) since 2026-12-05;
 - ``all_reduce 4 B``: ``synk.all_reduce`` of a one-element float32 variable;
 - ``tiny call after 20 ms``: the tiny call again, each after the program paused
   20 ms (``--pauses`` calls): what a command costs once the node masters
@@ -30,7 +33,7 @@ import time
 
 from common import ROOT, harness
 
-FIGURES = ("call, output", "tiny call", "all_reduce 4 B", "tiny call after 20 ms")
+FIGURES = ("call, output", "tiny call", "call, 10^5 rows", "all_reduce 4 B", "tiny call after 20 ms")
 PAUSE_S = 0.02
 
 
@@ -46,14 +49,20 @@ def job(local, output_bytes, reps, pauses):
     x = pt.matrix("x", dtype="float32")
     big = synk.function([x], (pt.sum(x, axis=0), "sum"))
     tiny = synk.function([x], (pt.sum(x), "sum"))
+    r = pt.dmatrix("r")
+    rows_f = synk.function([r], [(pt.sum(pt.exp(pt.sin(r)), axis=0), "sum"), (pt.mean(r), "avg")])
     s = pytensor.shared(np.ones(1, "float32"), name="s")
     synk.function([], pt.sum(s))
     synk.distribute()
     data = synk.data(np.ones((2 * n, width), "float32"))
     small = synk.data(np.ones((2 * n, 1), "float32"))
+    R = np.sin(np.arange(500_000.0)).reshape(100_000, 5)
+    rows = synk.data(R)
     np.testing.assert_allclose(big(data), np.full(width, 2.0 * n))
+    np.testing.assert_allclose(rows_f(rows)[0], np.exp(np.sin(R)).sum(axis=0), rtol=1e-10)
     out = {}
     for name, fn in (("call, output", lambda: big(data)), ("tiny call", lambda: tiny(small)),
+                     ("call, 10^5 rows", lambda: rows_f(rows)),
                      ("all_reduce 4 B", lambda: synk.all_reduce(s, op="sum"))):
         for _ in range(max(3, reps // 10)):
             fn()
