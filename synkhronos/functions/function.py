@@ -56,8 +56,7 @@ class Function:
     def attach(self, rt):
         """Bind to run ``rt`` (in the master at function(), in each worker at distribute())."""
         self._rt = rt
-        # Inputs are checked in the master (dtype, ndim) before any rank runs,
-        # so PyTensor's per-call input validation is skipped.
+        # Inputs are checked in the master (dtype, ndim): no PyTensor checks at each call.
         self.spec.fn.trust_input = True
 
     def forget_run(self):
@@ -98,8 +97,7 @@ class Function:
                                  "build it again after fork()")
         if not rt.registry.distributed:
             raise SynkStateError("call distribute() before calling synkhronos functions")
-        if rt.in_call or not rt.is_master:
-            # Inside a graph Op of a running call: the ranks are busy in that call.
+        if rt.in_call or not rt.is_master:   # inside a graph Op of a running call
             raise SynkStateError(f"{self.what}: no call inside a call; synkhronos functions "
                                  "run from the master's program only (called in rank "
                                  f"{rt.place.rank}{' while it ran a call' if rt.in_call else ''})")
@@ -217,8 +215,7 @@ class Function:
                 beyond the master's sliceable shareds (nothing runs).
             WorkerError: a rank raised; the runtime stays usable.
         """
-        # The one rule for reuse: no call options, and Data only (KeptCall.ready, or _run
-        # where the call is kept).  A repeat holds and checks what serialized would.
+        # Reuse: no call options, the kept call's Data (KeptCall.ready; _run keeps calls).
         plain = (output_subset is None and batch is None and batch_s is None
                  and type(num_slices) is int and num_slices == 1 and not kwargs)
         kept = self._kept
@@ -230,6 +227,9 @@ class Function:
 
     def _call(self, args, kwargs, output_subset, batch, batch_s, num_slices, plain):
         """``__call__``'s general path, a public entry point (its errors name ``__call__``)."""
+        kept = self._kept   # a cluster's repeat
+        if plain and kept is not None and kept.rt is self._rt and kept.ready(args, True):
+            return kept.run()
         return self._run(args, kwargs, output_subset, batch, batch_s, num_slices, None, plain)
     _call.__qualname__ = "Function.__call__"
     _call = serialized(_call)

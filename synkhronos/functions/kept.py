@@ -71,19 +71,21 @@ class KeptCall:
         name = function.name or "function"
         self.after = _combiner(spec, rt, name)
 
-    def ready(self, args):
-        """Whether this call runs again now, with ``args``, as a public call of its run may.
+    def ready(self, args, serialized=False):
+        """Whether this call runs again now, with ``args``: what ``runtime()`` would check.
 
         ``args`` are the kept call's Data, unchanged in memory and shape; the
-        caller holds ``state.CALL_LOCK``; this process is the run's master, on
-        one machine, with the run open, not inside a call and not profiled.
-        What ``runtime()`` and ``serialized`` check, for ``Function.__call__``'s
-        fast path (anything else: its general path says why).
+        run is open, not inside a call and not profiled.  Unless ``serialized``
+        (a public entry point's wrapper checked it), also what that wrapper
+        would: this process is the run's master, on one machine (no peers'
+        turn to give between calls); the caller holds ``state.CALL_LOCK``.
+        Anything else: ``Function.__call__``'s general path says why.
         """
         rt = self.rt
-        if (PID[0] != self.pid or rt.closed or rt.in_call or rt.profiler is not None
-                or rt.peers is not ALONE or len(args) != len(self.descs)
+        if (rt.closed or rt.in_call or rt.profiler is not None or len(args) != len(self.descs)
                 or rt.registry.epoch != self.epoch):
+            return False
+        if not serialized and (PID[0] != self.pid or rt.peers is not ALONE):
             return False
         for a, desc, arr in zip(args, self.descs, self.arrays):
             if type(a) is not Data or not a.unchanged(desc, arr):
