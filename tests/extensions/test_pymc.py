@@ -301,7 +301,7 @@ def test_nutpie_way_turns_on_the_gradients_a_draw_takes(env, monkeypatch):
     follows the count; where the run would be long against the sampling, or the choice
     does not turn on it, nothing is counted."""
     pytest.importorskip("nutpie")
-    model, dp = env.models["negbin"], env.auto
+    dp = env.auto
     counted = []
     own_count = crossover.leapfrogs
 
