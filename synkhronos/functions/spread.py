@@ -35,8 +35,9 @@ def in_chunk_order(ops, results, weights, bools, listed):
     """The call's outputs: each chunk's ``results`` combined by op, chunk after chunk.
 
     The one combination both ways use (chunks.py's board on one machine, this
-    module's ranks in a cluster), so the bits depend on the rows alone.  ``bools``: outputs of bools summed or
-    multiplied, which count as integers (``outputs.counted``).
+    module's ranks in a cluster), so the bits depend on the rows alone.
+    ``bools``: outputs of bools summed or multiplied, which count as integers
+    (``outputs.counted``).
     """
     out = []
     for j, op in enumerate(ops):
@@ -76,7 +77,6 @@ def master_runner(spec, rt, plan, arrays, n_scattered):
     n_chunks, n_out = plan.n_chunks, len(spec.outputs)
     weights = [float(hi - lo) for lo, hi in map(plan.bounds, range(n_chunks))]
     ops, listed = spec.output_ops, spec.return_list
-
     state = [None]
 
     def arm(seq, first):
@@ -86,15 +86,14 @@ def master_runner(spec, rt, plan, arrays, n_scattered):
         lo, hi = owned(n_chunks, rt.place.n_parallel, rt.place.rank)
         first, state[0] = state[0], None
         if first is not None and lo == 0 < hi:
-            flat = first + _run_chunks(rt, fn, args, 1, hi)
-        else:
-            flat = _run_chunks(rt, fn, args, lo, hi)
-        return (flat, sum(weights[lo:hi])) if flat else None
+            return first + _run_chunks(rt, fn, args, 1, hi)
+        return _run_chunks(rt, fn, args, lo, hi)
 
     def after(mine):
+        # Each rank's contribution is (arrays, weight); the weights are the chunks' rows.
         place = rt.place
         parts = rt.backend.collect()
-        parts[place.rank] = mine
+        parts[place.rank] = (mine, None)
         results = []
         for r in range(place.n_parallel):
             lo, hi = owned(n_chunks, place.n_parallel, r)
@@ -128,6 +127,5 @@ def worker_runner(spec, rt, msg):
 
     def run():
         lo, hi = owned(plan.n_chunks, rt.place.n_parallel, rt.place.rank)
-        flat = _run_chunks(rt, fn, args, lo, hi)
-        contribute(flat or None, float(sum(len(a[0]) for a in args[lo:hi])))
+        contribute(_run_chunks(rt, fn, args, lo, hi) or None)
     return run

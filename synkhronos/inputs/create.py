@@ -1,8 +1,12 @@
-"""synk.data(): the one public constructor of Data, ordinary or produced where it is used."""
+"""synk.data(): the one public constructor of Data, ordinary or produced where it is used;
+its arguments checked here (data_object.py makes the object)."""
+
+import numpy as np
+from pytensor.graph.basic import Variable
 
 from ..runtime.state import require_forked, serialized
 from . import conditioning, machine_rows, produced
-from .data_object import replicated
+from .data_object import Data, replicated
 from .machine_rows import Part
 
 
@@ -61,8 +65,9 @@ def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=Fals
     if produce is None:
         if length is not None:
             raise ValueError("data: length goes with produce; give shape for an ordinary Data")
-        return replicated(rt, value, var, dtype, ndim, shape, minibatch, force_cast, oversize,
-                           name)
+        value, dtype, ndim, shape, minibatch, force_cast = _checked(
+            value, var, dtype, ndim, shape, minibatch, force_cast, oversize, name)
+        return replicated(rt, value, dtype, ndim, shape, minibatch, force_cast, oversize, name)
     if value is not None or shape is not None:
         raise ValueError("data: give produce, or value or shape, not both")
     if not callable(produce):
@@ -74,6 +79,39 @@ def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=Fals
     if rt.peers.layout is None:
         rows = produce(Part(0, 1, 0 if length is not None else None, length))
         rows = machine_rows.check_produced_rows(rows, var, dtype, ndim, force_cast, length, 0)
-        return replicated(rt, rows, var, rows.dtype, rows.ndim, None, minibatch, False, oversize,
-                           name)
+        rows, dtype, ndim, _, minibatch, _ = _checked(rows, var, rows.dtype, rows.ndim, None,
+                                                      minibatch, False, oversize, name)
+        return replicated(rt, rows, dtype, ndim, None, minibatch, False, oversize, name)
     return produced.produce(rt, produce, var, dtype, ndim, minibatch, force_cast, name, length)
+
+
+def _checked(value, var, dtype, ndim, shape, minibatch, force_cast, oversize, name):
+    """``data()``'s arguments checked: ``(value, dtype, ndim, shape, minibatch, force_cast)``."""
+    force_cast = conditioning.check_bool(force_cast, "data: force_cast")
+    minibatch = conditioning.check_bool(minibatch, "data: minibatch")
+    conditioning.check_name(name, "data")
+    if dtype is not None:
+        dtype = conditioning.check_dtype(dtype, "data: dtype")
+    if ndim is not None:
+        conditioning.check_ndim(ndim, "data")
+    if var is not None:
+        if not isinstance(var, Variable):
+            raise TypeError(f"data: var must be a PyTensor variable; got {type(var).__name__}")
+        if dtype is not None and dtype != np.dtype(var.dtype):
+            raise TypeError(f"data: dtype {dtype} disagrees with var's dtype {var.dtype}")
+        if ndim is not None and ndim != var.ndim:
+            raise TypeError(f"data: ndim {ndim} disagrees with var's ndim {var.ndim}")
+        dtype, ndim = var.dtype, var.ndim
+    conditioning.check_oversize(oversize, "data")
+    if shape is not None:
+        shape = conditioning.check_shape(shape, "data: shape", ndim)
+    if value is not None:
+        value = value.data if isinstance(value, Data) else value
+        if dtype is None or ndim is None:
+            arr = value if isinstance(value, np.ndarray) else conditioning.as_array(value, "data")
+            dtype, ndim = (arr.dtype if dtype is None else dtype), (arr.ndim if ndim is None else ndim)
+    elif shape is not None and ndim is None:
+        ndim = len(shape)
+    if dtype is None or ndim is None:
+        raise TypeError("data: cannot tell dtype and ndim; give value, var, or dtype and ndim")
+    return value, conditioning.check_dtype(dtype, "data"), ndim, shape, minibatch, force_cast

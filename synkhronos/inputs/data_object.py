@@ -1,7 +1,6 @@
 """Data (synk.data): NumPy arrays in POSIX shared memory, seen by every rank.
 
-Over 400 lines: one class, ``Data``, whose public surface (the original API's
-set_value, set_length, set_shape, condition_data, free_memory, ...) is its job.
+``synk.data()``'s arguments are checked in create.py; here, the object.
 """
 
 import logging
@@ -10,7 +9,6 @@ import numbers
 import weakref
 
 import numpy as np
-from pytensor.graph.basic import Variable
 
 from . import conditioning
 from ..runtime.commands import Command
@@ -22,36 +20,8 @@ from ..runtime.shmem import SharedArray
 logger = logging.getLogger(__name__)
 
 
-def replicated(rt, value, var, dtype, ndim, shape, minibatch, force_cast, oversize, name):
-    """Return a new ordinary Data object of run ``rt``: ``synk.data()`` without ``produce``."""
-    force_cast = conditioning.check_bool(force_cast, "data: force_cast")
-    minibatch = conditioning.check_bool(minibatch, "data: minibatch")
-    conditioning.check_name(name, "data")
-    if dtype is not None:
-        dtype = conditioning.check_dtype(dtype, "data: dtype")
-    if ndim is not None:
-        conditioning.check_ndim(ndim, "data")
-    if var is not None:
-        if not isinstance(var, Variable):
-            raise TypeError(f"data: var must be a PyTensor variable; got {type(var).__name__}")
-        if dtype is not None and dtype != np.dtype(var.dtype):
-            raise TypeError(f"data: dtype {dtype} disagrees with var's dtype {var.dtype}")
-        if ndim is not None and ndim != var.ndim:
-            raise TypeError(f"data: ndim {ndim} disagrees with var's ndim {var.ndim}")
-        dtype, ndim = var.dtype, var.ndim
-    conditioning.check_oversize(oversize, "data")
-    if shape is not None:
-        shape = conditioning.check_shape(shape, "data: shape", ndim)
-    if value is not None:
-        value = value.data if isinstance(value, Data) else value
-        if dtype is None or ndim is None:
-            arr = value if isinstance(value, np.ndarray) else conditioning.as_array(value, "data")
-            dtype, ndim = (arr.dtype if dtype is None else dtype), (arr.ndim if ndim is None else ndim)
-    elif shape is not None and ndim is None:
-        ndim = len(shape)
-    if dtype is None or ndim is None:
-        raise TypeError("data: cannot tell dtype and ndim; give value, var, or dtype and ndim")
-    dtype = conditioning.check_dtype(dtype, "data")
+def replicated(rt, value, dtype, ndim, shape, minibatch, force_cast, oversize, name):
+    """Return a new ordinary Data object of run ``rt`` from ``synk.data()``'s checked arguments."""
     obj = Data(new_id(rt), dtype, ndim, minibatch=minibatch, name=name)
     try:
         if value is not None:

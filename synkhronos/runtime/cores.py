@@ -144,7 +144,7 @@ class CoreTrade:
         except OSError:
             return
         if len(here) != 1 or len(there) != 1 or here == there:
-            return  # released to every core (crossover.released) or not pinned: leave it
+            return  # released to every core (pm.sample in its place) or not pinned: leave it
         if _set_cores(pid, there, here):
             _set_cores(me, here, there)
             self.trades += 1

@@ -49,7 +49,7 @@ SEAMS = {
             "pm.sample's warning asks whether this process is a forked master: a read that "
             "no public call makes without taking the call lock or admitting machines",
     },
-    "pymc/crossover.py": {
+    "pymc/master_cores.py": {
         "synkhronos.runtime.state.get_runtime":
             "where splitting would not gain, pm.sample runs on the cores the master had before "
             "fork() pinned it: the set fork() saved (Processes.unpinned), which no public call "

@@ -40,23 +40,21 @@ Numba: where the first data-parallel evaluation timed the rank's graph in Numba 
 in C (``modes``), pm.sample's nutpie is predicted at PyMC's C call times their ratio
 (``numba_ratio``).  Where the choice between the callback and nutpie's own compile
 turns on how many gradients a draw takes, a short nutpie run on the callback counts
-them (``leapfrogs``) instead of taking ``LEAPFROGS``.
-
-One decision and the figures it stands on, each constant with the measurement behind
-it, hence over 400 lines.
+them (``leapfrogs``) instead of taking ``LEAPFROGS``.  The cores it runs pm.sample on
+where it does not split: master_cores.py.
 """
 
-import contextlib
 import dataclasses
 import logging
 import math
-import os
 import time
+import warnings
 
 import numpy as np
 
 from . import calls as calls_mod
 from . import internals
+from .master_cores import released, unpinned_cores
 
 logger = logging.getLogger(__name__)
 
@@ -129,8 +127,8 @@ TRIAL_TUNE, TRIAL_DRAWS = 30, 20
 counts the gradients a draw takes (``leapfrogs``), where the choice between that way and
 nutpie's own compile turns on the count: the draws after a short tuning.  It costs
 ``(TRIAL_TUNE + TRIAL_DRAWS) / (chains x (tune + draws))`` of the callback way's run, so it
-runs only where that is at most ``TRIAL_SHARE``.  The splines model takes 92 gradients a
-draw, not 10: nutpie's own compile wins there (docs/pymc.md)."""
+runs only where that is at most ``TRIAL_SHARE``.  bench/gallery_more.py's splines counted
+117 on PyMC 5.28 (nutpie's own compile chosen) and 79 on 6.4 (docs/pymc.md)."""
 
 TRIAL_SHARE = 0.05
 
@@ -277,12 +275,7 @@ def decide(dp, sampler, chains, cores, draws, tune):
     serial = serial_function(dp)
     call = internals.serial_call(serial.fn)
     serial_s = _timed(lambda: call(x), SERIAL_TRIAL_S)
-    # The one pm.sample would run (internals.serving): nothing for it to compile again.
-    serial_run, at_best = predict(sampler, chains, n_cores, steps, serial_s, 0.0,
-                                  CALL_S + serial_s / (ranks * RANK_GRAPH_GAIN))
-    if not dp.built:
-        at_best += BUILD_COMPILES * serial.compile_s
-    callback, per_draw = False, None
+    per_draw = None
     if sampler == "nutpie":
         draws_all = steps // LEAPFROGS
         turns = callback_turns(draws_all, chains, n_cores, serial_s)
@@ -291,10 +284,13 @@ def decide(dp, sampler, chains, cores, draws, tune):
             # Which way wins turns on the gradients a draw takes: count them.
             per_draw = leapfrogs(dp, serial)
             steps = int(round(draws_all * (per_draw or LEAPFROGS)))
-            serial_run, at_best = predict(sampler, chains, n_cores, steps, serial_s, 0.0,
-                                          CALL_S + serial_s / (ranks * RANK_GRAPH_GAIN))
-            if not dp.built:
-                at_best += BUILD_COMPILES * serial.compile_s
+    # The one pm.sample would run (internals.serving): nothing for it to compile again.
+    serial_run, at_best = predict(sampler, chains, n_cores, steps, serial_s, 0.0,
+                                  CALL_S + serial_s / (ranks * RANK_GRAPH_GAIN))
+    if not dp.built:
+        at_best += BUILD_COMPILES * serial.compile_s
+    callback = False
+    if sampler == "nutpie":
         callback_run = steps * chains * (serial_s + CALLBACK_S)
         if callback_run < serial_run:
             serial_run, callback = callback_run, True
@@ -347,8 +343,6 @@ def callback_turns(draws, chains, cores, serial_s):
 def leapfrogs(dp, serial):
     """Gradients a draw takes: the mean over a short nutpie run on ``serial`` (the callback
     way, ``TRIAL_TUNE`` tuning steps then ``TRIAL_DRAWS`` draws), its output kept quiet."""
-    import warnings
-
     import pymc as pm
 
     kwargs = internals.sample_kwargs("nutpie", 1, {"tune": TRIAL_TUNE}, at_once=False)
@@ -404,28 +398,3 @@ def _timed(call, seconds=TRIAL_S):
         call()
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
-
-
-def unpinned_cores():
-    """The cores this process may run on once released: those it had before ``fork()`` pinned it."""
-    from ...runtime.state import get_runtime
-
-    rt = get_runtime()
-    before = getattr(getattr(rt, "processes", None), "unpinned", None) if rt is not None else None
-    return set(before) if before else os.sched_getaffinity(0)
-
-
-@contextlib.contextmanager
-def released():
-    """Within: this process runs on every core it had before ``fork()`` pinned it to one.
-
-    The ranks wait for the next command meanwhile, asleep after a short spin,
-    so pm.sample's chain processes (which inherit this process's cores) and
-    nutpie's threads have the machine.
-    """
-    pinned = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, unpinned_cores())
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, pinned)

@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 import pymc as pm
 
-from . import crossover, internals
+from . import crossover, internals, master_cores
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +60,13 @@ def sample(dp, draws, tune, chains, nuts_sampler, random_seed, **kwargs):
             # nutpie's chains call PyMC's compiled function back, as the split's callback,
             # one chain after the other (the function serves one call at a time).
             kwargs = internals.sample_kwargs(nuts_sampler, chains, kwargs, at_once=False)
-            with crossover.released(), internals.driving_serial(dp, serial):
+            with master_cores.released(), internals.driving_serial(dp, serial):
                 return pm.sample(draws, chains=chains, random_seed=random_seed,
                                  nuts_sampler=nuts_sampler, model=dp.model, **kwargs)
         # The chains on the cores synkhronos was given, as the prediction took them (PyMC's
         # own default counts half the CPUs, taking the rest for hardware threads).
         kwargs["cores"] = decision.cores
-        with crossover.released(), internals.serving(dp.model, serial):
+        with master_cores.released(), internals.serving(dp.model, serial):
             return pm.sample(draws, chains=chains, random_seed=random_seed,
                              nuts_sampler=nuts_sampler, model=dp.model, **kwargs)
     if cores is not None:
