@@ -150,6 +150,35 @@ def test_fastest_mode_keeps_the_faster():
     assert best == "CVM" and seconds["CVM"] < seconds["PY"], seconds
 
 
+def test_a_measured_mode_is_kept_for_the_next_run(tmp_path, monkeypatch):
+    """The same graph on as many rows is not measured again (nothing compiled, the figures
+    of the first run); other rows, or another graph, are."""
+    import pytensor.tensor as pt
+    from pytensor.compile.mode import Mode
+
+    from synkhronos.extensions.pymc import modes
+
+    monkeypatch.setattr(modes, "cache_path", lambda: str(tmp_path / "modes.json"))
+    X, p = pt.matrix("X", dtype="float64"), pt.vector("p", dtype="float64")
+    out = (pt.tanh(X * p) * p).sum(axis=0)
+    rows = np.random.default_rng(0).normal(size=(400, 3))
+    ways = {"PY": Mode(linker="py", optimizer=None), "CVM": "CVM"}
+    first = modes.fastest([X], p, out, [rows], np.ones(3), 2, ways)
+    compiled = []
+    real = modes.pytensor.function
+    monkeypatch.setattr(modes.pytensor, "function",
+                        lambda *a, **k: compiled.append(1) or real(*a, **k))
+    assert modes.fastest([X], p, out, [rows], np.ones(3), 2, ways) == first
+    assert compiled == []
+    modes.fastest([X], p, out, [rows[:100]], np.ones(3), 2, ways)     # other rows a rank
+    assert len(compiled) == 2
+    modes.fastest([X], p, out * 2, [rows], np.ones(3), 2, ways)       # another graph
+    assert len(compiled) == 4
+    (tmp_path / "modes.json").write_text("not json")                  # spoilt: measured again
+    assert modes.fastest([X], p, out, [rows], np.ones(3), 2, ways)[0] == first[0]
+    assert len(compiled) == 6
+
+
 def test_mode_is_checked_before_anything_is_built(env):
     with pytest.raises(ValueError, match=r"mode must be one of NUMBA, CVM"):
         synk_pymc.data_parallel(env.models["negbin"], mode="FAST")

@@ -8,6 +8,9 @@ exactly as ``dp.sample`` does.  ``make test-pymc-versions`` runs this file
 """
 
 import inspect
+import os
+import subprocess
+import sys
 import types
 
 import numpy as np
@@ -117,7 +120,7 @@ def test_pm_sample_runs_every_chain_through_the_batcher(sampler):
     dp = _stand_in(model)
     kw = internals.sample_kwargs(sampler, 3, {"progressbar": False,
                                              "compute_convergence_checks": False})
-    with internals.driving(dp):
+    with internals.driving(dp, sampler):
         idata = pm.sample(100, tune=100, chains=3, random_seed=1, model=model,
                           nuts_sampler=sampler, **kw)
     assert idata.posterior.sizes["chain"] == 3 and idata.posterior.sizes["draw"] == 100
@@ -127,6 +130,27 @@ def test_pm_sample_runs_every_chain_through_the_batcher(sampler):
     # The hooks are gone afterwards: PyMC's own functions again.
     assert "logp_dlogp_function" not in vars(model)
     assert mcmc._sample_many.__module__ == "pymc.sampling.mcmc"
+
+
+def test_pymcs_nuts_never_imports_nutpie():
+    """Importing nutpie (and the ArviZ it imports) takes 1.2 s on PyMC 6.4:
+    dp.sample with PyMC's NUTS must not pay it."""
+    pytest.importorskip("nutpie")
+    code = (
+        "import sys; sys.path.insert(0, {tests!r})\n"
+        "import pymc as pm\n"
+        "from synkhronos.extensions.pymc import internals\n"
+        "from extensions.test_pymc_internals import _model, _stand_in\n"
+        "model = _model(); dp = _stand_in(model)\n"
+        "kw = internals.sample_kwargs('pymc', 2, {{'progressbar': False, "
+        "'compute_convergence_checks': False}})\n"
+        "with internals.driving(dp, 'pymc'):\n"
+        "    pm.sample(5, tune=5, chains=2, random_seed=1, model=model, nuts_sampler='pymc', **kw)\n"
+        "print('NUTPIE', 'nutpie' in sys.modules)\n"
+    ).format(tests=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=200)
+    assert "NUTPIE False" in out.stdout, out.stdout + out.stderr
 
 
 @pytest.mark.parametrize("at_once", [False, True])

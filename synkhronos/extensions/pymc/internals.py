@@ -336,8 +336,13 @@ def _warns_pinned(original):
 
 
 @contextlib.contextmanager
-def driving(dp):
-    """Within: ``pm.sample`` on ``dp.model`` samples with ``dp``'s data-parallel (logp, dlogp)."""
+def driving(dp, sampler):
+    """Within: ``pm.sample`` on ``dp.model`` samples with ``dp``'s data-parallel (logp, dlogp).
+
+    nutpie is patched only where ``sampler`` is "nutpie": importing it (and the
+    ArviZ it imports) takes 1.2 s on PyMC 6.4, a warm start's largest part, for nothing where
+    PyMC's NUTS samples.
+    """
     model, batcher = dp.model, dp.batcher
     original = model.logp_dlogp_function
 
@@ -348,7 +353,7 @@ def driving(dp):
         return original(grad_vars, *args, ravel_inputs=ravel_inputs, **kwargs)
 
     saved_many = mcmc._sample_many
-    nutpie_mod, saved_compile = _nutpie_module()
+    nutpie_mod, saved_compile = _nutpie_module() if sampler == "nutpie" else (None, None)
     model.logp_dlogp_function = logp_dlogp_function
     mcmc._sample_many = _sample_many_together(batcher, model)
     if nutpie_mod is not None:

@@ -75,7 +75,7 @@ def sample(dp, draws, tune, chains, nuts_sampler, random_seed, **kwargs):
                       "and the ranks use the cores (synk.fork(n) sets how many)",
                       UserWarning, stacklevel=3)
     kwargs = internals.sample_kwargs(nuts_sampler, chains, kwargs)
-    with internals.driving(dp):
+    with internals.driving(dp, nuts_sampler):
         return pm.sample(draws, chains=chains, random_seed=random_seed,
                          nuts_sampler=nuts_sampler, model=dp.model, **kwargs)
 
