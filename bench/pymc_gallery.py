@@ -538,6 +538,16 @@ def child_e2e(system, which, chains, draws, tune, rows=0, more=0):
             kw["nuts_sampler"] = "nutpie"
         import synkhronos as synk
         from synkhronos.extensions import pymc as synk_pymc
+        from synkhronos.extensions.pymc import crossover
+        decide, spent = crossover.decide, []
+
+        def timed_decide(*args, **kwargs):   # what deciding costs, within dp.sample
+            t = time.perf_counter()
+            try:
+                return decide(*args, **kwargs)
+            finally:
+                spent.append(time.perf_counter() - t)
+        crossover.decide = timed_decide
         synk.fork(2)
         try:
             dp = synk_pymc.data_parallel(model, split=True if system == "synk-split" else None)
@@ -547,7 +557,8 @@ def child_e2e(system, which, chains, draws, tune, rows=0, more=0):
             dp.sample(**kw)
             decision = dp.decision.describe()
             parts = {"data_parallel_s": t1 - t0, "distribute_s": t2 - t1,
-                     "sample_s": time.perf_counter() - t2}
+                     "sample_s": time.perf_counter() - t2, "decide_s": sum(spent),
+                     "serial_compile_s": dp.decision.compile_s}
         finally:
             synk.close()
     _emit("E2E", {"system": system, "model": which, "chains": chains,
@@ -643,9 +654,13 @@ def _e2e(models, chains, systems, draws, tune, rounds, rows=0, more=False):
                 if res is None:
                     continue
                 runs.setdefault((m, s), []).append(res)
+                compiled = res.get("serial_compile_s")
                 extra = (f"; data_parallel {res['data_parallel_s']:.1f} s, distribute "
-                         f"{res['distribute_s']:.1f} s, sample {res['sample_s']:.1f} s; "
-                         f"{res['decision']}" if "sample_s" in res else "")
+                         f"{res['distribute_s']:.1f} s, sample {res['sample_s']:.1f} s (deciding "
+                         f"{res.get('decide_s', 0):.1f} s"
+                         + (f", of which compiling PyMC's function {compiled:.1f} s"
+                            if compiled is not None else "")
+                         + f"); {res['decision']}" if "sample_s" in res else "")
                 print(f"# round {r + 1}: {s} {m}: {res['secs']:.1f} s{extra} (load "
                       f"{os.getloadavg()[0]:.1f})", flush=True)
     print(f"\n### End to end: seconds from the model built to the draws ({chains} chains, "

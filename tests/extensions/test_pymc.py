@@ -282,6 +282,14 @@ def test_crossover_samples_a_small_model_as_pm_sample_does(env, caplog, monkeypa
         assert dp.decision.separate is True, dp.decision
         # Neither many-position graph ran in this run: no trial of them, nothing new kept.
         assert not dp._calls._trials and dp._calls._batch_wins == kept
+        # Their compile is taken as MANY_BUILDS first calls where that is more than the
+        # fixed floor: with no floor, a first call of 1000 s still keeps the chains apart.
+        monkeypatch.setattr(crossover, "MANY_COMPILE_S", 0.0)
+        monkeypatch.setattr(dp._calls, "first_s", 1e3)
+        dp.decisions.clear()
+        dp.sample(10, **{**kw, "tune": 10})
+        assert dp.decision.separate is True, dp.decision
+        assert not dp._calls._trials and dp._calls._batch_wins == kept
         dp.split = False   # the branch the measured decision took, without measuring
         assert crossover.decide(dp, "pymc", 2, None, 30, 30) == crossover.Decision(
             False, "asked", "pymc", 2, crossover.sampling_cores(2, None), 2)

@@ -75,6 +75,7 @@ class Calls:
         self._built = False
         self.mode = self.fn1 = self.fn = self.fn_loop = None
         self.mode_seconds = {}   # mode -> seconds on a rank's rows, where measured
+        self.first_s = None      # the first one-position call's seconds (its compiles)
         if fastest is None or len(ways) == 1:
             self._keep(next(iter(ways)))
         self.size, self.dtype = size, dtype
@@ -134,9 +135,13 @@ class Calls:
         if args is None or self._held is None:
             args = self._call_args(0)
         args[1][...] = x
-        if not self._built:
+        first = not self._built
+        if first:
             self._first()
+        t0 = time.perf_counter()
         out = self.fn1(*args[0])[0]
+        if first:
+            self.first_s = time.perf_counter() - t0
         # The output is a fresh array at every call (combined over the ranks), so the
         # gradient, a view of it, outlives the next call as a sampler needs.
         return out[0], out[1:]

@@ -25,8 +25,7 @@ keep the faster, ``modes``, then the ranks theirs); where even that would
 not gain, nothing is built for the ranks.  Splitting is kept where it is
 predicted ``GAIN`` times faster; else ``dp.sample`` runs ``pm.sample``
 itself with this process's cores released (the ranks sleep meanwhile), and
-says so in one log line.  Left out: pm.sample's chain processes slowing each other (memory
-bandwidth, shared caches), which favours splitting.
+says so in one log line.  Left out: pm.sample's chains slowing each other.
 
 With nutpie there is a third way: nutpie on that same compiled (logp, dlogp),
 called back from its threads in this process, as the split's callback is, so
@@ -35,13 +34,9 @@ chains' calls then take turns (one interpreter), so it is predicted as
 
     callback:   steps x chains x (serial call + CALLBACK_S)
 
-and taken where it beats pm.sample's own nutpie.  nutpie's own gradient runs in
-Numba: where the first data-parallel evaluation timed the rank's graph in Numba and
-in C (``modes``), pm.sample's nutpie is predicted at PyMC's C call times their ratio
-(``numba_ratio``).  Where the choice between the callback and nutpie's own compile
-turns on how many gradients a draw takes, a short nutpie run on the callback counts
-them (``leapfrogs``) instead of taking ``LEAPFROGS``.  The cores it runs pm.sample on
-where it does not split: master_cores.py.
+and taken where it beats pm.sample's own nutpie, whose gradient (in Numba) is predicted
+at PyMC's C call times the rank graph's Numba / C ratio (``numba_ratio``).  Where the
+choice turns on the gradients a draw takes, a short nutpie run counts them (``leapfrogs``).
 """
 
 import dataclasses
@@ -64,9 +59,8 @@ prediction is rough, and what it leaves out (the many-position graph compiled at
 step of several chains) costs the data-parallel side."""
 
 SAMPLER_S = {"pymc": 60e-6, "nutpie": 4e-6}
-"""Each sampler's own work per gradient beyond the call (its leapfrog step and tree), on
-one core; measured with bench/pymc_calls.py --parts steps (docs/pymc.md, "When splitting
-pays")."""
+"""Each sampler's own work per gradient beyond the call, on one core (bench/pymc_calls.py
+--parts steps; docs/pymc.md, "When splitting pays")."""
 
 SAMPLER_COMPILE_S = {"nutpie": 5.0}
 """What a sampler compiles of its own besides PyMC's (logp, dlogp), timed here: nutpie
@@ -91,10 +85,15 @@ Python, and its request waits for the other chains' in the batcher."""
 
 MANY_COMPILE_S = 3.0
 """What compiling the graphs at many positions (vectorised and the loop, at their first
-call) is taken to cost at least: a cold compile takes 10-20 s (docs/pymc.md), a warm one
-on PyMC 5.28 8-20 s a process (Numba's code is not cached there), 2026-12-02.  Where one
-call at every chain's position could save less than this over the run (at most a call
-per chain less each step), the chains take a call each and nothing more is compiled."""
+call) is taken to cost at least (a warm one on PyMC 5.28: 8-20 s a process, its Numba code
+uncached), or ``MANY_BUILDS`` times the first one-position call where more.  Where one call
+at every chain's position could save less over the run (at most a call per chain less each
+step), the chains take a call each and nothing more is compiled."""
+
+MANY_BUILDS = 4.0
+"""Robust at 10^5 rows, PyMC 5.28, Numba: the first call 3.9-4.2 s, the graphs at many
+positions 15.7-17.0 s more; under the 3 s alone, nutpie's run compiled them to save 3.0 s
+and took 31.4 s against nutpie's 12.9 (2026-12-05, bench/HISTORY.md)."""
 
 CALL_S = 3e-6
 """A data-parallel call's cost beyond its ranks' share of the rows, at the least: 2.7 us
@@ -311,7 +310,8 @@ def decide(dp, sampler, chains, cores, draws, tune):
         serial_run, _ = predict(sampler, chains, n_cores, steps, serial_s * numba, 0.0, 0.0)
     _, fastest = predict(sampler, chains, n_cores, steps, serial_s, compile_s, one_s)
     many_s, parallel_run, separate = None, fastest, False
-    if chains > 1 and steps * (chains - 1) * one_s < MANY_COMPILE_S:
+    many_cost = max(MANY_COMPILE_S, MANY_BUILDS * (dp.first_call_s or 0.0))
+    if chains > 1 and steps * (chains - 1) * one_s < many_cost:
         separate = True   # a call each: the many-position graphs would not pay their compile
         _, parallel_run = predict(sampler, chains, n_cores, steps, serial_s, compile_s,
                                   chains * one_s)

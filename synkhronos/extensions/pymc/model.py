@@ -191,6 +191,12 @@ class DataParallelModel:
         return dict(self._calls.mode_seconds)
 
     @property
+    def first_call_s(self):
+        """Seconds the first data-parallel call at one position took (each rank compiling its
+        graph), or None where none was the first evaluation."""
+        return self._calls.first_s
+
+    @property
     def given(self):
         """Whether the rows came as ``synk.Data`` (``data=`` a dict): only the ranks hold them."""
         return bool(self._given)
