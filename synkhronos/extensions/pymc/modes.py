@@ -51,7 +51,7 @@ def fastest(inputs, position, output, arrays, x, n_parts, modes):
     rows = max(1, -(-len(arrays[0]) // n_parts))
     args = [np.asarray(a[:rows]) for a in arrays] + [x]
     key = _key(output, args, modes)
-    known = _cached(key)
+    known = _cached(key) if key is not None else None
     if known is not None:
         best, seconds = known
         logger.info("pymc model: the ranks' graph runs in %s (%s on %d rows, measured by an "
@@ -83,7 +83,8 @@ def fastest(inputs, position, output, arrays, x, n_parts, modes):
     best = min(seconds, key=seconds.get)
     logger.info("pymc model: the ranks' graph runs in %s (%s on %d rows)", best,
                 ", ".join(f"{m} {s * 1e6:.0f} us" for m, s in seconds.items()), rows)
-    _store(key, best, seconds)
+    if key is not None:
+        _store(key, best, seconds)
     return best, seconds
 
 
@@ -153,10 +154,15 @@ def cache_path():
 def _key(output, args, modes):
     """What a measurement depends on, hashed: the graph as PyTensor prints it (its
     operations and types, not the rows' values), the arguments' shapes and types, the
-    modes, the libraries that compile it and the CPU that runs it."""
+    modes, the libraries that compile it and the CPU that runs it; None where the graph
+    cannot be printed."""
     import numba
 
-    graph = pytensor.printing.debugprint(output, file="str", print_type=True)
+    try:
+        graph = pytensor.printing.debugprint(output, file="str", print_type=True)
+    except Exception as exc:  # noqa: BLE001 - an Op that cannot print: measured every time
+        logger.debug("pymc model: the graph's measurement is not kept (%r)", exc)
+        return None
     parts = [graph, [(np.shape(a), str(np.asarray(a).dtype)) for a in args],
              sorted(str(m) for m in modes), pytensor.__version__, numba.__version__,
              platform.machine(), _cpu_model(), os.cpu_count()]
