@@ -55,6 +55,13 @@ SEAMS = {
             "fork() pinned it: the set fork() saved (Processes.unpinned), which no public call "
             "returns",
     },
+    "pymc/modes.py": {
+        "synkhronos.runtime.process_setup.fork_quietly":
+            "a child compiles the rank's graph in C on the ranks' idle cores while the master "
+            "compiles it in Numba: a helper process of ours, as the runtime forks its own",
+        "synkhronos.runtime.liveness.stop_process":
+            "that child, stuck past its bound, is killed and reaped as the runtime ends its own",
+    },
     "pymc/calls.py": {
         "synkhronos.functions.build.function_at_first_call":
             "a model's graphs are built and compiled when first called, not in data_parallel() "

@@ -135,12 +135,12 @@ class Calls:
         if args is None or self._held is None:
             args = self._call_args(0)
         args[1][...] = x
-        first = not self._built
-        if first:
+        if self._built:
+            out = self.fn1(*args[0])[0]
+        else:
             self._first()
-        t0 = time.perf_counter()
-        out = self.fn1(*args[0])[0]
-        if first:
+            t0 = time.perf_counter()
+            out = self.fn1(*args[0])[0]
             self.first_s = time.perf_counter() - t0
         # The output is a fresh array at every call (combined over the ranks), so the
         # gradient, a view of it, outlives the next call as a sampler needs.

@@ -337,12 +337,8 @@ def _warns_pinned(original):
 
 @contextlib.contextmanager
 def driving(dp, sampler):
-    """Within: ``pm.sample`` on ``dp.model`` samples with ``dp``'s data-parallel (logp, dlogp).
-
-    nutpie is patched only where ``sampler`` is "nutpie": importing it (and the
-    ArviZ it imports) takes 1.2 s on PyMC 6.4, a warm start's largest part, for nothing where
-    PyMC's NUTS samples.
-    """
+    """Within: ``pm.sample`` on ``dp.model`` samples with ``dp``'s data-parallel (logp, dlogp);
+    nutpie is patched only for ``sampler`` "nutpie" (importing it takes 1.2 s on PyMC 6.4)."""
     model, batcher = dp.model, dp.batcher
     original = model.logp_dlogp_function
 

@@ -8,8 +8,8 @@ where ``data_parallel(mode=None)``, the first data-parallel evaluation
 compiles the one-position graph in each mode in the master, times it on as
 many rows as one rank holds, and keeps the faster; only that mode's
 functions are then built on the ranks.  Meanwhile a child process compiles
-the other modes on the ranks' cores, idle then (``_compile_aside``).  A mode whose graph Numba could
-compile only in object mode simply measures slow.
+the other modes on the ranks' cores, idle then (``_compile_aside``).  A mode
+whose graph Numba could compile only in object mode simply measures slow.
 
 A measurement is kept on disk (``CACHE_FILE`` in PyTensor's compile
 directory, where PyTensor keeps its compiled code), keyed by the graph, the
@@ -24,12 +24,14 @@ import json
 import logging
 import os
 import platform
-import signal
 import time
-import warnings
 
 import numpy as np
 import pytensor
+
+from ...runtime.liveness import stop_process
+from ...runtime.process_setup import fork_quietly
+from .master_cores import unpinned_cores
 
 logger = logging.getLogger(__name__)
 
@@ -100,15 +102,11 @@ def _compile_aside(inputs, position, output, modes):
     instead of compiling it after.  Cold, the two modes took 7.7 + 9.6 s one after the other
     (a logistic regression, PyMC 6.4).  Returns the child's pid, or None where no other core
     is free or fork() fails (the master then compiles everything itself)."""
-    from .master_cores import unpinned_cores
-
     others = unpinned_cores() - os.sched_getaffinity(0)
     if not modes or not others:
         return None
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)   # fork() with threads
-            pid = os.fork()
+        pid = fork_quietly()
     except OSError as exc:
         logger.debug("pymc model: no child to compile aside (%s)", exc)
         return None
@@ -137,8 +135,7 @@ def _reap(pid):
         time.sleep(0.01)
     logger.warning("pymc model: the child compiling the ranks' graph aside did not end; "
                    "killed")
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
+    stop_process(pid, reap=True)
 
 
 CACHE_FILE = "synkhronos_modes.json"
