@@ -1,7 +1,11 @@
 """The package's import graph: imports point down, so it has no cycle."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import synkhronos
 
@@ -86,3 +90,31 @@ def test_the_package_has_no_import_cycle():
 def test_the_cycle_finder_finds_cycles():
     assert _cycle({"a": ["b"], "b": ["c"], "c": ["a"]}) == ["a", "b", "c", "a"]
     assert _cycle({"a": ["b"], "b": [], "c": ["a"]}) is None
+
+
+@pytest.mark.timeout(150)
+def test_extensions_are_imported_when_first_named():
+    """``synkhronos.extensions`` imports none of its groups itself: the Ops register Numba
+    implementations (0.35 s), which a PyMC user of ``extensions.pymc`` never needs; each
+    group, and the old ``bn_ops`` path, still imports when named."""
+    code = """if True:
+        import sys
+        import synkhronos.extensions as ext
+        heavy = ("synkhronos.extensions.ops", "synkhronos.extensions.layers",
+                 "synkhronos.extensions.train", "synkhronos.extensions.updates")
+        assert not [m for m in heavy if m in sys.modules], [m for m in heavy if m in sys.modules]
+        from synkhronos.extensions import make_train_function, updates
+        assert updates is sys.modules["synkhronos.extensions.updates"]
+        assert make_train_function is ext.train.make_train_function
+        import synkhronos.extensions.bn_ops as old
+        assert old is ext.ops.batch_norm and "layers" in dir(ext)
+        try:
+            ext.nothing
+        except AttributeError as exc:
+            assert "nothing" in str(exc)
+        else:
+            raise AssertionError("ext.nothing")
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]

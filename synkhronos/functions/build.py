@@ -66,10 +66,10 @@ def function_at_first_call(inputs, outputs=None, bcast_inputs=None, updates=None
     rewrites alone take up to seconds a graph, and ``distribute()`` compiles
     every Numba-linked function's code in the master so that the workers,
     started again from it, share the code; a function that may never be
-    called then costs all that up front.  Deferred, the master builds and
-    compiles it at the first call, before the call is posted, so that the
-    ranks load the code from PyTensor's cache instead of each compiling it
-    (``deferred.py``).  A graph with updates, givens, sliceable shared
+    called then costs all that up front.  Deferred, every rank builds and
+    compiles it at the first call: at once where each has a core, else the
+    master first, so that the others load the code from PyTensor's cache
+    instead of each compiling it (``deferred.py``).  A graph with updates, givens, sliceable shared
     variables, in-graph collectives or the JAX linker is built now, as
     ``function()`` builds it.  Master only, before ``distribute()``; takes
     ``function()``'s arguments, and ``lazy``: a ``deferred.Lazy`` whose

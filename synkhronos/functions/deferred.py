@@ -5,9 +5,10 @@ for a PyMC model's gradient at many positions (vectorised, or a Scan of the
 one-position graph) that alone took 0.8-1.7 s a graph in the master
 (bench/pymc_gallery.py --parts startup), paid at ``data_parallel()`` for
 graphs that a run with one chain, or one call per chain, never calls.
-Deferred, the graph is kept as it was given; the master builds it at its
-first call, before the call is posted (so that Numba's code is in PyTensor's
-cache), and each worker builds its own at the same call.
+Deferred, the graph is kept as it was given and built at its first call by
+every rank: on one machine with a core for each rank, all at once (the master
+once the call is posted); else the master first, before posting it, so that
+the others load Numba's code from PyTensor's cache (``kept.builds_together``).
 
 Only plain graphs are deferred (no updates, givens, in-graph collectives or
 JAX linker): what the rest of the library reads of a function before its

@@ -7,8 +7,6 @@ calling with the same Data sends the same message: the Function keeps it,
 checked and pickled, and skips both the next time.
 """
 
-import logging
-
 import numpy as np
 
 from .. import compat
@@ -26,12 +24,10 @@ from ..variables.access import resolve
 from . import call_inputs, spread
 from .outputs import collect
 from .chunks import MasterChunks
-from .kept import KeptCall, own_share, static_call
+from .kept import KeptCall, builds_together, share_runner, static_call
 from .rank_call import CallMsg, Share, ThenMsg
 
 _trace = trace.ON
-
-logger = logging.getLogger(__name__)
 
 
 class Function:
@@ -48,6 +44,7 @@ class Function:
         self._scratch = {}  # per input: the Data a NumPy value is copied into
         self._kept = None   # the last call with Data only and no options (KeptCall)
         self._chunks = MasterChunks()  # its board, where calls run in chunks (chunks.py)
+        self._together = False  # its first call: the master builds after posting (builds_together)
         self._all_inputs = spec.inputs + spec.bcast_inputs
         self.what = f"call of {spec.fn.name or 'function'}"  # in profiles and stall errors
         self._dtypes = [np.dtype(v.dtype) for v in self._all_inputs]
@@ -287,9 +284,10 @@ class Function:
         name = self.name or "function"
         spec = self.spec
         if spec.compile_at_first_call:
-            # The master compiles first: the ranks' first call loads PyTensor's cached code.
             spec.compile_at_first_call = False
-            compat.precompile(spec.ready())
+            self._together = builds_together(rt)
+            if not self._together:  # the ranks' first call loads the code compiled here
+                compat.precompile(spec.ready())
             self._chunks.static_once()
         if kwargs or len(args) != len(self._all_inputs):
             args = self._bind(args, kwargs or {}, name)
@@ -344,12 +342,13 @@ class Function:
             msg, arrays = self.plan_call(args, kwargs, output_subset, batch, batch_s, num_slices)
             if then is not None:
                 msg = msg._replace(then=then(rt))
-            spec = self.spec
+            spec, together, self._together = self.spec, self._together, False
             if self._chunks.build_first(spec, rt, msg):  # every rank builds it first (static_once)
-                static_call(spec, rt, msg, arrays, self.what)
+                static_call(spec, rt, msg, arrays, self.what, together)
+                together = False
             msg, first = self._chunks.plan_for(spec, rt, msg, arrays)  # chunks.py, where they apply
             kept = None
-            if (plain and then is None and len(args) == len(self._all_inputs)
+            if (plain and then is None and not together and len(args) == len(self._all_inputs)
                     and all(type(a) is Data for a in args) and Share.reusable_for(spec, msg)):
                 old = self._kept
                 kept = KeptCall(self, rt, msg, arrays,
@@ -364,8 +363,7 @@ class Function:
             if msg.chunks is not None:  # chunks.py; a cluster's spread over its ranks: spread.py
                 run = self._chunks.run if msg.chunks.name else spread.run
                 return run(spec, rt, msg, arrays, first, self.what, kept)
-            share = Share(spec, rt, msg, arrays)
-            return run_command(rt, Command.CALL, msg, lambda seq: own_share(share.run()),
+            return run_command(rt, Command.CALL, msg, share_runner(spec, rt, msg, arrays, together),
                                lambda mine: collect(spec, rt, mine, msg.subset, self.name or "function"),
                                what=self.what, kept=kept)
         finally:

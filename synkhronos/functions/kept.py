@@ -4,6 +4,8 @@ The worker side is ``rank_call``'s ``_call_prepare``: each worker keeps its
 share of a kept message ready, as the master keeps its own here.
 """
 
+import os
+
 from ..inputs.data_object import Data
 from ..runtime import trace
 from ..runtime.commands import Command
@@ -124,8 +126,31 @@ def _combiner(spec, rt, name):
     return after
 
 
-def static_call(spec, rt, msg, arrays, what):
+def builds_together(rt):
+    """Whether the master builds a function built at its first call after posting that call,
+    as the ranks build theirs, rather than before: on one machine where each rank has a core.
+
+    Built first in the master, the ranks load its code from PyTensor's cache instead of
+    compiling it each (where ranks outnumber cores, a compile each took seconds); warm,
+    that order only made the ranks wait for the master's build (0.3-0.4 s, PyMC's
+    logistic regression on 2 ranks, bench/pymc_gallery.py --parts startup).
+    """
+    if rt.peers is not ALONE:
+        return False
+    cores = rt.processes.unpinned or os.sched_getaffinity(0)
+    return rt.place.n_local <= len(cores)
+
+
+def share_runner(spec, rt, msg, arrays, together=False):
+    """``run_command``'s local part: run the master's share of ``msg``; ``together``: the
+    master builds a function built at its first call once the call is posted (``builds_together``)."""
+    if together:
+        return lambda seq: own_share(Share(spec, rt, msg, arrays).run())
+    share = Share(spec, rt, msg, arrays)
+    return lambda seq: own_share(share.run())
+
+
+def static_call(spec, rt, msg, arrays, what, together=False):
     """Run the call ``msg`` with its static split on every rank, its result unused: each rank
     builds a function built at its first call (``chunks.MasterChunks.static_once``)."""
-    share = Share(spec, rt, msg, arrays)
-    run_command(rt, Command.CALL, msg, lambda seq: own_share(share.run()), what=what)
+    run_command(rt, Command.CALL, msg, share_runner(spec, rt, msg, arrays, together), what=what)

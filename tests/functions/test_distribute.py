@@ -1,5 +1,7 @@
 """function() and distribute(): call order, build-time argument checks, shared variables."""
 
+import os
+
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
@@ -260,6 +262,42 @@ def test_a_function_built_at_its_first_call(forked, rng):
     u = pytensor.shared(np.float64(0.0), name="u")
     h = function_at_first_call([x], outputs=[(x.sum(), "sum")], updates=[(u, u + 1)])
     assert type(h.spec.fn) is not Deferred
+
+
+_BUILT_AT = []
+
+
+def _squares_noting_the_post(x):
+    """The outputs of the next test's lazy function; in the master, notes the last command
+    posted as the graph is made (picklable)."""
+    rt = get_runtime()
+    if rt.is_master:
+        _BUILT_AT.append(rt.control.seq)
+    return [(x ** 2).sum(axis=0)]
+
+
+@pytest.mark.parametrize("over", [False, True], ids=["a-core-each", "more-ranks-than-cores"])
+def test_where_each_rank_has_a_core_the_master_builds_with_the_ranks(forked, rng, over):
+    """kept.builds_together: a function built at its first call is built by the master once
+    that call is posted, while the ranks build theirs, where each rank has a core; with more
+    ranks than cores, before posting it (the ranks then load the code it compiled)."""
+    from synkhronos.functions.build import function_at_first_call
+    from synkhronos.functions.deferred import Lazy
+
+    n = len(os.sched_getaffinity(0)) + 1 if over else 2
+    forked(n)
+    x = pt.dmatrix("x")
+    _BUILT_AT.clear()
+    f = function_at_first_call([x], outputs=[(pt.dvector(), "sum")], name="together",
+                               lazy=Lazy(_squares_noting_the_post, (x,), [x]))
+    synk.distribute()
+    data = rng.standard_normal((3 * n + 1, 2))
+    d = synk.data(data)
+    before = get_runtime().control.seq
+    np.testing.assert_allclose(f(d)[0], (data ** 2).sum(0), rtol=1e-12)
+    assert _BUILT_AT == [before if over else before + 1]
+    np.testing.assert_allclose(f(synk.data(data[:5]))[0], (data[:5] ** 2).sum(0), rtol=1e-12)
+    assert len(_BUILT_AT) == 1
 
 
 def _cubes(x, s):

@@ -5,11 +5,12 @@ No one mode wins for every model: on a logistic regression of 581,012 rows x
 gemv, fused loops) than in Numba, and on a radon-style model, indexed per
 row, 4.8x faster in Numba (issue 47, bench/pymc_calls.py --parts ratio).  So
 where ``data_parallel(mode=None)``, the first data-parallel evaluation
-compiles the one-position graph in each mode in the master, times it on as
-many rows as one rank holds, and keeps the faster; only that mode's
-functions are then built on the ranks.  Meanwhile a child process compiles
-the other modes on the ranks' cores, idle then (``_compile_aside``).  A mode
-whose graph Numba could compile only in object mode simply measures slow.
+compiles the one-position graph in each mode, times it on as many rows as
+one rank holds, and keeps the faster; only that mode's functions are then
+built on the ranks.  The master measures the first mode while a child
+process measures the others on the ranks' cores, idle then
+(``_measure_aside``).  A mode whose graph Numba could compile only in
+object mode simply measures slow.
 
 A measurement is kept on disk (``CACHE_FILE`` in PyTensor's compile
 directory, where PyTensor keeps its compiled code), keyed by the graph, the
@@ -20,6 +21,7 @@ a cold one).  Delete the file to measure again.
 """
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -40,8 +42,15 @@ TRIAL_S = 0.05
 calls, at most 200."""
 
 
+CLEAR_WIN = 0.9
+"""Another mode than the first is kept only where its graph ran in at most this share of the
+first's time: closer, the timing's spread decides, and the first (Numba) is the quicker to
+start from warm caches (each rank loads PyTensor's cache of C modules at its first C call)."""
+
+
 def fastest(inputs, position, output, arrays, x, n_parts, modes):
-    """The name of the fastest of ``modes`` for ``output`` on a rank's rows, and each one's seconds.
+    """The name of the fastest of ``modes`` for ``output`` on a rank's rows (the first, unless
+    another wins clearly: ``CLEAR_WIN``), and each one's seconds.
 
     Args:
         inputs: the graph's row inputs, ``arrays`` their values (every row).
@@ -61,28 +70,33 @@ def fastest(inputs, position, output, arrays, x, n_parts, modes):
                                                         for m, s in seconds.items()),
                     rows, cache_path())
         return best, seconds
-    helper = _compile_aside(inputs, position, output, dict(list(modes.items())[1:]))
-    fns, compile_s = {}, {}
+    helper = _measure_aside(inputs, position, output, dict(list(modes.items())[1:]), args)
+    fns, compile_s, seconds = {}, {}, {}
     try:
-        for name, mode in modes.items():
+        for name, mode in list(modes.items())[:1 if helper else None]:
             t0 = time.perf_counter()
             fn = fns[name] = pytensor.function([*inputs, position], output, mode=mode,
                                                on_unused_input="ignore")
             fn(*args)   # Numba compiles at the first call
             compile_s[name] = time.perf_counter() - t0
     finally:
-        _reap(helper)   # before the timing: the child's compile shares the machine
-    seconds = {}
-    for name, fn in fns.items():
-        times, end = [], time.perf_counter() + TRIAL_S
-        while len(times) < 3 or (len(times) < 200 and time.perf_counter() < end):
+        # The child times its modes first, then the master its own: one at a time.
+        for name, (s, c) in _reap(helper).items():
+            seconds[name], compile_s[name] = s, c
+    for name, mode in modes.items():
+        if name not in fns and name not in seconds:  # the child measured nothing: here, then
             t0 = time.perf_counter()
-            fn(*args)
-            times.append(time.perf_counter() - t0)
-        seconds[name] = min(times)
+            fns[name] = pytensor.function([*inputs, position], output, mode=mode,
+                                          on_unused_input="ignore")
+            fns[name](*args)
+            compile_s[name] = time.perf_counter() - t0
+    for name, fn in fns.items():
+        seconds[name] = _trial(fn, args)
+    for name in modes:
         logger.debug("pymc model: the ranks' graph in %s: %.1f us on %d rows (compiled in "
                      "%.2f s)", name, seconds[name] * 1e6, rows, compile_s[name])
-    best = min(seconds, key=seconds.get)
+    seconds = {name: seconds[name] for name in modes}
+    best = kept(seconds)
     logger.info("pymc model: the ranks' graph runs in %s (%s on %d rows)", best,
                 ", ".join(f"{m} {s * 1e6:.0f} us" for m, s in seconds.items()), rows)
     if key is not None:
@@ -90,52 +104,110 @@ def fastest(inputs, position, output, arrays, x, n_parts, modes):
     return best, seconds
 
 
+def kept(seconds):
+    """The mode kept of ``{mode: seconds}``: the first, unless another ran in at most
+    ``CLEAR_WIN`` of its time (then the fastest)."""
+    first = next(iter(seconds))
+    best = min(seconds, key=seconds.get)
+    return best if seconds[best] <= CLEAR_WIN * seconds[first] else first
+
+
+def _trial(fn, args):
+    """The least seconds of ``fn(*args)`` over about ``TRIAL_S`` (at least 3 calls)."""
+    times, end = [], time.perf_counter() + TRIAL_S
+    while len(times) < 3 or (len(times) < 200 and time.perf_counter() < end):
+        t0 = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 HELPER_WAIT_S = 60.0
-"""How long the master waits, after its own compiles, for the child compiling aside to end
-(it has then nothing left to compile that the master did not: a child still running is stuck)."""
+"""How long the master waits, after its own compile, for the child measuring aside to end."""
 
 
-def _compile_aside(inputs, position, output, modes):
-    """A child process compiling ``modes``' graphs on the cores the ranks hold (idle now) while
-    the master compiles the first mode's: PyTensor keeps compiled C code on disk, under a
-    lock, so the master's compile of the same graph then loads what the child compiled
-    instead of compiling it after.  Cold, the two modes took 7.7 + 9.6 s one after the other
-    (a logistic regression, PyMC 6.4).  Returns the child's pid, or None where no other core
-    is free or fork() fails (the master then compiles everything itself)."""
+def _measure_aside(inputs, position, output, modes, args):
+    """A child process that compiles ``modes``' graphs on the cores the ranks hold (idle
+    now) while the master compiles the first mode's, then times them once the master has
+    compiled (``_reap``: on a 2-vCPU VM the two may be one core's hardware threads).
+
+    Cold, the master compiled the two modes one after the other: 7.7 + 9.6 s (a
+    logistic regression, PyMC 6.4); with the child only compiling C, the master's own C
+    compile, loading the child's modules, still took 1.3-4.4 s.  Returns ``(pid, results
+    pipe, go pipe)``, or None where no other core is free or fork() fails (the master
+    then measures every mode itself).
+    """
     others = unpinned_cores() - os.sched_getaffinity(0)
     if not modes or not others:
         return None
     try:
+        r, w = os.pipe()
+        go_r, go_w = os.pipe()
         pid = fork_quietly()
     except OSError as exc:
-        logger.debug("pymc model: no child to compile aside (%s)", exc)
+        logger.debug("pymc model: no child to measure aside (%s)", exc)
         return None
     if pid:
-        return pid
+        os.close(w)
+        os.close(go_r)
+        return pid, r, go_w
     code = 1
-    try:   # the child: compile, and leave without running anything of the master's at exit
+    try:   # the child: measure, and leave without running anything of the master's at exit
+        os.close(r)
+        os.close(go_w)
         os.sched_setaffinity(0, others)
         logging.disable(logging.CRITICAL)
-        for mode in modes.values():
-            pytensor.function([*inputs, position], output, mode=mode, on_unused_input="ignore")
+        fns, measured = {}, {}
+        for name, mode in modes.items():
+            t0 = time.perf_counter()
+            fns[name] = pytensor.function([*inputs, position], output, mode=mode,
+                                          on_unused_input="ignore")
+            fns[name](*args)
+            measured[name] = [None, time.perf_counter() - t0]
+        os.read(go_r, 1)   # the master's compile done (or the master gone: end of file)
+        for name, fn in fns.items():
+            measured[name][0] = _trial(fn, args)
+        os.write(w, json.dumps(measured).encode())   # far less than a pipe's buffer
         code = 0
     finally:
         os._exit(code)
 
 
-def _reap(pid):
-    """Wait for the child compiling aside (``HELPER_WAIT_S`` at most, then kill it)."""
-    if pid is None:
-        return
-    deadline = time.monotonic() + HELPER_WAIT_S
-    while time.monotonic() < deadline:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return
-        time.sleep(0.01)
-    logger.warning("pymc model: the child compiling the ranks' graph aside did not end; "
-                   "killed")
-    stop_process(pid, reap=True)
+def _reap(helper):
+    """Let the child measuring aside time its modes; return what it measured, ``{mode:
+    (seconds, compile seconds)}`` (empty where it failed).  Waits ``HELPER_WAIT_S`` at
+    most, then kills it."""
+    if helper is None:
+        return {}
+    pid, pipe, go = helper
+    os.close(go)   # the child times its modes now
+    try:
+        deadline = time.monotonic() + HELPER_WAIT_S
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return _measured(pipe) if os.waitstatus_to_exitcode(status) == 0 else {}
+            time.sleep(0.01)
+        logger.warning("pymc model: the child measuring the ranks' graph aside did not end; "
+                       "killed")
+        stop_process(pid, reap=True)
+        return {}
+    finally:
+        os.close(pipe)
+
+
+def _measured(pipe):
+    chunks = []
+    while True:
+        chunk = os.read(pipe, 65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    try:
+        measured = json.loads(b"".join(chunks))
+        return {str(m): (float(s), float(c)) for m, (s, c) in measured.items()}
+    except (ValueError, TypeError, AttributeError):
+        return {}
 
 
 CACHE_FILE = "synkhronos_modes.json"
@@ -152,18 +224,24 @@ def _key(output, args, modes):
     """What a measurement depends on, hashed: the graph as PyTensor prints it (its
     operations and types, not the rows' values), the arguments' shapes and types, the
     modes, the libraries that compile it and the CPU that runs it; None where the graph
-    cannot be printed."""
-    import numba
-
+    cannot be printed.  Numba's version is read from its metadata: a kept C mode never
+    needs Numba imported (0.35 s)."""
     try:
         graph = pytensor.printing.debugprint(output, file="str", print_type=True)
     except Exception as exc:  # noqa: BLE001 - an Op that cannot print: measured every time
         logger.debug("pymc model: the graph's measurement is not kept (%r)", exc)
         return None
     parts = [graph, [(np.shape(a), str(np.asarray(a).dtype)) for a in args],
-             sorted(str(m) for m in modes), pytensor.__version__, numba.__version__,
+             sorted(str(m) for m in modes), pytensor.__version__, _version("numba"),
              platform.machine(), _cpu_model(), os.cpu_count()]
     return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def _version(package):
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _cpu_model():
