@@ -340,6 +340,31 @@ def test_crossover_samples_a_small_model_as_pm_sample_does(env, caplog, monkeypa
         dp.split = None
 
 
+@pytest.mark.parametrize("many_us", [3000.0, 1500.0])
+def test_crossover_takes_a_call_per_chain_where_it_times_cheaper(env, monkeypatch, many_us):
+    """Where the call at every chain's position was timed dearer than a call per chain (the
+    gallery's logistic regression at 10^5 rows: 3.1 ms at 2 positions, 1.2 ms at one), the
+    chains take a call each and the prediction counts that; else the one call."""
+    dp = env.auto
+    timed = iter([10e-3, 1e-3, many_us * 1e-6])   # PyMC's serial call, one position, two
+
+    def fake_timed(call, seconds=crossover.TRIAL_S):
+        call()
+        return next(timed)
+    monkeypatch.setattr(crossover, "_timed", fake_timed)
+    monkeypatch.setattr(crossover, "LEAPFROGS", 10)
+    monkeypatch.setattr(crossover, "MANY_COMPILE_S", 0.0)
+    monkeypatch.setattr(dp._calls, "first_s", 0.0)
+    dp.decisions.clear()
+    d = crossover.decide(dp, "pymc", 2, 2, 30, 30)
+    steps, own = 60 * crossover.LEAPFROGS, crossover.SAMPLER_S["pymc"]
+    assert d.parallel_many_s == pytest.approx(many_us * 1e-6), d
+    assert d.separate is (many_us > 2000.0), d
+    assert d.parallel_run_s == pytest.approx(steps * (2 * own + min(many_us * 1e-6, 2e-3)))
+    assert d.split is True, d
+    dp.decisions.clear()
+
+
 def test_crossover_gives_nutpie_the_compiled_function(env, caplog, monkeypatch):
     """Where nutpie would compile the model again for longer than the run (a short run of a
     small model), dp.sample hands nutpie PyMC's compiled (logp, dlogp) instead, calls

@@ -91,9 +91,8 @@ at every chain's position could save less over the run (at most a call per chain
 step), the chains take a call each and nothing more is compiled."""
 
 MANY_BUILDS = 4.0
-"""Robust at 10^5 rows, PyMC 5.28, Numba: the first call 3.9-4.2 s, the graphs at many
-positions 15.7-17.0 s more; under the 3 s alone, nutpie's run compiled them to save 3.0 s
-and took 31.4 s against nutpie's 12.9 (2026-12-05, bench/HISTORY.md)."""
+"""Robust at 10^5 rows, PyMC 5.28: the first call 3.9-4.2 s, the many-position graphs 15.7-17.0
+s more; under 3 s alone, they were compiled to save 3.0 s (2026-12-05, bench/HISTORY.md)."""
 
 CALL_S = 3e-6
 """A data-parallel call's cost beyond its ranks' share of the rows, at the least: 2.7 us
@@ -144,7 +143,7 @@ class Decision:
     ``parallel_s`` a data-parallel call at one position, ``parallel_many_s``
     one at every chain's position; ``serial_run_s`` and ``parallel_run_s``
     the rest of the run as predicted.  ``separate``: the chains' positions
-    go in a call each (``MANY_COMPILE_S``).  ``predicted``: ``parallel_s``
+    go in a call each (``MANY_COMPILE_S``, or timed cheaper).  ``predicted``: ``parallel_s``
     was predicted, not timed (even at best it would not gain: nothing was
     built for the ranks; ``parallel_run_s`` then counts building it).
     ``callback``: the way not split is nutpie on PyMC's compiled (logp,
@@ -253,7 +252,8 @@ def decide(dp, sampler, chains, cores, draws, tune):
     chain's position could not save ``MANY_COMPILE_S`` over the run, the
     chains take a call each (``Decision.separate``); else that call is timed,
     its first call compiling the many-position graphs, which sampling
-    several chains would compile anyway.
+    several chains would compile anyway, and the cheaper of it and a call
+    per chain is taken.
     """
     import synkhronos as synk
 
@@ -302,9 +302,8 @@ def decide(dp, sampler, chains, cores, draws, tune):
         return decision
     one_s = _timed(lambda: dp.logp_dlogp(x))
     compile_s = 0.0
-    # nutpie's own compile runs the model in Numba: where the first evaluation timed the
-    # rank's graph in Numba and in C, a gradient of nutpie's costs PyMC's C call times
-    # their ratio (at 10^5 rows on PyMC 5.28: radon 0.27, robust 0.62).
+    # nutpie's gradient (Numba) costs PyMC's C call times the rank graph's Numba / C ratio,
+    # where both were timed (at 10^5 rows on PyMC 5.28: radon 0.27, robust 0.62).
     numba = numba_ratio(dp.mode_seconds) if sampler == "nutpie" and not callback else None
     if numba is not None:
         serial_run, _ = predict(sampler, chains, n_cores, steps, serial_s * numba, 0.0, 0.0)
@@ -313,8 +312,7 @@ def decide(dp, sampler, chains, cores, draws, tune):
     many_cost = max(MANY_COMPILE_S, MANY_BUILDS * (dp.first_call_s or 0.0))
     if chains > 1 and steps * (chains - 1) * one_s < many_cost:
         separate = True   # a call each: the many-position graphs would not pay their compile
-        _, parallel_run = predict(sampler, chains, n_cores, steps, serial_s, compile_s,
-                                  chains * one_s)
+        _, parallel_run = predict(sampler, chains, n_cores, steps, serial_s, compile_s, chains * one_s)
     elif chains > 1 and fastest * GAIN < serial_run:
         # Positions near the start, apart as chains' are; the first calls choose between
         # the vectorised graph and the loop (calls.Calls), the timing sees the one kept.
@@ -322,7 +320,9 @@ def decide(dp, sampler, chains, cores, draws, tune):
         for _ in range(2 * calls_mod.TRIALS + 1):
             dp.logp_dlogp_many(P)
         many_s = _timed(lambda: dp.logp_dlogp_many(P))
-        _, parallel_run = predict(sampler, chains, n_cores, steps, serial_s, compile_s, many_s)
+        separate = chains * one_s < many_s   # logistic, 10^5 rows: 3.1 ms against 2 x 1.2
+        round_s = min(many_s, chains * one_s)
+        _, parallel_run = predict(sampler, chains, n_cores, steps, serial_s, compile_s, round_s)
     split = parallel_run * GAIN < serial_run
     decision = Decision(split, "measured", sampler, chains, n_cores, ranks, serial_s,
                         serial.compile_s, one_s, many_s, serial_run, parallel_run, separate,
