@@ -220,6 +220,19 @@ def test_the_other_modes_are_measured_by_a_child_on_the_ranks_cores(tmp_path, mo
     assert len(compiled) == 1                   # the master's PY; the child's CVM is not seen here
     assert set(seconds) == {"PY", "CVM"} and all(s > 0 for s in seconds.values())
     assert best == "CVM" and seconds["CVM"] < seconds["PY"]   # the child's figure, used
+    # No child (fork() failed): the master measures both, and leaves no pipe open.
+    (tmp_path / "modes.json").unlink()
+
+    def no_fork():
+        raise OSError("no fork")
+    monkeypatch.setattr(modes, "fork_quietly", no_fork)
+    fds = len(os.listdir("/proc/self/fd"))
+    os.sched_setaffinity(0, cores[:1])
+    try:
+        assert modes.fastest([X], p, out, [rows], np.ones(3), 2, ways)[0] == "CVM"
+    finally:
+        os.sched_setaffinity(0, had)
+    assert len(compiled) == 3 and len(os.listdir("/proc/self/fd")) == fds
 
 
 def test_mode_is_checked_before_anything_is_built(env):

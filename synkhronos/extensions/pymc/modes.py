@@ -140,11 +140,15 @@ def _measure_aside(inputs, position, output, modes, args):
     others = unpinned_cores() - os.sched_getaffinity(0)
     if not modes or not others:
         return None
+    fds = []
     try:
-        r, w = os.pipe()
-        go_r, go_w = os.pipe()
+        fds += os.pipe()
+        fds += os.pipe()
+        r, w, go_r, go_w = fds
         pid = fork_quietly()
     except OSError as exc:
+        for fd in fds:
+            os.close(fd)
         logger.debug("pymc model: no child to measure aside (%s)", exc)
         return None
     if pid:
