@@ -1,7 +1,9 @@
 """KeptCall: a call repeated with the very same Data and no options, prepared once (master side).
 
 The worker side is ``rank_call``'s ``_call_prepare``: each worker keeps its
-share of a kept message ready, as the master keeps its own here.
+share of a kept message ready, as the master keeps its own here.  Also the
+master's share of a call and of a function's first call, which the master
+builds before or after posting it (``builds_together``).
 """
 
 import os
