@@ -57,8 +57,8 @@ SEAMS = {
     },
     "pymc/modes.py": {
         "synkhronos.runtime.process_setup.fork_quietly":
-            "a child compiles the rank's graph in C on the ranks' idle cores while the master "
-            "compiles it in Numba: a helper process of ours, as the runtime forks its own",
+            "a child compiles and times the rank's graph in C on the ranks' idle cores while "
+            "the master compiles it in Numba: a helper process of ours, as the runtime forks its own",
         "synkhronos.runtime.liveness.stop_process":
             "that child, stuck past its bound, is killed and reaped as the runtime ends its own",
     },

@@ -72,24 +72,16 @@ def fastest(inputs, position, output, arrays, x, n_parts, modes):
         return best, seconds
     helper = _measure_aside(inputs, position, output, dict(list(modes.items())[1:]), args)
     fns, compile_s, seconds = {}, {}, {}
+    first = next(iter(modes))
     try:
-        for name, mode in list(modes.items())[:1 if helper else None]:
-            t0 = time.perf_counter()
-            fn = fns[name] = pytensor.function([*inputs, position], output, mode=mode,
-                                               on_unused_input="ignore")
-            fn(*args)   # Numba compiles at the first call
-            compile_s[name] = time.perf_counter() - t0
+        fns[first], compile_s[first] = _compiled(inputs, position, output, modes[first], args)
     finally:
         # The child times its modes first, then the master its own: one at a time.
         for name, (s, c) in _reap(helper).items():
             seconds[name], compile_s[name] = s, c
     for name, mode in modes.items():
-        if name not in fns and name not in seconds:  # the child measured nothing: here, then
-            t0 = time.perf_counter()
-            fns[name] = pytensor.function([*inputs, position], output, mode=mode,
-                                          on_unused_input="ignore")
-            fns[name](*args)
-            compile_s[name] = time.perf_counter() - t0
+        if name not in fns and name not in seconds:  # no child, or it failed: here, then
+            fns[name], compile_s[name] = _compiled(inputs, position, output, mode, args)
     for name, fn in fns.items():
         seconds[name] = _trial(fn, args)
     for name in modes:
@@ -110,6 +102,15 @@ def kept(seconds):
     first = next(iter(seconds))
     best = min(seconds, key=seconds.get)
     return best if seconds[best] <= CLEAR_WIN * seconds[first] else first
+
+
+def _compiled(inputs, position, output, mode, args):
+    """``output``'s function in ``mode``, called once (Numba compiles at the first call), and
+    the seconds both took."""
+    t0 = time.perf_counter()
+    fn = pytensor.function([*inputs, position], output, mode=mode, on_unused_input="ignore")
+    fn(*args)
+    return fn, time.perf_counter() - t0
 
 
 def _trial(fn, args):
@@ -161,16 +162,10 @@ def _measure_aside(inputs, position, output, modes, args):
         os.close(go_w)
         os.sched_setaffinity(0, others)
         logging.disable(logging.CRITICAL)
-        fns, measured = {}, {}
-        for name, mode in modes.items():
-            t0 = time.perf_counter()
-            fns[name] = pytensor.function([*inputs, position], output, mode=mode,
-                                          on_unused_input="ignore")
-            fns[name](*args)
-            measured[name] = [None, time.perf_counter() - t0]
+        built = {name: _compiled(inputs, position, output, mode, args)
+                 for name, mode in modes.items()}
         os.read(go_r, 1)   # the master's compile done (or the master gone: end of file)
-        for name, fn in fns.items():
-            measured[name][0] = _trial(fn, args)
+        measured = {name: [_trial(fn, args), c] for name, (fn, c) in built.items()}
         os.write(w, json.dumps(measured).encode())   # far less than a pipe's buffer
         code = 0
     finally:
