@@ -1,4 +1,4 @@
-"""Six more models of PyMC's example gallery, written as a new user writes them: NumPy arrays
+"""Seven more models of PyMC's example gallery, written as a new user writes them: NumPy arrays
 as observed data and covariates, no pm.Data (none of them is in the tests' gallery,
 tests/helpers/pymc_gallery.py).  The data are made here with each notebook's columns and
 sizes (a fixed seed per model: every process makes the same rows).
@@ -9,6 +9,8 @@ sizes (a fixed seed per model: every process makes the same rows).
   mixture    marginalized Gaussian mixture: 1000 rows, 3 ordered components
   truncated  regression on truncated data: the rows of 700 kept in [-5, 5]
   splines    splines (cherry blossoms' shape): 827 rows, 17 basis functions
+  missing    automatic imputation (PyMC's overview): a regression whose observed values
+             have NaNs, 500 rows, 2 covariates, 10% missing, imputed by PyMC
 
 Used by ``bench/pymc_gallery.py --parts e2e --more``.
 """
@@ -107,5 +109,20 @@ def splines():
     return m
 
 
+def missing():
+    """Automatic imputation: observed= a NumPy array with NaNs, PyMC imputes them (500 rows)."""
+    rng = np.random.default_rng(10)
+    n = 500
+    X = rng.normal(size=(n, 2))
+    y = 1.0 + X @ [0.8, -0.4] + rng.normal(0, 0.5, n)
+    y[rng.random(n) < 0.1] = np.nan
+    with pm.Model() as m:
+        a = pm.Normal("a", 0, 5)
+        b = pm.Normal("b", 0, 2, shape=2)
+        s = pm.HalfNormal("s", 2)
+        pm.Normal("y", a + pm.math.dot(X, b), s, observed=y)
+    return m
+
+
 MODELS = dict(poisson=poisson, rats=rats, baseball=baseball, mixture=mixture,
-              truncated=truncated, splines=splines)
+              truncated=truncated, splines=splines, missing=missing)

@@ -24,6 +24,7 @@ from synkhronos.extensions import pymc as synk_pymc  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 N_ROWS = 301          # no rank count here divides it
+MISSING_PRESENT = int(np.sum(np.random.default_rng(6).random(N_ROWS) >= 0.1))   # _missing_model's
 
 
 def _points(model, rng, k=2):
@@ -181,7 +182,41 @@ def _truncated_model():
     return m
 
 
-AS_WRITTEN = {"schools": (_schools_model, {}), "schools_indexed": (_schools_indexed_model, {}),
+def _missing_model(indexed=False):
+    """observed= with missing values (NaN): PyMC imputes them, and the likelihood of the rows
+    present selects the covariates' rows by a mask, ``(X @ b)[mask]`` (``theta[group][mask]``
+    where ``indexed``)."""
+    X, y = _regression()
+    y = y.copy()
+    y[np.random.default_rng(6).random(N_ROWS) < 0.1] = np.nan
+    group = np.arange(N_ROWS) % 7
+    with pm.Model() as m:
+        b = pm.Normal("b", 0, 1, shape=2)
+        s = pm.HalfNormal("s", 1)
+        mu = X @ b
+        if indexed:
+            theta = pm.Normal("theta", 0, 1, shape=7)
+            mu = mu + theta[group]
+        pm.Normal("y_obs", mu=mu, sigma=s, observed=y)
+    return m
+
+
+def _two_lengths_model():
+    """Two observed NumPy arrays of different lengths: the longer is split, the other whole."""
+    X, y = _regression()
+    y2 = np.random.default_rng(7).normal(1.0, 2.0, 40)
+    with pm.Model() as m:
+        b = pm.Normal("b", 0, 1, shape=2)
+        s = pm.HalfNormal("s", 1)
+        pm.Normal("y_obs", mu=X @ b, sigma=s, observed=y)
+        pm.Normal("y2", mu=b[0], sigma=2 * s, observed=y2)
+    return m
+
+
+AS_WRITTEN = {"missing": (_missing_model, {}),
+              "missing_indexed": (lambda: _missing_model(indexed=True), {}),
+              "two_lengths": (_two_lengths_model, {}),
+"schools": (_schools_model, {}), "schools_indexed": (_schools_indexed_model, {}),
               "schools_indexed_numpy": (lambda: _schools_indexed_model(numpy=True), {}),
               "numpy": (_numpy_model, {}), "indexed": (_indexed_model, {}),
               "indexed_wrapped": (lambda: _indexed_model(wrapped=True), {}),
@@ -222,6 +257,25 @@ def test_refusals_name_the_variable(exact):
         b = pm.Normal("b", 0, 1, shape=2)
         pm.Normal("y_obs", mu=(X_d @ b)[mask], sigma=1.0, observed=y_d)
     cases.append((m, {}, r"'y_obs'.*select them before building the model"))
+    with pm.Model() as m:     # a time series alone: nothing would be left to split
+        rho, s = pm.Normal("rho", 0, 1), pm.HalfNormal("s", 1)
+        pm.AR("y", rho=[rho], sigma=s, init_dist=pm.Normal.dist(0, 10),
+              observed=np.cumsum(rng.normal(size=N_ROWS)))
+    cases.append((m, {}, r"'y' combines rows.*reads every array split by rows \(\['y_data'\]\)"
+                  r".*Sample it with pm\.sample"))
+    with pm.Model() as m:     # missing counts: PyMC imputes them as discrete variables
+        counts = rng.poisson(3.0, N_ROWS).astype(float)
+        counts[:5] = np.nan
+        pm.Poisson("y", pm.math.exp(pm.Normal("b0", 0, 2) + X[:, 0]), observed=counts)
+    cases.append((m, {}, r"\['y'\] have missing values.*\['y_unobserved'\].*Leave the rows "
+                  r"with missing values out"))
+    with pm.Model() as m:     # covariates with missing values, imputed: laid out by the mask
+        Xm = X.copy()
+        Xm[rng.random(X.shape) < 0.1] = np.nan
+        X_v = pm.Normal("X", 0, 1, observed=Xm)
+        pm.Normal("y_obs", mu=X_v @ pm.Normal("b", 0, 1, shape=2), sigma=1.0, observed=y)
+    cases.append((m, {}, r"'y_obs' reads 'X', whose missing values PyMC imputes.*Give 'X' "
+                  r"without missing values"))
     for model, kw, pattern in cases:
         with pytest.raises(ValueError, match=pattern):
             synk_pymc.data_parallel(model, **kw)
@@ -273,7 +327,8 @@ def test_now_exact_on_uneven_ranks(exact, name):
         np.testing.assert_allclose(dp.logp(point), logp(point), rtol=1e-10)
         np.testing.assert_allclose(dp.dlogp(point), dlogp(point), rtol=1e-9, atol=1e-10)
     whole_terms = {"total_size": ["prior"], "centred": ["y_obs", "prior"],
-                   "walk": ["walk", "prior"], "walk_numpy": ["walk", "prior"]}.get(name, ["prior"])
+                   "walk": ["walk", "prior"], "walk_numpy": ["walk", "prior"],
+                   "two_lengths": ["y2", "prior"]}.get(name, ["prior"])
     assert [t.name for t in dp._plan.whole_terms] == whole_terms
     # What is split: the NumPy arrays with the rows as well as the containers.
     split = {"numpy": ["y_obs_array1", "y_obs_data"], "indexed": ["y_obs_array1", "y_obs_data"],
@@ -282,10 +337,17 @@ def test_now_exact_on_uneven_ranks(exact, name):
              "schools": ["obs_array1", "obs_data", "row_ids"], "mixture": ["x_data"],
              "truncated": ["y_array1", "y_data"],
              "schools_indexed": ["school_idx", "sigma", "y"],
-             "schools_indexed_numpy": ["y_obs_array1", "y_obs_array2", "y_obs_data"]}
+             "schools_indexed_numpy": ["y_obs_array1", "y_obs_array2", "y_obs_data"],
+             # The rows present: the mask moved onto the covariates (and the group index).
+             "missing": ["y_obs_observed_array1", "y_obs_observed_data"],
+             "missing_indexed": ["y_obs_observed_array1", "y_obs_observed_array2",
+                                 "y_obs_observed_data"],
+             "two_lengths": ["y_obs_array1", "y_obs_data"]}
     if name in split:
         assert sorted(c.name for c in dp.containers) == split[name]
-        assert dp.n_rows == (8 if name.startswith("schools") else N_ROWS)
+        rows = {"missing": MISSING_PRESENT, "missing_indexed": MISSING_PRESENT}.get(
+            name, 8 if name.startswith("schools") else N_ROWS)
+        assert dp.n_rows == rows
 
 
 def test_float32_model_keeps_its_precision(runtime_keeper):

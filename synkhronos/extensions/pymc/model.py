@@ -17,7 +17,7 @@ import synkhronos as synk
 
 from ... import compat
 from . import calls as calls_mod
-from . import crossover, graphs, internals, modes, rowcheck, terms
+from . import crossover, graphs, internals, modes, rowcheck, selections, terms
 from .batching import Batcher
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ class DataParallelModel:
         value_vars = list(model.value_vars)
         discrete = [v.name for v in value_vars
                     if not np.issubdtype(np.dtype(v.dtype), np.floating)]
+        selections.refuse_discrete_imputed(model, discrete)
         if discrete:
             raise ValueError(
                 f"data_parallel: free variables {discrete} are discrete, and NUTS (what "
@@ -113,6 +114,7 @@ class DataParallelModel:
         terms.refuse_random_draws(all_terms)
         plan = terms.choose(model, all_terms, list(given) if given else data, unsplit,
                             lift=not given, point=point)
+        selections.refuse_imputed_reads(model, plan)
         terms.refuse_numpy_rows(model, plan)
         rowcheck.check_rows(model, plan, value_vars, self._check_point,
                             internals.pymc_mode(model, fast=True))

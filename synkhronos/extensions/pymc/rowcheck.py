@@ -16,7 +16,7 @@ import pytensor
 import pytensor.tensor as pt
 
 from ... import compat
-from . import graphs
+from . import graphs, terms
 from .terms import WHERE
 
 logger = logging.getLogger(__name__)
@@ -92,11 +92,26 @@ def _evaluate(fn, args, rows, t, plan, part, per_term=None):
         raise ValueError(
             f"{WHERE}: the log-density term of {names[0]!r}"
             + (f" (and {names[1:]})" if len(names) > 1 else "")
-            + f" fails on {where} ({type(exc).__name__}: {first}). A term that needs all its "
-            "rows (a time series, a fixed number of steps) must keep its data whole: "
-            f"data_parallel(model, unsplit=[...]) with the containers it reads among "
-            f"{[c.name for c in plan.split]}; otherwise every array with one row per "
-            "observation must be a pm.Data container with the same rows") from exc
+            + f" fails on {where} ({type(exc).__name__}: {first}). "
+            + _whole_fix(plan, [t for t in plan.split_terms if t.name in names],
+                         "A term that needs all its rows (a time series, a fixed number of "
+                         "steps)")
+            + "; otherwise every array with one row per observation must be a pm.Data "
+            "container with the same rows") from exc
+
+
+def _whole_fix(plan, failing, what):
+    """What to do with terms that need every row: keep the arrays they read whole, or, where
+    those are all the arrays split, sample the model with pm.sample."""
+    read = set()
+    for term in failing:
+        read.update(compat.ancestors([term.graph]))
+    names = [c.name for c in plan.split if terms.graph_var(c) in read]
+    if len(names) == len(plan.split):
+        return (f"{what} reads every array split by rows ({names}): kept whole, nothing "
+                "would be left to split, and splitting gains nothing on this model. Sample "
+                "it with pm.sample (with model: pm.sample(...))")
+    return (f"{what} must keep its data whole: data_parallel(model, unsplit={names})")
 
 
 class _Lazy:
@@ -122,14 +137,11 @@ def _combines_rows(term, plan, whole, summed):
                   if v.owner is not None
                   and any(k in type(v.owner.op).__name__ for k in _ROW_COMBINING)})
     found = f" Its graph has {', '.join(ops)}." if ops else ""
-    names = [c.name for c in plan.split]
     numpy_fix = (" If it centres or scales by statistics over the rows (X - X.mean(0), "
                  "(x - x.mean()) / x.std()), compute them with NumPy before building the "
                  "model, pm.Data(\"X\", X - X.mean(0)): every row then stands alone and the "
                  "rows split exactly.")
-    whole_fix = (" If it needs every row (a time series, a sort), keep whole every container "
-                 f"it reads among {names}: data_parallel(model, unsplit=[...]), all of those "
-                 "with its rows (one kept whole next to one split would not line up).")
+    whole_fix = " " + _whole_fix(plan, [term], "If it needs every row (a time series, a sort), it") + "."
     return (f"{WHERE}: the log-density term of {term.name!r} combines rows (statistics across "
             "rows such as a mean or a sort, a cumulative sum, a time series): on parts of the "
             f"rows it adds up to {summed!r}, on all of them it is {whole!r}, so split over ranks "

@@ -14,6 +14,7 @@ wrote it.  ``rowcheck.py`` then checks that each split term really is a sum
 over its rows.
 """
 
+import logging
 from typing import NamedTuple
 
 import numpy as np
@@ -26,7 +27,9 @@ from pytensor.tensor.random.type import RandomType
 import synkhronos as synk
 
 from ... import compat
-from . import internals
+from . import internals, selections
+
+logger = logging.getLogger(__name__)
 
 WHERE = "data_parallel"
 
@@ -97,12 +100,17 @@ def containers_of(model):
 
 
 def model_terms(model):
-    """Every term of the model's log-density, as ``Term`` s (the priors as one term)."""
+    """Every term of the model's log-density, as ``Term`` s (the priors as one term).
+
+    A likelihood's constant row selections are moved onto the arrays they
+    select (``selections``): the rows present of a variable with missing values.
+    """
     terms = []
     for rv in model.observed_RVs:
-        terms.append(Term(rv.name, model.logp(vars=[rv], sum=True), internals.scales_rows(rv)))
+        graph = selections.fold(model.logp(vars=[rv], sum=True))
+        terms.append(Term(rv.name, graph, internals.scales_rows(rv)))
     for pot in model.potentials:
-        terms.append(Term(pot.name, model.logp(vars=[pot], sum=True), False))
+        terms.append(Term(pot.name, selections.fold(model.logp(vars=[pot], sum=True)), False))
     if model.free_RVs:
         terms.append(Term("prior", model.logp(vars=list(model.free_RVs), sum=True), False))
     return terms
@@ -310,11 +318,14 @@ def _rows(container):
 def _observed_rows(model, by_name, terms, lift):
     """The number of observed rows: of the containers, or NumPy arrays, holding the observed data.
 
-    A model without observed variables (a likelihood in ``pm.Potential`` terms)
-    takes the longest first axis among the arrays and containers its
-    potentials read (``rowcheck`` then checks that they split).
+    Where observed NumPy arrays differ in length (and no container says
+    otherwise), the longest are the rows split: the likelihoods of the others
+    read none of them and stay whole terms, counted once.  A model without
+    observed variables (a likelihood in ``pm.Potential`` terms) takes the
+    longest first axis among the arrays and containers its potentials read
+    (``rowcheck`` then checks that they split).
     """
-    lengths, numpy_observed = set(), []
+    lengths, arrays, numpy_observed = set(), {}, []
     containers = set(by_name.values())
     for rv in model.observed_RVs:
         value = model.rvs_to_values[rv]
@@ -322,9 +333,15 @@ def _observed_rows(model, by_name, terms, lift):
         if mine:
             lengths.update(n for n in (_rows(c) for c in mine) if n is not None)
         elif lift and isinstance(value, Constant) and np.ndim(value.data) >= 1:
-            lengths.add(len(value.data))
+            arrays[rv.name] = len(value.data)
         else:
             numpy_observed.append(rv.name)
+    if arrays and not lengths:
+        lengths = {max(arrays.values())}
+        whole = sorted(name for name, n in arrays.items() if n not in lengths)
+        if whole:
+            logger.info("data_parallel: splitting the rows of %s; %s, of other lengths, stay "
+                        "whole", sorted(set(arrays) - set(whole)), whole)
     if not model.observed_RVs:
         firsts = [np.shape(v.data)[0] if isinstance(v, Constant) else _rows(v)
                   for term in terms if term.name != "prior" for v in _ancestors(term.graph)

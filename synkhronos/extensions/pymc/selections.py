@@ -1,0 +1,140 @@
+"""Missing values: constant row selections moved onto the arrays they select, and what is refused.
+
+PyMC observes a NumPy array with missing values (NaN, or a masked array) as
+two variables: ``<name>_observed`` over the rows present and
+``<name>_unobserved`` over the others, imputed.  The likelihood of the rows
+present reads the covariates of every row through a constant mask,
+``(a + b * x)[mask]``: its rows are the rows present, while ``x`` has one
+entry for every row of the data set, so ``x`` cannot follow a rank's share of
+them.  A selection along the rows commutes with elementwise arithmetic, so it
+is moved onto the arrays it selects from, ``a + b * x[mask]`` (computed here
+with NumPy): every array then has one row per observed row, and is split as
+any other (``terms.lift_rows``).  A selection of an indexed vector,
+``theta[group][mask]``, becomes one index, ``theta[group[mask]]``.  Where a
+selection reads anything else along the rows (a free variable with one entry
+per row), it is left as it is, and the terms' checks decide.  Refused, naming
+the fix: imputed values read by another variable's term (covariates with
+missing values: laid out by the mask, not by rows) and discrete imputed values
+(NUTS takes no gradient of them).
+"""
+
+import numpy as np
+import pytensor.tensor as pt
+from pytensor.graph.basic import Constant
+from pytensor.tensor.elemwise import DimShuffle, Elemwise
+
+from ... import compat
+
+
+def fold(graph):
+    """``graph`` with each constant row selection of constant rows moved onto the arrays it
+    selects from; ``graph`` itself where there is none."""
+    indexing = compat.indexing_ops()
+    moved = {}
+    for var in compat.ancestors([graph]):
+        node = var.owner
+        if (node is None or not isinstance(node.op, indexing) or len(node.inputs) != 2
+                or len(node.outputs) != 1):
+            continue
+        index = node.inputs[1]
+        if not isinstance(index, Constant) or np.ndim(index.data) != 1:
+            continue
+        selected = _selected(node.inputs[0], np.asarray(index.data))
+        if selected is not None and selected.type.dtype == var.type.dtype:
+            moved[var] = selected
+    return compat.clone_replace(graph, moved, strict=False) if moved else graph
+
+
+def _selected(var, index):
+    """``var[index]`` (rows of ``var`` selected by a constant mask or index vector) with the
+    selection taken by the constants it reaches, or None where it reaches anything else."""
+    if var.ndim < 1 or var.type.broadcastable[0]:
+        return None
+    if isinstance(var, Constant):
+        data = np.asarray(var.data)
+        if not _fits(index, len(data)):
+            return None
+        return pt.constant(data[index], name=var.name)
+    node = var.owner
+    if node is None or len(node.outputs) != 1:
+        return None
+    if isinstance(node.op, Elemwise):
+        inputs = []
+        for inp in node.inputs:
+            # An input broadcast along the rows (a scalar parameter) is the same on every row.
+            chosen = inp if inp.type.broadcastable[0] else _selected(inp, index)
+            if chosen is None:
+                return None
+            inputs.append(chosen)
+        return node.op(*inputs)
+    if isinstance(node.op, DimShuffle) and node.op.new_order and node.op.new_order[0] == 0:
+        # Axes moved or dropped behind the rows: X @ b is Squeeze(Dot(X, b[:, None])).
+        rows = _selected(node.inputs[0], index)
+        return None if rows is None else node.op(rows)
+    if _row_product(node):
+        # The rows of X @ B are X's rows.
+        rows = _selected(node.inputs[0], index)
+        return None if rows is None else node.op(rows, node.inputs[1])
+    if (isinstance(node.op, compat.indexing_ops()) and len(node.inputs) == 2
+            and isinstance(node.inputs[1], Constant) and np.ndim(node.inputs[1].data) == 1
+            and np.asarray(node.inputs[1].data).dtype.kind in "iu"):
+        # theta[group][mask] reads theta at group[mask].
+        inner = np.asarray(node.inputs[1].data)
+        if not _fits(index, len(inner)):
+            return None
+        return node.inputs[0][pt.constant(inner[index])]
+    return None
+
+
+def _row_product(node):
+    """Whether ``node`` is a matrix product of two matrices (``Dot``, or PyTensor's unbatched
+    ``Matmul``), whose rows are its first input's."""
+    name = type(getattr(node.op, "core_op", node.op)).__name__
+    return (name == "Dot" and len(node.inputs) == 2
+            and all(i.ndim == 2 for i in node.inputs) and node.outputs[0].ndim == 2)
+
+
+def _fits(index, rows):
+    """Whether ``index`` (a mask or an index vector) selects among ``rows`` rows."""
+    if index.dtype == bool:
+        return len(index) == rows
+    return index.dtype.kind in "iu" and (not index.size or -rows <= index.min() <= index.max() < rows)
+
+
+def imputed(model):
+    """{the imputed values' free variable: the name of the variable they complete}: PyMC
+    names them ``<name>_unobserved`` beside the observed ``<name>_observed``."""
+    tail = "_unobserved"
+    return {rv: rv.name[:-len(tail)] for rv in model.free_RVs
+            if rv.name.endswith(tail) and rv.name[:-len(tail)] + "_observed" in model.named_vars}
+
+
+def refuse_discrete_imputed(model, discrete):
+    """Refuse missing values that PyMC imputes as discrete free variables (among ``discrete``,
+    names of value variables), naming the fix."""
+    names = [name for rv, name in imputed(model).items()
+             if model.rvs_to_values[rv].name in discrete]
+    if names:
+        raise ValueError(
+            f"data_parallel: {names} have missing values, which PyMC imputes as discrete "
+            f"free variables ({[n + '_unobserved' for n in names]}), and NUTS (what dp.sample "
+            "drives) needs the gradient of every free variable. Leave the rows with missing "
+            "values out of the model (y[present] and the same rows of every covariate): they "
+            "say nothing about the other variables")
+
+
+def refuse_imputed_reads(model, plan):
+    """Refuse a split term that reads another variable's imputed values (covariates with
+    missing values): a rank's rows would need their own of them, laid out by the mask."""
+    values = {model.rvs_to_values[rv]: name for rv, name in imputed(model).items()}
+    for term in plan.split_terms:
+        ancestors = set(compat.ancestors([term.graph]))
+        read = [name for v, name in values.items()
+                if v in ancestors and term.name != f"{name}_observed"]
+        if read:
+            raise ValueError(
+                f"data_parallel: the log-density term of {term.name!r} reads {read[0]!r}, whose "
+                f"missing values PyMC imputes ({read[0]}_unobserved, laid out by its mask, "
+                "not by rows): a rank's share of the rows cannot pick its own of them. Give "
+                f"{read[0]!r} without missing values (imputed before building the model, or "
+                "the rows with missing values left out), or sample this model with pm.sample")
