@@ -1,4 +1,4 @@
-"""Seven more models of PyMC's example gallery, written as a new user writes them: NumPy arrays
+"""Eight more models of PyMC's example gallery, written as a new user writes them: NumPy arrays
 as observed data and covariates, no pm.Data (none of them is in the tests' gallery,
 tests/helpers/pymc_gallery.py).  The data are made here with each notebook's columns and
 sizes (a fixed seed per model: every process makes the same rows).
@@ -11,6 +11,8 @@ sizes (a fixed seed per model: every process makes the same rows).
   splines    splines (cherry blossoms' shape): 827 rows, 17 basis functions
   missing    automatic imputation (PyMC's overview): a regression whose observed values
              have NaNs, 500 rows, 2 covariates, 10% missing, imputed by PyMC
+  covariates imputation of covariates (PyMC's missing-data notebook): the covariates
+             have NaNs, modelled and imputed, 500 rows, 2 covariates, 10% missing
 
 Used by ``bench/pymc_gallery.py --parts e2e --more``.
 """
@@ -124,5 +126,23 @@ def missing():
     return m
 
 
+def covariates():
+    """Imputed covariates: X observed with NaNs under a model of its own, y ~ X @ b (500 rows)."""
+    rng = np.random.default_rng(11)
+    n = 500
+    X = rng.normal(size=(n, 2))
+    y = 1.0 + X @ [0.8, -0.4] + rng.normal(0, 0.5, n)
+    X[rng.random(X.shape) < 0.1] = np.nan
+    with pm.Model() as m:
+        mx = pm.Normal("mx", 0, 2, shape=2)
+        sx = pm.HalfNormal("sx", 2, shape=2)
+        X_v = pm.Normal("X", mx, sx, observed=X)
+        a = pm.Normal("a", 0, 5)
+        b = pm.Normal("b", 0, 2, shape=2)
+        s = pm.HalfNormal("s", 2)
+        pm.Normal("y", a + pm.math.dot(X_v, b), s, observed=y)
+    return m
+
+
 MODELS = dict(poisson=poisson, rats=rats, baseball=baseball, mixture=mixture,
-              truncated=truncated, splines=splines, missing=missing)
+              truncated=truncated, splines=splines, missing=missing, covariates=covariates)

@@ -36,7 +36,7 @@ The parts, each model in a child process of its own (own memory, a quiet start):
             default against dp.sample with the split measured (the default) and forced;
             --e2e-systems nutpie,synk-nutpie: each with nutpie (ratio against nutpie);
             --rows 1e5: every gallery model with rows, its rows bootstrapped to 10^5;
-            --more: seven other gallery models as a new user writes them
+            --more: eight other gallery models as a new user writes them
             (bench/gallery_more.py), none of them in the tests.
   compile   seconds nutpie compiles each gallery model in a fresh process, and PyMC its
             (logp, dlogp): what crossover.SAMPLER_COMPILE_S stands for.

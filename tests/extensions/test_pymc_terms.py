@@ -201,6 +201,30 @@ def _missing_model(indexed=False):
     return m
 
 
+def _missing_covariates_model():
+    """Covariates with missing values, imputed (PyMC's imputation notebook): ``X`` observed
+    with NaNs, joined with its imputed values, then read by the likelihood of ``y``."""
+    X, y = _regression()
+    X = X.copy()
+    X[np.random.default_rng(8).random(X.shape) < 0.1] = np.nan
+    with pm.Model() as m:
+        mx = pm.Normal("mx", 0, 1, shape=2)
+        X_v = pm.Normal("X", mx, 1.0, observed=X)
+        b = pm.Normal("b", 0, 1, shape=2)
+        pm.Normal("y_obs", mu=X_v @ b, sigma=pm.HalfNormal("s", 1), observed=y)
+    return m
+
+
+def test_imputed_values_read_by_position_are_refused(exact, monkeypatch):
+    """Where the join of observed and imputed values is not made a gather by rows, a rank's
+    rows could not pick their imputed values: refused, naming the variable and the fix."""
+    from synkhronos.extensions.pymc import selections
+    monkeypatch.setattr(selections, "_gathered", lambda var: None)
+    with pytest.raises(ValueError, match=r"'y_obs' reads 'X', whose missing values PyMC "
+                                         r"imputes.*Give 'X' without missing values"):
+        synk_pymc.data_parallel(_missing_covariates_model())
+
+
 def _two_lengths_model():
     """Two observed NumPy arrays of different lengths: the longer is split, the other whole."""
     X, y = _regression()
@@ -215,6 +239,7 @@ def _two_lengths_model():
 
 AS_WRITTEN = {"missing": (_missing_model, {}),
               "missing_indexed": (lambda: _missing_model(indexed=True), {}),
+              "missing_covariates": (_missing_covariates_model, {}),
               "two_lengths": (_two_lengths_model, {}),
 "schools": (_schools_model, {}), "schools_indexed": (_schools_indexed_model, {}),
               "schools_indexed_numpy": (lambda: _schools_indexed_model(numpy=True), {}),
@@ -269,13 +294,6 @@ def test_refusals_name_the_variable(exact):
         pm.Poisson("y", pm.math.exp(pm.Normal("b0", 0, 2) + X[:, 0]), observed=counts)
     cases.append((m, {}, r"\['y'\] have missing values.*\['y_unobserved'\].*Leave the rows "
                   r"with missing values out"))
-    with pm.Model() as m:     # covariates with missing values, imputed: laid out by the mask
-        Xm = X.copy()
-        Xm[rng.random(X.shape) < 0.1] = np.nan
-        X_v = pm.Normal("X", 0, 1, observed=Xm)
-        pm.Normal("y_obs", mu=X_v @ pm.Normal("b", 0, 1, shape=2), sigma=1.0, observed=y)
-    cases.append((m, {}, r"'y_obs' reads 'X', whose missing values PyMC imputes.*Give 'X' "
-                  r"without missing values"))
     for model, kw, pattern in cases:
         with pytest.raises(ValueError, match=pattern):
             synk_pymc.data_parallel(model, **kw)
@@ -328,7 +346,8 @@ def test_now_exact_on_uneven_ranks(exact, name):
         np.testing.assert_allclose(dp.dlogp(point), dlogp(point), rtol=1e-9, atol=1e-10)
     whole_terms = {"total_size": ["prior"], "centred": ["y_obs", "prior"],
                    "walk": ["walk", "prior"], "walk_numpy": ["walk", "prior"],
-                   "two_lengths": ["y2", "prior"]}.get(name, ["prior"])
+                   "two_lengths": ["y2", "prior"],
+                   "missing_covariates": ["X_observed", "prior"]}.get(name, ["prior"])
     assert [t.name for t in dp._plan.whole_terms] == whole_terms
     # What is split: the NumPy arrays with the rows as well as the containers.
     split = {"numpy": ["y_obs_array1", "y_obs_data"], "indexed": ["y_obs_array1", "y_obs_data"],
@@ -342,7 +361,11 @@ def test_now_exact_on_uneven_ranks(exact, name):
              "missing": ["y_obs_observed_array1", "y_obs_observed_data"],
              "missing_indexed": ["y_obs_observed_array1", "y_obs_observed_array2",
                                  "y_obs_observed_data"],
-             "two_lengths": ["y_obs_array1", "y_obs_data"]}
+             "two_lengths": ["y_obs_array1", "y_obs_data"],
+             # The joined covariates as a gather: where missing, at which imputed value, the
+             # observed values at their cells.
+             "missing_covariates": ["y_obs_array1", "y_obs_array2", "y_obs_array3",
+                                    "y_obs_data"]}
     if name in split:
         assert sorted(c.name for c in dp.containers) == split[name]
         rows = {"missing": MISSING_PRESENT, "missing_indexed": MISSING_PRESENT}.get(

@@ -12,10 +12,11 @@ with NumPy): every array then has one row per observed row, and is split as
 any other (``terms.lift_rows``).  A selection of an indexed vector,
 ``theta[group][mask]``, becomes one index, ``theta[group[mask]]``.  Where a
 selection reads anything else along the rows (a free variable with one entry
-per row), it is left as it is, and the terms' checks decide.  Refused, naming
-the fix: imputed values read by another variable's term (covariates with
-missing values: laid out by the mask, not by rows) and discrete imputed values
-(NUTS takes no gradient of them).
+per row), it is left as it is, and the terms' checks decide.  Covariates
+with missing values are joined by PyMC from their observed and imputed cells;
+the join is made a gather by rows (``_gathered``).  Refused, naming the fix:
+imputed values another term reads by position (a join of another form) and
+discrete imputed values (NUTS takes no gradient of them).
 """
 
 import numpy as np
@@ -28,11 +29,16 @@ from ... import compat
 
 def fold(graph):
     """``graph`` with each constant row selection of constant rows moved onto the arrays it
-    selects from; ``graph`` itself where there is none."""
+    selects from, and each join of observed and imputed values made a gather by rows;
+    ``graph`` itself where there is none."""
     indexing = compat.indexing_ops()
     moved = {}
     for var in compat.ancestors([graph]):
         node = var.owner
+        gathered = _gathered(var) if node is not None else None
+        if gathered is not None:
+            moved[var] = gathered
+            continue
         if (node is None or not isinstance(node.op, indexing) or len(node.inputs) != 2
                 or len(node.outputs) != 1):
             continue
@@ -86,6 +92,55 @@ def _selected(var, index):
     return None
 
 
+def _gathered(var):
+    """PyMC's join of a variable's observed and imputed values, as a gather by rows, or None.
+
+    PyMC joins them by setting an empty array's cells through constant masks,
+    the imputed values at the missing cells, the observed at the others, each
+    flattened in the masks' order.  As ``switch(missing, imputed[at], observed)``,
+    with ``missing``, ``at`` (each cell's place among its values) and
+    ``observed`` (the observed values at their cells) constant arrays of the
+    variable's shape, every array has the variable's rows, and the imputed
+    values are read through an index, as a group's effects are.
+    """
+    layers, v = [], var
+    while v.owner is not None and _is_set(v.owner.op):
+        node = v.owner
+        if len(node.inputs) != 3 or not isinstance(node.inputs[2], Constant):
+            return None
+        mask = np.asarray(node.inputs[2].data)
+        if mask.dtype != bool or mask.shape != tuple(layers[0][0].shape if layers else mask.shape):
+            return None
+        if node.inputs[1].ndim != 1 or var.ndim != mask.ndim:
+            return None
+        layers.append((mask, node.inputs[1]))
+        v = node.inputs[0]
+    if (not layers or v.owner is None or type(v.owner.op).__name__ != "AllocEmpty"
+            or not np.logical_or.reduce([m for m, _ in layers]).all()):
+        return None
+    out = None
+    for mask, values in reversed(layers):   # the innermost set first: a later one wins
+        if isinstance(values, Constant):
+            data = np.asarray(values.data)
+            if len(data) != mask.sum():
+                return None
+            filled = np.zeros(mask.shape, dtype=var.dtype)
+            filled[mask] = data
+            cells = pt.constant(filled)
+        else:
+            at = np.cumsum(mask.ravel()).reshape(mask.shape) - 1
+            at[~mask] = 0
+            cells = values[pt.constant(at)]
+        out = cells if out is None else pt.switch(pt.constant(mask), cells, out)
+    return out if out.type.dtype == var.type.dtype else None
+
+
+def _is_set(op):
+    """Whether ``op`` sets (not increments) the cells an index array selects."""
+    from pytensor.tensor.subtensor import AdvancedIncSubtensor
+    return isinstance(op, AdvancedIncSubtensor) and op.set_instead_of_inc
+
+
 def _row_product(node):
     """Whether ``node`` is a matrix product of two matrices (``Dot``, or PyTensor's unbatched
     ``Matmul``), whose rows are its first input's."""
@@ -109,6 +164,13 @@ def imputed(model):
             if rv.name.endswith(tail) and rv.name[:-len(tail)] + "_observed" in model.named_vars}
 
 
+def flattened(model):
+    """Names of the observed parts of imputed variables of more than one axis: their values
+    are the observed cells, flattened, not rows."""
+    return {name + "_observed" for rv, name in imputed(model).items()
+            if name in model.named_vars and model.named_vars[name].ndim > 1}
+
+
 def refuse_discrete_imputed(model, discrete):
     """Refuse missing values that PyMC imputes as discrete free variables (among ``discrete``,
     names of value variables), naming the fix."""
@@ -128,9 +190,9 @@ def refuse_imputed_reads(model, plan):
     missing values): a rank's rows would need their own of them, laid out by the mask."""
     values = {model.rvs_to_values[rv]: name for rv, name in imputed(model).items()}
     for term in plan.split_terms:
-        ancestors = set(compat.ancestors([term.graph]))
+        positional = read_by_position(term.graph)   # through a gather: as a group's effects
         read = [name for v, name in values.items()
-                if v in ancestors and term.name != f"{name}_observed"]
+                if v in positional and term.name != f"{name}_observed"]
         if read:
             raise ValueError(
                 f"data_parallel: the log-density term of {term.name!r} reads {read[0]!r}, whose "
@@ -138,3 +200,23 @@ def refuse_imputed_reads(model, plan):
                 "not by rows): a rank's share of the rows cannot pick its own of them. Give "
                 f"{read[0]!r} without missing values (imputed before building the model, or "
                 "the rows with missing values left out), or sample this model with pm.sample")
+
+
+def read_by_position(graph):
+    """The variables ``graph`` reads other than through an index: ``theta[school]`` reads
+    ``school``, not ``theta`` (a rank picks its rows' entries by the index it holds)."""
+    indexing = compat.indexing_ops()
+    seen, todo = set(), [graph]
+    while todo:
+        var = todo.pop()
+        if var in seen:
+            continue
+        seen.add(var)
+        node = var.owner
+        if node is None:
+            continue
+        inputs = node.inputs
+        if isinstance(node.op, indexing):
+            inputs = inputs[1:]
+        todo.extend(inputs)
+    return seen

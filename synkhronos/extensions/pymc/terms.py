@@ -221,31 +221,11 @@ def _row_params(model, split_terms, n_rows, point=None):
         return ()
     read = set()
     for term in split_terms:
-        read.update(_read_by_position(term.graph))
+        read.update(selections.read_by_position(term.graph))
     if point is None:
         point = model.initial_point()
     return tuple(v for v in model.value_vars
                  if v in read and np.ndim(point[v.name]) >= 1 and np.shape(point[v.name])[0] == n_rows)
-
-
-def _read_by_position(graph):
-    """The variables ``graph`` reads other than through an index: ``theta[school]`` reads
-    ``school``, not ``theta`` (a rank picks its rows' entries by the index it holds)."""
-    indexing = compat.indexing_ops()
-    seen, todo = set(), [graph]
-    while todo:
-        var = todo.pop()
-        if var in seen:
-            continue
-        seen.add(var)
-        node = var.owner
-        if node is None:
-            continue
-        inputs = node.inputs
-        if isinstance(node.op, indexing):
-            inputs = inputs[1:]
-        todo.extend(inputs)
-    return seen
 
 
 def _row_sizes(split_terms, n_rows, split_set):
@@ -337,7 +317,9 @@ def _observed_rows(model, by_name, terms, lift):
         else:
             numpy_observed.append(rv.name)
     if arrays and not lengths:
-        lengths = {max(arrays.values())}
+        # An imputed array's observed cells, flattened, are not rows where others are.
+        rows = {k: n for k, n in arrays.items() if k not in selections.flattened(model)}
+        lengths = {max((rows or arrays).values())}
         whole = sorted(name for name, n in arrays.items() if n not in lengths)
         if whole:
             logger.info("data_parallel: splitting the rows of %s; %s, of other lengths, stay "
