@@ -111,13 +111,17 @@ def splines():
     return m
 
 
+def _regression(seed, n=500):
+    """(the generator, X, y) of a regression on 2 covariates, for the missing-value models."""
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, 2))
+    return rng, X, 1.0 + X @ [0.8, -0.4] + rng.normal(0, 0.5, n)
+
+
 def missing():
     """Automatic imputation: observed= a NumPy array with NaNs, PyMC imputes them (500 rows)."""
-    rng = np.random.default_rng(10)
-    n = 500
-    X = rng.normal(size=(n, 2))
-    y = 1.0 + X @ [0.8, -0.4] + rng.normal(0, 0.5, n)
-    y[rng.random(n) < 0.1] = np.nan
+    rng, X, y = _regression(10)
+    y[rng.random(len(y)) < 0.1] = np.nan
     with pm.Model() as m:
         a = pm.Normal("a", 0, 5)
         b = pm.Normal("b", 0, 2, shape=2)
@@ -128,10 +132,7 @@ def missing():
 
 def covariates():
     """Imputed covariates: X observed with NaNs under a model of its own, y ~ X @ b (500 rows)."""
-    rng = np.random.default_rng(11)
-    n = 500
-    X = rng.normal(size=(n, 2))
-    y = 1.0 + X @ [0.8, -0.4] + rng.normal(0, 0.5, n)
+    rng, X, y = _regression(11)
     X[rng.random(X.shape) < 0.1] = np.nan
     with pm.Model() as m:
         mx = pm.Normal("mx", 0, 2, shape=2)

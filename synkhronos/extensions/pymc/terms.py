@@ -318,7 +318,8 @@ def _observed_rows(model, by_name, terms, lift):
             numpy_observed.append(rv.name)
     if arrays and not lengths:
         # An imputed array's observed cells, flattened, are not rows where others are.
-        rows = {k: n for k, n in arrays.items() if k not in selections.flattened(model)}
+        flattened = selections.flattened(model)
+        rows = {k: n for k, n in arrays.items() if k not in flattened}
         lengths = {max((rows or arrays).values())}
         whole = sorted(name for name, n in arrays.items() if n not in lengths)
         if whole:
