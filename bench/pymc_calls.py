@@ -19,6 +19,10 @@ Four parts, each in child processes of its own (own memory, core pinning):
   ratio     dp.logp_dlogp on 2 ranks (``--ratio-rows``, ``--ratio-models logistic,radon``)
             against PyMC's serial call, the ranks and
             PyMC each in PyTensor's default mode (CVM) and in Numba, rounds alternating.
+  chunk     the rank's graph of one position called serially on a chunk's rows (1024 to
+            50,000 of 10^5; ``--ratio-models``), per mode: what a call costs beside its
+            rows (the fit's intercept), which every chunk of a chunked call pays
+            (synkhronos/functions/pace.py).
 
 With ``--before DIR`` (a checkout of an older tree), the overhead and ratio parts run
 alternately on DIR's synkhronos and on this one, each subtracting its own rank graph.
@@ -41,7 +45,8 @@ from common import (calls_for, flat_point, logistic, overhead_table, pymc_mode, 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-PARTS = ("overhead", "steps", "modes", "ratio")
+PARTS = ("overhead", "steps", "modes", "ratio", "chunk")
+CHUNK_ROWS = (1024, 6250, 12500, 25000, 50000)
 COUNTIES = 85
 
 
@@ -406,6 +411,37 @@ def child_ratio(n_rows, calls, modes, which="logistic"):
     _emit("RATIO", {"rows": n_rows, "model": which, "res": out})
 
 
+def child_chunk(which):
+    """Microseconds of the rank's graph on each of ``CHUNK_ROWS`` rows of 10^5, per mode."""
+    import numpy as np
+    quiet()
+    model = MODELS[which](100_000)
+    out = {}
+    for mode in MODES:
+        fns = {}
+        for rows in CHUNK_ROWS:
+            fn, data, x = _rank_graph(model, 100_000, rows, mode)
+            fn.trust_input = True
+            fns[rows] = (lambda f, a: lambda: f(*a))(fn, [*data, x])
+        res = paired(fns, min(calls_for(f) for f in fns.values()), rounds=5, warm=50)
+        us = [res[r]["best"] for r in CHUNK_ROWS]
+        slope, fixed = np.polyfit(CHUNK_ROWS, us, 1)
+        out[mode] = {"us": dict(zip(map(str, CHUNK_ROWS), us)), "fixed_us": fixed,
+                     "ns_per_row": slope * 1e3}
+    _emit("CHUNK", {"model": which, "res": out})
+
+
+def _chunk_table(results):
+    for r in results:
+        print(f"\n{r['model']}: the rank's graph (one position) on a chunk's rows, best us")
+        print("| mode | " + " | ".join(f"{n} rows" for n in CHUNK_ROWS)
+              + " | fixed us (fit) | ns a row |")
+        print("| --- " * (len(CHUNK_ROWS) + 3) + "|")
+        for mode, v in r["res"].items():
+            print(f"| {mode} | " + " | ".join(f"{v['us'][str(n)]:.1f}" for n in CHUNK_ROWS)
+                  + f" | {v['fixed_us']:.1f} | {v['ns_per_row']:.2f} |")
+
+
 def _ratio_table(runs):
     first = runs[0][1]
     print(f"\n| {first.get('model', 'logistic')}, {first['rows']} rows, 2 ranks | " + " | ".join(
@@ -442,7 +478,7 @@ def _run_child(args, tree=ROOT):
               file=sys.stderr)
         return []
     return [json.loads(line.split(" ", 1)[1]) for line in p.stdout.splitlines()
-            if line.split(" ", 1)[0] in ("OVERHEAD", "STEPS", "MODES", "RATIO")]
+            if line.split(" ", 1)[0] in ("OVERHEAD", "STEPS", "MODES", "RATIO", "CHUNK")]
 
 
 def _trees(before, rounds):
@@ -481,6 +517,8 @@ def main():
             return child_steps(rest[0], int(rest[1]), int(rest[2]), int(rest[3]))
         if kind == "modes":
             return child_modes(rest[0], int(rest[1]))
+        if kind == "chunk":
+            return child_chunk(rest[0])
         if kind == "ratio":
             return child_ratio(int(rest[0]), int(rest[1]), rest[2].split(","),
                                rest[3] if len(rest) > 3 else "logistic")
@@ -522,6 +560,12 @@ def main():
                 print(f"  ratio, {which}, {tag}: done, load {os.getloadavg()[0]:.2f}", flush=True)
             if runs:
                 _ratio_table(runs)
+    if "chunk" in parts:
+        results = []
+        for which in a.ratio_models.split(","):
+            results += _run_child(["--child", "chunk", which])
+            print(f"  chunk, {which}: done, load {os.getloadavg()[0]:.2f}", flush=True)
+        _chunk_table(results)
     print(f"# load at the end {os.getloadavg()[0]:.2f}", flush=True)
 
 

@@ -4,11 +4,12 @@ Why: with the rows split once per rank, a call lasts as long as its slowest
 rank, and a rank whose core another program holds runs at half speed or not
 at all until its time slice comes (bench/busy.py: 0.78-0.90x a serial call
 beside one busy process).  Here a call whose outputs are small reductions
-cuts its rows into chunks fixed by the row count alone; every rank, the
-master too, takes the next chunk (a compare-and-swap on a claim word) until
-none is left, and the master combines the chunks' results in chunk order.
-So a rank on a busy core simply does fewer chunks, and the result has the
-same bits whatever the number of ranks and whoever did which chunk.
+cuts its rows into chunks fixed by the row count (``chunk_rows``; fewer where
+they would be small, pace.py), never by the ranks; every rank, the master
+too, takes the next chunk (a compare-and-swap on a claim word) until none is
+left, and the master combines the chunks' results in chunk order.  So a rank
+on a busy core simply does fewer chunks, and the result has the same bits
+whatever the number of ranks and whoever did which chunk.
 
 The master never waits for a rank that took no chunk: once every chunk is
 done it returns, and the call is *closed early* (``Control.early``); the next
@@ -32,7 +33,6 @@ ranks with no board (spread.py).  Others keep their static split.
 ``SYNK_CHUNK_ROWS=0`` turns chunks off; another value fixes the rows of a chunk.
 """
 
-import os
 import time
 from typing import NamedTuple
 
@@ -48,11 +48,9 @@ from ..runtime.peers import ALONE
 from ..runtime.run import run_command
 from ..runtime.shmem import SharedArray
 from .outputs import MACHINE_PART_BYTES
+from .pace import MAX_CHUNKS, Pace, chunk_rows
 from .spread import chunk_args, in_chunk_order
 
-CHUNK_ROWS_ENV = "SYNK_CHUNK_ROWS"
-MIN_ROWS = 1024     # a chunk's fewest rows: below, a call's fixed cost (10-15 us) shows
-MAX_CHUNKS = 16     # more chunks only add calls (each its fixed cost) once ranks balance
 RANK_BITS = 10      # a chunk flag: the call's seq, then the local rank that finished it
 CLAIM, FAILED, ZERO, FLAGS = 0, 1, 2, 8
 STEAL_MIN_S = 100e-6  # the master runs a late chunk itself after this, or 3 chunks' time (1
@@ -80,30 +78,6 @@ class ChunkPlan(NamedTuple):
     def bounds(self, c):
         lo = c * self.rows
         return lo, min(self.n_rows, lo + self.rows)
-
-
-def chunk_rows(n_rows, env=os.environ):
-    """Rows per chunk for a call of ``n_rows`` rows, or 0: no chunks (the static split).
-
-    A power of two of chunks (at most ``MAX_CHUNKS``, each at least ``MIN_ROWS``
-    rows), so that 2, 4 or 8 ranks on a quiet machine get equal shares; it
-    depends on the rows only, never on the ranks.
-    """
-    setting = env.get(CHUNK_ROWS_ENV)
-    if setting is not None and setting.strip() != "":
-        try:
-            rows = int(setting)
-        except ValueError:
-            raise ValueError(f"{CHUNK_ROWS_ENV} must be an integer number of rows (0: off); "
-                             f"got {setting!r}") from None
-        if rows < 0:
-            raise ValueError(f"{CHUNK_ROWS_ENV} must be >= 0 (0: off); got {rows}")
-        return rows if rows and n_rows >= 2 * rows else 0
-    n = min(n_rows // MIN_ROWS, MAX_CHUNKS)
-    if n < 2:
-        return 0
-    n = 1 << (n.bit_length() - 1)
-    return -(-n_rows // n)
 
 
 def eligible(spec, rt, msg):
@@ -169,6 +143,7 @@ class MasterChunks:
         self.key = None
         self.plan = None
         self.static_next = False   # the next call runs statically first (static_once)
+        self.pace = Pace()          # fewer chunks where they would be small (pace.py)
 
     def static_once(self):
         """The next call, where chunked, first runs with its static split (result unused), so
@@ -200,14 +175,17 @@ class MasterChunks:
                tuple(np.shape(a) for a in arrays[k:]))
         if key == self.key:
             return (msg if self.plan is None else msg._replace(chunks=self.plan)), None
-        n_chunks = -(-msg.n_rows // rows)
+        def run(r):
+            return spec.fn(*[a[:r] for a in arrays[:k]], *arrays[k:])
         rt.in_call = True
         try:
-            first = [np.array(r) for r in spec.fn(*[a[:rows] for a in arrays[:k]], *arrays[k:])]
+            rows = self.pace.rows(spec.fn, msg.n_rows, rows, key[2:], run)   # fewer: pace.py
+            first = [np.array(r) for r in run(rows)]
         except Exception:  # noqa: BLE001 - the static split runs it again and reports it
             return msg, None
         finally:
             rt.in_call = False
+        n_chunks = -(-msg.n_rows // rows)
         if rt.peers is not ALONE:
             # No board: each rank its share of the chunks, gathered to the master (spread.py).
             # Outputs too large to travel chunk by chunk keep the static split, which

@@ -162,8 +162,9 @@ def test_a_measured_mode_is_kept_for_the_next_run(tmp_path, monkeypatch):
     from pytensor.compile.mode import Mode
 
     from synkhronos.extensions.pymc import modes
+    from synkhronos.functions.measures import MeasureFile
 
-    monkeypatch.setattr(modes, "cache_path", lambda: str(tmp_path / "modes.json"))
+    monkeypatch.setattr(modes, "KEPT", MeasureFile("modes.json", str(tmp_path)))
     # No core for a child measuring aside (the next test's): the master measures every mode.
     monkeypatch.setattr(modes, "unpinned_cores", lambda: os.sched_getaffinity(0))
     X, p = pt.matrix("X", dtype="float64"), pt.vector("p", dtype="float64")
@@ -194,12 +195,13 @@ def test_the_other_modes_are_measured_by_a_child_on_the_ranks_cores(tmp_path, mo
     from pytensor.compile.mode import Mode
 
     from synkhronos.extensions.pymc import modes
+    from synkhronos.functions.measures import MeasureFile
 
     had = os.sched_getaffinity(0)
     cores = sorted(modes.unpinned_cores())     # this process's before a fork() pinned it
     if len(cores) < 2:
         pytest.skip("needs two cores: one for the master, one for the child")
-    monkeypatch.setattr(modes, "cache_path", lambda: str(tmp_path / "modes.json"))
+    monkeypatch.setattr(modes, "KEPT", MeasureFile("modes.json", str(tmp_path)))
     monkeypatch.setattr(modes, "unpinned_cores", lambda: set(cores))
     compiled = []
     real = modes.pytensor.function

@@ -15,12 +15,23 @@ import pytensor.tensor as pt
 import pytest
 
 import synkhronos as synk
-from synkhronos.functions import chunks
+from synkhronos.functions import chunks, pace
+from synkhronos.functions.measures import MeasureFile
 from synkhronos.runtime.state import get_runtime
 
 pytestmark = pytest.mark.timeout(180)
 
 N_ROWS = 10_000  # 8 chunks of 1250 rows by the default rule
+
+
+@pytest.fixture(autouse=True)
+def _rows_rule(request, monkeypatch, tmp_path):
+    """Chunks as the rows' rule cuts them, whatever a chunk costs on this machine (pace.py
+    keeps fewer where a chunk's work is small), except in the tests of that; what pace
+    measures goes to a file of the test's own."""
+    monkeypatch.setattr(pace, "KEPT", MeasureFile("chunks.json", str(tmp_path)))
+    if "pace" not in request.node.name:
+        monkeypatch.setattr(pace, "LEAST_S", 1e-12)
 
 
 def _graph():
@@ -239,3 +250,76 @@ def test_a_bad_chunk_setting_is_refused_at_fork(monkeypatch):
     with pytest.raises(ValueError, match="SYNK_CHUNK_ROWS must be a number of rows"):
         synk.fork(2, use_gpu=False)
     assert get_runtime() is None
+
+
+def test_pace_rule():
+    """Fewer chunks where the rows' rule would cut them under pace.LEAST_S of work each,
+    never fewer than the machine's cores (a power of two) or two."""
+    least = pace.LEAST_S
+    assert pace.fewest(0.05 * least, 16, 2) == 2          # cheap: one chunk a core
+    assert pace.fewest(0.2 * least, 16, 2) == 2           # 3.2 x LEAST_S in all: 2
+    assert pace.fewest(0.3 * least, 16, 2) == 4           # 4.8 x LEAST_S: 4
+    assert pace.fewest(least, 16, 2) == 16                # each holds LEAST_S already
+    assert pace.fewest(0.05 * least, 16, 3) == 4          # 3 cores: 4 chunks
+    assert pace.fewest(0.05 * least, 8, 16) == 8          # at most the rows' rule
+    assert pace.fewest(0.05 * least, 16, 1) == 2          # never the static split
+
+
+def _cut_expectation(X, rows):
+    """The sum by a serial PyTensor function on each chunk of ``rows`` rows, combined in
+    chunk order."""
+    x = pt.dvector("x")
+    serial = pytensor.function([x], x.sum())
+    acc = None
+    for lo in range(0, len(X), rows):
+        part = serial(X[lo:lo + rows])
+        acc = part if acc is None else acc + part
+    return acc
+
+
+def test_pace_cheap_chunks_are_fewer_the_same_at_any_rank_count_and_kept(monkeypatch):
+    """A cheap call at 10^5 rows (16 chunks by the rows' rule) is cut into fewer chunks,
+    as many as the machine's cores (a chunk's fixed cost would be most of its time); the
+    count is measured once, kept on disk, and every later run cuts the rows the same way,
+    at any number of ranks: the same bits."""
+    cores = os.cpu_count() or 1
+    floor = 2
+    while floor < cores:
+        floor *= 2
+    X = np.sin(np.arange(100_000.0) * 0.37) * 1e3 + 1e-3
+    seen, counts = {}, {}
+    for n in (1, 2, 3):
+        synk.fork(n, use_gpu=False)
+        try:
+            x = pt.dvector("x")
+            f = synk.function([x], (x.sum(), "sum"))
+            synk.distribute()
+            d = synk.data(X)
+            got = [np.asarray(f(d)).tobytes() for _ in range(3)]
+            counts[n] = f._chunks.plan.n_chunks
+        finally:
+            synk.close()
+        assert got[1:] == got[:2]
+        seen[n] = got[0]
+        if n == 1:
+            # Kept: the next runs read it and time nothing.
+            def no_timing(run, rows):
+                raise AssertionError("measured again")
+            monkeypatch.setattr(pace, "_timed", no_timing)
+    assert counts[1] == counts[2] == counts[3] == min(16, floor), counts
+    assert seen[2] == seen[1] and seen[3] == seen[1]
+    rows = -(-len(X) // counts[1])
+    np.testing.assert_array_equal(np.frombuffer(seen[1]), [_cut_expectation(X, rows)])
+    assert abs(np.frombuffer(seen[1])[0] - X.sum()) < 1e-9 * np.abs(X).sum()
+
+
+def test_pace_costly_chunks_keep_the_rows_rule(forked):
+    """A call whose chunks each hold LEAST_S of work or more keeps the rows' 16 chunks."""
+    forked(2)
+    x = pt.dmatrix("x")
+    f = synk.function([x], (pt.sum(pt.exp(pt.sin(x)) * pt.cos(x), axis=0), "sum"))
+    synk.distribute()
+    X = np.sin(np.arange(100_000.0 * 16).reshape(100_000, 16))
+    got = f(X)
+    assert f._chunks.plan.n_chunks == 16
+    np.testing.assert_allclose(got, (np.exp(np.sin(X)) * np.cos(X)).sum(axis=0), rtol=1e-11)

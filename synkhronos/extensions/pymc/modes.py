@@ -12,7 +12,7 @@ process measures the others on the ranks' cores, idle then
 (``_measure_aside``).  A mode whose graph Numba could compile only in
 object mode simply measures slow.
 
-A measurement is kept on disk (``CACHE_FILE`` in PyTensor's compile
+A measurement is kept on disk (``KEPT`` in PyTensor's compile
 directory, where PyTensor keeps its compiled code), keyed by the graph, the
 rows a rank holds, the modes, the PyTensor and Numba versions and the CPU, so
 that the same model started again compiles only the mode kept: the loser's
@@ -20,17 +20,15 @@ compile and the timing were 0.2-0.7 s of a warm start (and several seconds of
 a cold one).  Delete the file to measure again.
 """
 
-import hashlib
-import importlib.metadata
 import json
 import logging
 import os
-import platform
 import time
 
 import numpy as np
 import pytensor
 
+from ...functions.measures import MeasureFile, digest, graph_text
 from ...runtime.liveness import stop_process
 from ...runtime.process_setup import fork_quietly
 from .master_cores import unpinned_cores
@@ -209,63 +207,30 @@ def _measured(pipe):
         return {}
 
 
-CACHE_FILE = "synkhronos_modes.json"
-CACHE_ENTRIES = 1000
-"""The most measurements the file keeps (the oldest go first)."""
+KEPT = MeasureFile("synkhronos_modes.json")
+"""Where measurements are kept: PyTensor's compile directory (``measures``)."""
 
 
 def cache_path():
     """Where measurements are kept: PyTensor's compile directory."""
-    return os.path.join(pytensor.config.compiledir, CACHE_FILE)
+    return KEPT.path()
 
 
 def _key(output, args, modes):
     """What a measurement depends on, hashed: the graph as PyTensor prints it (its
     operations and types, not the rows' values), the arguments' shapes and types, the
-    modes, the libraries that compile it and the CPU that runs it; None where the graph
-    cannot be printed.  Numba's version is read from its metadata: a kept C mode never
-    needs Numba imported (0.35 s)."""
-    try:
-        graph = pytensor.printing.debugprint(output, file="str", print_type=True)
-    except Exception as exc:  # noqa: BLE001 - an Op that cannot print: measured every time
-        logger.debug("pymc model: the graph's measurement is not kept (%r)", exc)
+    modes, the libraries that compile it and the CPU that runs it (``measures.digest``);
+    None where the graph cannot be printed."""
+    graph = graph_text(output)
+    if graph is None:
         return None
-    parts = [graph, [(np.shape(a), str(np.asarray(a).dtype)) for a in args],
-             sorted(str(m) for m in modes), pytensor.__version__, _version("numba"),
-             platform.machine(), _cpu_model(), os.cpu_count()]
-    return hashlib.sha256(repr(parts).encode()).hexdigest()
-
-
-def _version(package):
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _read():
-    try:
-        with open(cache_path()) as f:
-            entries = json.load(f)
-        return entries if isinstance(entries, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    return digest(graph, [(np.shape(a), str(np.asarray(a).dtype)) for a in args],
+                  sorted(str(m) for m in modes))
 
 
 def _cached(key):
     """(best, seconds) measured by an earlier run, or None."""
-    entry = _read().get(key)
+    entry = KEPT.get(key)
     try:
         best, seconds = entry["best"], {m: float(s) for m, s in entry["seconds"].items()}
     except (TypeError, KeyError, AttributeError, ValueError):
@@ -274,17 +239,5 @@ def _cached(key):
 
 
 def _store(key, best, seconds):
-    """Keep a measurement; a file that cannot be written only costs the next run a measurement."""
-    entries = _read()
-    entries.pop(key, None)
-    entries[key] = {"best": best, "seconds": seconds}
-    entries = dict(list(entries.items())[-CACHE_ENTRIES:])
-    path = cache_path()
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(tmp, "w") as f:
-            json.dump(entries, f)
-        os.replace(tmp, path)   # whole or not at all, whoever else writes it
-    except OSError as exc:
-        logger.debug("pymc model: the mode measurement was not kept (%s)", exc)
+    """Keep a measurement."""
+    KEPT.put(key, {"best": best, "seconds": seconds})

@@ -1,0 +1,135 @@
+"""How many chunks a chunked call is cut into: by its rows, and fewer where a chunk's work is small.
+
+Why: each chunk is a call of the compiled function, and such a call costs a
+fixed time beside its rows: 4-6 us for a radon-style PyMC model's rank graph
+in Numba, whatever its rows (its nodes' dispatch and allocations; the whole
+terms, priors, are not it).  Cut into the rows' rule's 16 chunks at 10^5
+rows, where all its rows take 100-200 us, that model's call ran 1.10-1.12x
+PyMC's serial call on 2 ranks, against 1.6x in one share a rank
+(bench/pymc_calls.py --parts ratio, bench/RESULTS.md).  Chunks pay where a
+rank falls behind (its core taken by another program) and cost where they
+are too small to hide their fixed time.
+
+So the first call of a function at a row count (and inputs' shapes) times
+its chunk 0 as the rows' rule cuts it (``chunks.chunk_rows``) and keeps
+fewer chunks where that one would hold under ``LEAST_S`` of work
+(``fewest``): as many as hold ``LEAST_S`` each, but never fewer than the
+machine's cores (or two), so that every core still has a chunk at any number
+of ranks.  The count depends on the graph, its rows and the machine, never
+on the number of ranks, and is kept on disk (``measures.MeasureFile``): so
+every later call and run cuts those rows the same way, at 1, 2 or 4 ranks
+and on the machines of a cluster led from this one, and returns the same
+bits.  ``SYNK_CHUNK_ROWS`` fixes the rows of a chunk instead.
+"""
+
+import logging
+import os
+import time
+
+from .measures import MeasureFile, digest, graph_text
+
+logger = logging.getLogger(__name__)
+
+CHUNK_ROWS_ENV = "SYNK_CHUNK_ROWS"
+MIN_ROWS = 1024     # a chunk's fewest rows: below, a call's fixed cost (10-15 us) shows
+MAX_CHUNKS = 16     # more chunks only add calls (each its fixed cost) once ranks balance
+
+LEAST_S = 100e-6
+"""The least work a chunk is cut to hold where the rows' rule would cut smaller ones: its
+fixed cost (4-6 us) is then 5% or less of it."""
+
+KEPT = MeasureFile("synkhronos_chunks.json")
+
+
+def chunk_rows(n_rows, env=os.environ):
+    """Rows per chunk for a call of ``n_rows`` rows, or 0: no chunks (the static split).
+
+    A power of two of chunks (at most ``MAX_CHUNKS``, each at least ``MIN_ROWS``
+    rows), so that 2, 4 or 8 ranks on a quiet machine get equal shares; it
+    depends on the rows only, never on the ranks.  The rows' rule: ``Pace``
+    then keeps fewer where these would be small.
+    """
+    setting = env.get(CHUNK_ROWS_ENV)
+    if setting is not None and setting.strip() != "":
+        try:
+            rows = int(setting)
+        except ValueError:
+            raise ValueError(f"{CHUNK_ROWS_ENV} must be an integer number of rows (0: off); "
+                             f"got {setting!r}") from None
+        if rows < 0:
+            raise ValueError(f"{CHUNK_ROWS_ENV} must be >= 0 (0: off); got {rows}")
+        return rows if rows and n_rows >= 2 * rows else 0
+    n = min(n_rows // MIN_ROWS, MAX_CHUNKS)
+    if n < 2:
+        return 0
+    n = 1 << (n.bit_length() - 1)
+    return -(-n_rows // n)
+
+
+def fewest(chunk_s, n, cores):
+    """The chunks to cut rows into where the rows' rule cuts ``n`` (a power of two) of
+    ``chunk_s`` seconds each: as many as hold ``LEAST_S`` each, at least the machine's
+    ``cores`` (rounded up to a power of two) and 2, at most ``n``."""
+    fit = 1
+    while fit < n and fit * 2 * LEAST_S <= chunk_s * n:
+        fit *= 2
+    floor = 2
+    while floor < cores:
+        floor *= 2
+    return min(n, max(fit, floor))
+
+
+class Pace:
+    """A function's chunk counts, per (rows, shapes) of a call: measured once, then kept."""
+
+    def __init__(self):
+        self.known = {}      # (rows, shapes) -> chunks
+        self.graph = None    # the function's graph as printed, for the key on disk
+
+    def rows(self, fn, n_rows, rows, shapes, run):
+        """Rows per chunk for a call of ``n_rows`` rows that the rows' rule cuts into
+        chunks of ``rows``: those, or fewer chunks (see the module's docstring).
+
+        ``fn`` is the compiled PyTensor function, ``shapes`` the inputs' shapes past the
+        rows, ``run(rows)`` runs it on the first ``rows`` rows (chunk 0).
+        """
+        n = -(-n_rows // rows)
+        cores = os.cpu_count() or 1
+        if os.environ.get(CHUNK_ROWS_ENV, "").strip() or n <= fewest(0.0, n, cores):
+            return rows   # the rows fixed by the setting, or no fewer chunks to keep
+        local = (n_rows, shapes)
+        count = self.known.get(local)
+        if count is None:
+            key = self._key(fn, n_rows, shapes)
+            count = KEPT.get(key) if key is not None else None
+            if not isinstance(count, int) or not 2 <= count <= n or count & (count - 1):
+                chunk_s = _timed(run, rows)
+                count = fewest(chunk_s, n, cores)
+                logger.debug("chunks: %d rows a call in %d chunks (%d rows a chunk took %.1f us)",
+                             n_rows, count, rows, chunk_s * 1e6)
+                if key is not None:
+                    KEPT.put(key, count)
+            self.known[local] = count
+        return -(-n_rows // count)
+
+    def _key(self, fn, n_rows, shapes):
+        if self.graph is None:
+            self.graph = graph_text(fn.maker.fgraph) or ""
+        if not self.graph:
+            return None
+        return digest(self.graph, type(fn.maker.linker).__name__, n_rows, shapes)
+
+
+def _timed(run, rows):
+    """The least seconds of ``run(rows)`` over 3 calls, or 2 where both took ``LEAST_S`` or
+    more (a chunk that size is kept anyway); the first is often slower (the inputs' pages
+    faulted in, the function's first run)."""
+    best = None
+    for i in range(3):
+        t0 = time.perf_counter()
+        run(rows)
+        t = time.perf_counter() - t0
+        best = t if best is None else min(best, t)
+        if i and best >= LEAST_S:
+            break
+    return best
