@@ -1,25 +1,27 @@
-"""How many chunks a chunked call is cut into: by its rows, and fewer where a chunk's work is small.
+"""How many chunks a chunked call is cut into: by its rows, and fewer where a chunk's fixed cost shows.
 
 Why: each chunk is a call of the compiled function, and such a call costs a
-fixed time beside its rows: 4-6 us for a radon-style PyMC model's rank graph
-in Numba, whatever its rows (its nodes' dispatch and allocations; the whole
-terms, priors, are not it).  Cut into the rows' rule's 16 chunks at 10^5
-rows, where all its rows take 100-200 us, that model's call ran 1.10-1.12x
-PyMC's serial call on 2 ranks, against 1.6x in one share a rank
-(bench/pymc_calls.py --parts ratio, bench/RESULTS.md).  Chunks pay where a
-rank falls behind (its core taken by another program) and cost where they
-are too small to hide their fixed time.
+fixed time beside its rows: 4-8 us for a radon-style PyMC model's rank graph
+in Numba (its nodes' dispatch and allocations; bench/pymc_calls.py --parts
+chunk), and as long as its whole terms take where those are large (a PyMC
+model's imputed covariates: 1.2 ms).  Cut into the rows' rule's 16 chunks at 10^5 rows, where all its
+rows take 100-200 us, the radon model's call ran 1.10-1.12x PyMC's serial
+call on 2 ranks, against 1.6x in one share a rank (bench/pymc_calls.py
+--parts ratio, bench/RESULTS.md).  Chunks pay where a rank falls behind (its
+core taken by another program) and cost where their fixed time shows.
 
 So the first call of a function at a row count (and inputs' shapes) times
-its chunk 0 as the rows' rule cuts it (``chunks.chunk_rows``) and keeps
-fewer chunks where that one would hold under ``LEAST_S`` of work
-(``fewest``): as many as hold ``LEAST_S`` each, but never fewer than the
-machine's cores (or two), so that every core still has a chunk at any number
-of ranks.  The count depends on the graph, its rows and the machine, never
-on the number of ranks, and is kept on disk (``measures.MeasureFile``): so
-every later call and run cuts those rows the same way, at 1, 2 or 4 ranks
-and on the machines of a cluster led from this one, and returns the same
-bits.  ``SYNK_CHUNK_ROWS`` fixes the rows of a chunk instead.
+its chunk 0 as the rows' rule cuts it (``chunks.chunk_rows``) and a
+sixteenth of it, which gives the call's fixed cost and the rows' work
+(``_measured``), and keeps fewer chunks where the fixed cost would be more
+than ``SHARE`` of a chunk's time (``fewest``), but never fewer than the
+machine's cores (or two), so that every core still has a chunk at any
+number of ranks.  The count depends on the graph, its rows and the machine,
+never on the number of ranks, and is kept on disk
+(``measures.MeasureFile``): so every later call and run cuts those rows the
+same way, at 1, 2 or 4 ranks and on the machines of a cluster led from this
+one, and returns the same bits.  ``SYNK_CHUNK_ROWS`` fixes the rows of a
+chunk instead.
 """
 
 import logging
@@ -34,9 +36,14 @@ CHUNK_ROWS_ENV = "SYNK_CHUNK_ROWS"
 MIN_ROWS = 1024     # a chunk's fewest rows: below, a call's fixed cost (10-15 us) shows
 MAX_CHUNKS = 16     # more chunks only add calls (each its fixed cost) once ranks balance
 
-LEAST_S = 100e-6
-"""The least work a chunk is cut to hold where the rows' rule would cut smaller ones: its
-fixed cost (4-6 us) is then 5% or less of it."""
+SHARE = 0.05
+"""The most of a chunk's time that its fixed cost may take where fewer chunks would do."""
+
+MACHINERY_S = 1e-6
+"""A chunk's cost beside its function's call: its claim, its flag, its results combined."""
+
+LONG_S = 0.01
+"""A chunk that takes this long is timed twice, not three times: its fixed cost cannot show."""
 
 KEPT = MeasureFile("synkhronos_chunks.json")
 
@@ -66,12 +73,14 @@ def chunk_rows(n_rows, env=os.environ):
     return -(-n_rows // n)
 
 
-def fewest(chunk_s, n, cores):
-    """The chunks to cut rows into where the rows' rule cuts ``n`` (a power of two) of
-    ``chunk_s`` seconds each: as many as hold ``LEAST_S`` each, at least the machine's
-    ``cores`` (rounded up to a power of two) and 2, at most ``n``."""
+def fewest(fixed_s, work_s, n, cores):
+    """The chunks to cut rows into where the rows' rule cuts ``n`` (a power of two), a
+    call costs ``fixed_s`` beside its rows and all the rows take ``work_s``: the most (a
+    power of two) whose fixed cost is at most ``SHARE`` of a chunk's time, at least the
+    machine's ``cores`` (rounded up to a power of two) and 2, at most ``n``."""
+    each = fixed_s + MACHINERY_S
     fit = 1
-    while fit < n and fit * 2 * LEAST_S <= chunk_s * n:
+    while fit < n and each <= SHARE * (work_s / (fit * 2) + each):
         fit *= 2
     floor = 2
     while floor < cores:
@@ -95,7 +104,7 @@ class Pace:
         """
         n = -(-n_rows // rows)
         cores = os.cpu_count() or 1
-        if os.environ.get(CHUNK_ROWS_ENV, "").strip() or n <= fewest(0.0, n, cores):
+        if os.environ.get(CHUNK_ROWS_ENV, "").strip() or n <= fewest(1.0, 0.0, n, cores):
             return rows   # the rows fixed by the setting, or no fewer chunks to keep
         local = (n_rows, shapes)
         count = self.known.get(local)
@@ -103,10 +112,10 @@ class Pace:
             key = self._key(fn, n_rows, shapes)
             count = KEPT.get(key) if key is not None else None
             if not isinstance(count, int) or not 2 <= count <= n or count & (count - 1):
-                chunk_s = _timed(run, rows)
-                count = fewest(chunk_s, n, cores)
-                logger.debug("chunks: %d rows a call in %d chunks (%d rows a chunk took %.1f us)",
-                             n_rows, count, rows, chunk_s * 1e6)
+                fixed_s, row_s = _measured(run, rows)
+                count = fewest(fixed_s, row_s * n_rows, n, cores)
+                logger.debug("chunks: %d rows a call in %d chunks (a call %.1f us beside its rows, "
+                             "%.2f ns a row)", n_rows, count, fixed_s * 1e6, row_s * 1e9)
                 if key is not None:
                     KEPT.put(key, count)
             self.known[local] = count
@@ -120,16 +129,25 @@ class Pace:
         return digest(self.graph, type(fn.maker.linker).__name__, n_rows, shapes)
 
 
-def _timed(run, rows):
-    """The least seconds of ``run(rows)`` over 3 calls, or 2 where both took ``LEAST_S`` or
-    more (a chunk that size is kept anyway); the first is often slower (the inputs' pages
-    faulted in, the function's first run)."""
+def _measured(run, rows):
+    """(a call's seconds beside its rows, seconds a row): ``run`` timed on ``rows`` rows and on a
+    sixteenth of them, the least of 3 calls each (2 of the whole where one took over
+    ``LONG_S``: its fixed cost cannot show then); the first call is often slower (the
+    inputs' pages faulted in, the function's first run)."""
+    few = max(1, rows // 16)
+    whole = _least(run, rows, 3)
+    part = _least(run, few, 3)
+    row_s = max(0.0, (whole - part) / (rows - few))
+    return max(0.0, part - row_s * few), row_s
+
+
+def _least(run, rows, calls):
     best = None
-    for i in range(3):
+    for i in range(calls):
         t0 = time.perf_counter()
         run(rows)
         t = time.perf_counter() - t0
         best = t if best is None else min(best, t)
-        if i and best >= LEAST_S:
+        if i and best >= LONG_S:
             break
     return best

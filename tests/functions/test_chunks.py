@@ -27,11 +27,11 @@ N_ROWS = 10_000  # 8 chunks of 1250 rows by the default rule
 @pytest.fixture(autouse=True)
 def _rows_rule(request, monkeypatch, tmp_path):
     """Chunks as the rows' rule cuts them, whatever a chunk costs on this machine (pace.py
-    keeps fewer where a chunk's work is small), except in the tests of that; what pace
+    keeps fewer where a call's fixed cost shows), except in the tests of that; what pace
     measures goes to a file of the test's own."""
     monkeypatch.setattr(pace, "KEPT", MeasureFile("chunks.json", str(tmp_path)))
     if "pace" not in request.node.name:
-        monkeypatch.setattr(pace, "LEAST_S", 1e-12)
+        monkeypatch.setattr(pace, "SHARE", 1.0)
 
 
 def _graph():
@@ -253,16 +253,28 @@ def test_a_bad_chunk_setting_is_refused_at_fork(monkeypatch):
 
 
 def test_pace_rule():
-    """Fewer chunks where the rows' rule would cut them under pace.LEAST_S of work each,
-    never fewer than the machine's cores (a power of two) or two."""
-    least = pace.LEAST_S
-    assert pace.fewest(0.05 * least, 16, 2) == 2          # cheap: one chunk a core
-    assert pace.fewest(0.2 * least, 16, 2) == 2           # 3.2 x LEAST_S in all: 2
-    assert pace.fewest(0.3 * least, 16, 2) == 4           # 4.8 x LEAST_S: 4
-    assert pace.fewest(least, 16, 2) == 16                # each holds LEAST_S already
-    assert pace.fewest(0.05 * least, 16, 3) == 4          # 3 cores: 4 chunks
-    assert pace.fewest(0.05 * least, 8, 16) == 8          # at most the rows' rule
-    assert pace.fewest(0.05 * least, 16, 1) == 2          # never the static split
+    """Fewer chunks where a call's fixed cost would be more than pace.SHARE of a chunk's
+    time, never fewer than the machine's cores (a power of two) or two."""
+    us = 1e-6
+    # A radon-style graph at 10^5 rows: 4 us a call beside 180 us of rows.
+    assert pace.fewest(4 * us, 180 * us, 16, 2) == 2
+    assert pace.fewest(4 * us, 180 * us, 16, 3) == 4          # 3 cores: 4 chunks
+    assert pace.fewest(4 * us, 180 * us, 16, 16) == 16        # every core a chunk
+    assert pace.fewest(4 * us, 180 * us, 8, 16) == 8          # at most the rows' rule
+    assert pace.fewest(4 * us, 180 * us, 16, 1) == 2          # never the static split
+    # A logistic regression: 5 us a call; 4.5 ms of rows at 10^5, 450 us at 10^4.
+    assert pace.fewest(5 * us, 4500 * us, 16, 2) == 16
+    assert pace.fewest(5 * us, 450 * us, 8, 2) == 2           # 225 us each: 2.6% fixed
+    # A large whole term (1.2 ms a call) beside cheap rows: one chunk a core.
+    assert pace.fewest(1200 * us, 500 * us, 16, 2) == 2
+
+
+def _one_chunk_a_core():
+    """What pace keeps where a chunk's fixed cost shows: the machine's cores, a power of two."""
+    cores, floor = os.cpu_count() or 1, 2
+    while floor < cores:
+        floor *= 2
+    return min(16, floor)
 
 
 def _cut_expectation(X, rows):
@@ -282,10 +294,6 @@ def test_pace_cheap_chunks_are_fewer_the_same_at_any_rank_count_and_kept(monkeyp
     as many as the machine's cores (a chunk's fixed cost would be most of its time); the
     count is measured once, kept on disk, and every later run cuts the rows the same way,
     at any number of ranks: the same bits."""
-    cores = os.cpu_count() or 1
-    floor = 2
-    while floor < cores:
-        floor *= 2
     X = np.sin(np.arange(100_000.0) * 0.37) * 1e3 + 1e-3
     seen, counts = {}, {}
     for n in (1, 2, 3):
@@ -305,8 +313,8 @@ def test_pace_cheap_chunks_are_fewer_the_same_at_any_rank_count_and_kept(monkeyp
             # Kept: the next runs read it and time nothing.
             def no_timing(run, rows):
                 raise AssertionError("measured again")
-            monkeypatch.setattr(pace, "_timed", no_timing)
-    assert counts[1] == counts[2] == counts[3] == min(16, floor), counts
+            monkeypatch.setattr(pace, "_measured", no_timing)
+    assert counts[1] == counts[2] == counts[3] == _one_chunk_a_core(), counts
     assert seen[2] == seen[1] and seen[3] == seen[1]
     rows = -(-len(X) // counts[1])
     np.testing.assert_array_equal(np.frombuffer(seen[1]), [_cut_expectation(X, rows)])
@@ -314,7 +322,7 @@ def test_pace_cheap_chunks_are_fewer_the_same_at_any_rank_count_and_kept(monkeyp
 
 
 def test_pace_costly_chunks_keep_the_rows_rule(forked):
-    """A call whose chunks each hold LEAST_S of work or more keeps the rows' 16 chunks."""
+    """A call whose rows' work hides its fixed cost keeps the rows' 16 chunks."""
     forked(2)
     x = pt.dmatrix("x")
     f = synk.function([x], (pt.sum(pt.exp(pt.sin(x)) * pt.cos(x), axis=0), "sum"))
@@ -323,3 +331,17 @@ def test_pace_costly_chunks_keep_the_rows_rule(forked):
     got = f(X)
     assert f._chunks.plan.n_chunks == 16
     np.testing.assert_allclose(got, (np.exp(np.sin(X)) * np.cos(X)).sum(axis=0), rtol=1e-11)
+
+
+def test_pace_a_large_fixed_cost_keeps_one_chunk_a_core(forked):
+    """A call that does much work beside its rows (as a PyMC model's large whole term
+    does; here a product of a broadcast matrix) is cut into one chunk a core, not the
+    rows' 16, though each chunk takes well over a millisecond."""
+    forked(2)
+    x, M, w = pt.dvector("x"), pt.dmatrix("M"), pt.dscalar("w")
+    f = synk.function([x], (x.sum() + pt.sum(pt.dot(M, M)) * w, "sum"), bcast_inputs=[M, w])
+    synk.distribute()
+    X = np.sin(np.arange(100_000.0) * 0.37)
+    got = f(X, np.full((200, 200), 0.5), np.float64(0.0))
+    assert f._chunks.plan.n_chunks == _one_chunk_a_core()
+    np.testing.assert_allclose(got, X.sum(), rtol=1e-12)
