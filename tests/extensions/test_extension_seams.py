@@ -61,6 +61,13 @@ SEAMS = {
             "the master compiles it in Numba: a helper process of ours, as the runtime forks its own",
         "synkhronos.runtime.liveness.stop_process":
             "that child, stuck past its bound, is killed and reaped as the runtime ends its own",
+        "synkhronos.functions.measures.MeasureFile":
+            "the mode measured is kept on disk for the next run as the library keeps its own "
+            "timed choices (how many chunks a call is cut into), in one file format",
+        "synkhronos.functions.measures.digest":
+            "its key: the graph, the libraries and the machine, as the library keys its own",
+        "synkhronos.functions.measures.graph_text":
+            "the graph in that key, printed as the library prints its own",
     },
     "pymc/calls.py": {
         "synkhronos.functions.build.function_at_first_call":
