@@ -11,6 +11,7 @@ import platform
 import sys
 
 from .fork_plan import SETTINGS, environment, setting_problems
+from .functions.measures import version as dist_version
 
 # Packages whose versions the report lists when they are installed.
 PACKAGES = ("pytensor", "numpy", "scipy", "numba", "jax", "jaxlib", "cupy", "mpi4py", "pymc",
@@ -45,13 +46,6 @@ def format_report(sections, width=None):
     return "\n".join(lines)
 
 
-def _dist_version(name):
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _versions():
     import synkhronos
 
@@ -59,7 +53,7 @@ def _versions():
              ("python", f"{platform.python_version()} ({sys.executable})"),
              ("platform", platform.platform())]
     for name in PACKAGES:
-        version = _dist_version(name)
+        version = dist_version(name)
         if version is None and name == "cupy":
             # CuPy's wheels are named for their CUDA: cupy-cuda12x, cupy-cuda11x...
             found = [d for d in importlib.metadata.distributions()
