@@ -37,7 +37,9 @@ The parts, each model in a child process of its own (own memory, a quiet start):
             --e2e-systems nutpie,synk-nutpie: each with nutpie (ratio against nutpie);
             --rows 1e5: every gallery model with rows, its rows bootstrapped to 10^5;
             --more: eight other gallery models as a new user writes them
-            (bench/gallery_more.py), none of them in the tests.
+            (bench/gallery_more.py), none of them in the tests.  dp.sample's decision is
+            kept on disk (pymc/decision.py): a run after the first of a model takes it, as
+            a user's second run does; --measure-decisions measures it in every run.
   compile   seconds nutpie compiles each gallery model in a fresh process, and PyMC its
             (logp, dlogp): what crossover.SAMPLER_COMPILE_S stands for.
   crossover what dp.sample decides for each gallery model with rows, bootstrapped to
@@ -518,11 +520,12 @@ E2E_WHAT = {"pymc": "pm.sample as the installed PyMC runs it by default (its sam
 E2E_AGAINST = {"synk-nutpie": "nutpie"}
 
 
-def child_e2e(system, which, chains, draws, tune, rows=0, more=0):
+def child_e2e(system, which, chains, draws, tune, rows=0, more=0, measure=0):
     """One run end to end: from the model built to the draws, set-up and compiling included.
 
     ``rows``: the gallery model's rows bootstrapped to that many (0: its own);
-    ``more``: the model is one of bench/gallery_more.py's.
+    ``more``: the model is one of bench/gallery_more.py's; ``measure``: dp.sample
+    measures its decision, whatever an earlier run kept.
     """
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from helpers import pymc_gallery
@@ -550,6 +553,12 @@ def child_e2e(system, which, chains, draws, tune, rows=0, more=0):
         from synkhronos.extensions import pymc as synk_pymc
         from synkhronos.extensions.pymc import crossover
         decide, spent = crossover.decide, []
+        if measure:   # a file of this run's own: no earlier run's decision read
+            import tempfile
+
+            from synkhronos.functions.measures import MeasureFile
+            from synkhronos.extensions.pymc import decision
+            decision.KEPT = MeasureFile("decisions.json", tempfile.mkdtemp())
 
         def timed_decide(*args, **kwargs):   # what deciding costs, within dp.sample
             t = time.perf_counter()
@@ -568,7 +577,8 @@ def child_e2e(system, which, chains, draws, tune, rows=0, more=0):
             decision = dp.decision.describe()
             parts = {"data_parallel_s": t1 - t0, "distribute_s": t2 - t1,
                      "sample_s": time.perf_counter() - t2, "decide_s": sum(spent),
-                     "serial_compile_s": dp.decision.compile_s}
+                     "serial_compile_s": None if dp.decision.kept else dp.decision.compile_s,
+                     "kept": dp.decision.kept}
         finally:
             synk.close()
     _emit("E2E", {"system": system, "model": which, "chains": chains,
@@ -652,7 +662,7 @@ def child_compile(which):
                       "pymc_s": time.perf_counter() - t1})
 
 
-def _e2e(models, chains, systems, draws, tune, rounds, rows=0, more=False):
+def _e2e(models, chains, systems, draws, tune, rounds, rows=0, more=False, measure=False):
     """Every system on every model, rounds alternating the systems' order; medians."""
     import statistics
     runs = {}
@@ -660,7 +670,8 @@ def _e2e(models, chains, systems, draws, tune, rounds, rows=0, more=False):
         for m in models:
             order = systems if r % 2 == 0 else systems[::-1]
             for s in order:
-                res = _run_child(["e2e", s, m, chains, draws, tune, rows, int(more)])
+                res = _run_child(["e2e", s, m, chains, draws, tune, rows, int(more),
+                                  int(measure)])
                 if res is None:
                     continue
                 runs.setdefault((m, s), []).append(res)
@@ -670,13 +681,15 @@ def _e2e(models, chains, systems, draws, tune, rounds, rows=0, more=False):
                          f"{res.get('decide_s', 0):.1f} s"
                          + (f", of which compiling PyMC's function {compiled:.1f} s"
                             if compiled is not None else "")
+                         + (", the decision kept from an earlier run" if res.get("kept") else "")
                          + f"); {res['decision']}" if "sample_s" in res else "")
                 print(f"# round {r + 1}: {s} {m}: {res['secs']:.1f} s{extra} (load "
                       f"{os.getloadavg()[0]:.1f})", flush=True)
     print(f"\n### End to end: seconds from the model built to the draws ({chains} chains, "
           f"{draws} draws after {tune} tuning steps, median of {rounds} rounds; "
           f"{'rows bootstrapped to %d' % rows if rows else 'the gallery sizes'}"
-          f"{'; bench/gallery_more.py' if more else ''})\n")
+          f"{'; bench/gallery_more.py' if more else ''}"
+          f"{'; every decision measured' if measure else ''})\n")
     for s in systems:
         print(f"- {s}: {E2E_WHAT[s]}")
     rated = [s for s in systems if s.startswith("synk")]
@@ -719,6 +732,9 @@ def main():
     p.add_argument("--rounds", type=int, default=2, help="e2e: rounds, systems alternating")
     p.add_argument("--more", action="store_true",
                    help="e2e: bench/gallery_more.py's models (none in the tests)")
+    p.add_argument("--measure-decisions", action="store_true",
+                   help="e2e: every dp.sample measures its decision (by default a run after "
+                        "the first of a model takes the one kept on disk, as a user's does)")
     p.add_argument("--child", nargs="+")
     a = p.parse_args()
     if a.child:
@@ -733,7 +749,7 @@ def main():
             child_crossover(rest[0], int(rest[1]), int(rest[2]), int(rest[3]), int(rest[4]))
         elif kind == "e2e":
             child_e2e(rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]), int(rest[5]),
-                      int(rest[6]))
+                      int(rest[6]), int(rest[7]))
         else:
             child_sample(rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]), int(rest[5]))
         return
@@ -796,7 +812,7 @@ def main():
             every = list(gallery_more.MODELS)
         names = every if a.models == ",".join(MODELS) else models
         _e2e(names, int(a.chains.split(",")[-1]), a.e2e_systems.split(","), a.draws, a.tune,
-             a.rounds, rows, a.more)
+             a.rounds, rows, a.more, a.measure_decisions)
 
 
 if __name__ == "__main__":

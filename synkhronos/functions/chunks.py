@@ -145,6 +145,10 @@ class MasterChunks:
         self.static_next = False   # the next call runs statically first (static_once)
         self.pace = Pace()          # fewer chunks where they would be small (pace.py)
 
+    def fit(self):
+        """The ``pace.Fit`` of the latest chunked call, where its chunks were timed, else None."""
+        return None if self.key is None else self.pace.fit(self.key[0], self.key[2:])
+
     def static_once(self):
         """The next call, where chunked, first runs with its static split (result unused), so
         every rank builds a function built at that call before chunks run (else at the master's

@@ -81,6 +81,11 @@ class Function:
         """The op that combines each update over slices."""
         return list(self.spec.update_ops)
 
+    @property
+    def chunk_fit(self):
+        """The latest chunked call's ``pace.Fit`` (chunks, each one's fixed cost, a row's time), or None."""
+        return self._chunks.fit()
+
     def runtime(self):
         """Return the run this function belongs to, where it can be called now.  Master only.
 
@@ -172,11 +177,10 @@ class Function:
                  **kwargs):
         """Run on every rank over its share of the inputs; return reduced outputs.
 
-        Scattered inputs are split as evenly as possible along axis 0 (views
-        of contiguous ranges; with an index list each rank gathers its own
-        rows).  ``bcast_inputs`` are used whole.  NumPy arrays are accepted
-        and copied into shared memory first (a copy per call; pass Data to
-        avoid it).
+        Scattered inputs are split as evenly as possible along axis 0 (views of contiguous
+        ranges; with an index list each rank gathers its own rows).  ``bcast_inputs`` are
+        used whole.  NumPy arrays are accepted and copied into shared memory first (a copy
+        per call; pass Data to avoid it).
 
         Args:
             *args: Data (or arrays), in input order; ``**kwargs`` by input name.
@@ -234,13 +238,12 @@ class Function:
     def then_all_reduce(self, shared_vars, op, then, dtype=None):
         """Return a callable that runs this function, an all-reduce and ``then`` as one command.
 
-        The fused step of data-parallel training: every rank computes its
-        share (writing, say, its gradient into a shared variable), all ranks
-        all-reduce ``shared_vars`` inside the same command, and every rank
-        calls ``then`` (a function without inputs, say the update).  One
-        command and one pair of barriers instead of three.  The callable
-        takes the arguments of ``__call__`` and returns this function's
-        outputs.  Master only.
+        The fused step of data-parallel training: every rank computes its share (writing,
+        say, its gradient into a shared variable), all ranks all-reduce ``shared_vars``
+        inside the same command, and every rank calls ``then`` (a function without inputs,
+        say the update).  One command and one pair of barriers instead of three.  The
+        callable takes the arguments of ``__call__`` and returns this function's outputs.
+        Master only.
 
         Args:
             shared_vars: a shared variable, its name, or a list of either.
@@ -265,8 +268,8 @@ class Function:
                   num_slices=1):
         """Check a call's arguments in the master; return its ``CallMsg`` and the master's arrays.
 
-        What ``__call__`` posts, without running it: NumPy inputs are copied
-        into shared memory (in a cluster, sent to the machines that use them).
+        What ``__call__`` posts, without running it: NumPy inputs are copied into shared
+        memory (in a cluster, sent to the machines that use them).
 
         Raises:
             TypeError, ValueError, IndexError: bad inputs or call options.
@@ -329,10 +332,9 @@ class Function:
     def _run(self, args, kwargs, output_subset, batch, batch_s, num_slices, then, plain=False):
         """Run this function on every rank as one CALL command; return its reduced outputs.
 
-        ``then``, if given, builds the ``ThenMsg`` of a fused step.  A
-        ``plain`` call (no options: ``__call__``'s rule) with Data only is
-        kept (``KeptCall``): its repeats with the same Data skip the checks,
-        the pickling and the preparation.
+        ``then``, if given, builds the ``ThenMsg`` of a fused step.  A ``plain`` call (no
+        options: ``__call__``'s rule) with Data only is kept (``KeptCall``): its repeats
+        with the same Data skip the checks, the pickling and the preparation.
         """
         rt = self.runtime()
         prof = rt.profiler

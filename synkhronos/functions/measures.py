@@ -2,7 +2,8 @@
 
 Some choices can only be made by timing the compiled graph: which PyTensor
 mode a PyMC model's rank graph runs fastest in (extensions/pymc/modes.py),
-how many chunks a call's rows are cut into (pace.py).  A timing moves from
+how many chunks a call's rows are cut into (pace.py), whether ``dp.sample``
+splits a model's rows (extensions/pymc/crossover.py).  A timing moves from
 run to run, and each choice changes the bits a call returns, so a choice is
 made once per graph, machine and library versions and kept in a JSON file in
 PyTensor's compile directory, where PyTensor keeps its compiled code; every

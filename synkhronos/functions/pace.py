@@ -27,6 +27,7 @@ chunk instead.
 import logging
 import os
 import time
+from typing import NamedTuple
 
 from .measures import MeasureFile, digest, graph_text
 
@@ -46,6 +47,19 @@ LONG_S = 0.01
 """A chunk that takes this long is timed twice, not three times: its fixed cost cannot show."""
 
 KEPT = MeasureFile("synkhronos_chunks.json")
+
+
+class Fit(NamedTuple):
+    """What a function's chunks were cut by: ``chunks`` of the call, each costing
+    ``fixed_s`` beside its rows, and ``row_s`` a row (seconds)."""
+
+    chunks: int
+    fixed_s: float
+    row_s: float
+
+    def fixed_per_rank(self, ranks):
+        """Seconds a rank's share of the chunks costs beside its rows, on ``ranks`` ranks."""
+        return -(-self.chunks // max(1, ranks)) * (self.fixed_s + MACHINERY_S)
 
 
 def chunk_rows(n_rows, env=os.environ):
@@ -93,7 +107,13 @@ class Pace:
 
     def __init__(self):
         self.known = {}      # (rows, shapes) -> chunks
+        self.fits = {}       # (rows, shapes) -> Fit, where measured (here or by an earlier run)
         self.graph = None    # the function's graph as printed, for the key on disk
+
+    def fit(self, n_rows, shapes):
+        """The ``Fit`` of calls of ``n_rows`` rows at ``shapes``, or None where not measured
+        (the rows fixed by ``SYNK_CHUNK_ROWS``, too few rows for fewer chunks)."""
+        return self.fits.get((n_rows, shapes))
 
     def rows(self, fn, n_rows, rows, shapes, run):
         """Rows per chunk for a call of ``n_rows`` rows that the rows' rule cuts into
@@ -110,15 +130,16 @@ class Pace:
         count = self.known.get(local)
         if count is None:
             key = self._key(fn, n_rows, shapes)
-            count = KEPT.get(key) if key is not None else None
-            if not isinstance(count, int) or not 2 <= count <= n or count & (count - 1):
+            fit = _kept(KEPT.get(key) if key is not None else None, n)
+            if fit is None:
                 fixed_s, row_s = _measured(run, rows)
-                count = fewest(fixed_s, row_s * n_rows, n, cores)
+                fit = Fit(fewest(fixed_s, row_s * n_rows, n, cores), fixed_s, row_s)
                 logger.debug("chunks: %d rows a call in %d chunks (a call %.1f us beside its rows, "
-                             "%.2f ns a row)", n_rows, count, fixed_s * 1e6, row_s * 1e9)
+                             "%.2f ns a row)", n_rows, fit.chunks, fixed_s * 1e6, row_s * 1e9)
                 if key is not None:
-                    KEPT.put(key, count)
-            self.known[local] = count
+                    KEPT.put(key, fit._asdict())
+            self.fits[local] = fit
+            count = self.known[local] = fit.chunks
         return -(-n_rows // count)
 
     def _key(self, fn, n_rows, shapes):
@@ -127,6 +148,21 @@ class Pace:
         if not self.graph:
             return None
         return digest(self.graph, type(fn.maker.linker).__name__, n_rows, shapes)
+
+
+def _kept(value, n):
+    """The ``Fit`` kept on disk as ``value``, or None where it is none a call cut by the rows'
+    rule into ``n`` chunks could take (absent, written by another version, or damaged)."""
+    try:
+        fit = Fit(**value)
+        chunks, fixed_s, row_s = int(fit.chunks), float(fit.fixed_s), float(fit.row_s)
+    except (TypeError, ValueError):
+        return None
+    if chunks != fit.chunks or not 2 <= chunks <= n or chunks & (chunks - 1):
+        return None
+    if not (0.0 <= fixed_s < 1e3 and 0.0 <= row_s < 1e3):
+        return None
+    return Fit(chunks, fixed_s, row_s)
 
 
 def _measured(run, rows):

@@ -69,6 +69,15 @@ SEAMS = {
         "synkhronos.functions.measures.graph_text":
             "the graph in that key, printed as the library prints its own",
     },
+    "pymc/decision.py": {
+        "synkhronos.functions.measures.MeasureFile":
+            "a measured decision is kept on disk for the next run of the model, in the file "
+            "format of the library's own kept measurements",
+        "synkhronos.functions.measures.digest":
+            "its key: the graph, the libraries and the machine, as the library keys its own",
+        "synkhronos.functions.measures.graph_text":
+            "the rank's graph in that key, printed as the library prints its own",
+    },
     "pymc/calls.py": {
         "synkhronos.functions.build.function_at_first_call":
             "a model's graphs are built and compiled when first called, not in data_parallel() "

@@ -26,12 +26,21 @@ import synkhronos as synk  # noqa: E402
 from helpers import pymc_models  # noqa: E402
 from synkhronos.extensions import pymc as synk_pymc  # noqa: E402
 from synkhronos.extensions.pymc import crossover  # noqa: E402
+from synkhronos.extensions.pymc import decision as decision_mod  # noqa: E402
 
 # PyMC graphs compile to C on PyTensor 2.x: a cold cache makes the first build slow.
 pytestmark = pytest.mark.timeout(300)
 
 N_ROWS = 301          # no rank count here divides it
 DRAWS = 300
+
+
+@pytest.fixture(autouse=True)
+def _decisions_kept_aside(tmp_path, monkeypatch):
+    """Each test's measured decisions are kept in a file of its own: none reads another
+    run's (test_crossover_keeps_a_measured_decision tests the file)."""
+    from synkhronos.functions.measures import MeasureFile
+    monkeypatch.setattr(decision_mod, "KEPT", MeasureFile("decisions.json", str(tmp_path)))
 
 
 def _points(model, rng, k=2):
@@ -272,7 +281,8 @@ def test_crossover_rule():
     assert crossover.numba_ratio({"NUMBA": 2e-4, "CVM": 8e-4}) == pytest.approx(0.25)
     assert crossover.numba_ratio({"NUMBA": 2e-4}) is None and crossover.numba_ratio({}) is None
     line = crossover.Decision(True, "measured", "nutpie", 2, 2, 2, 800e-6, 0.5, 100e-6, None,
-                              9.0, 2.0, True, numba_ratio=0.25).describe()
+                              9.0, 2.0, True, numba_ratio=0.25,
+                              sampler_compile_s=crossover.SAMPLER_COMPILE_S["nutpie"]).describe()
     assert "a call 800 us, in nutpie's Numba 200 us, compiling 5.0 s" in line, line
     # The callback way costs 2 x (100 + 20) us a gradient for 2 chains, nutpie's own
     # compile 5 s and then 104 us a gradient on 2 cores: over 1000 draws nutpie's own wins
@@ -284,7 +294,7 @@ def test_crossover_rule():
     assert crossover.callback_turns(1000, 1, 1, 100e-6) == pytest.approx(312.5)
 
 
-def test_crossover_samples_a_small_model_as_pm_sample_does(env, caplog, monkeypatch):
+def test_crossover_samples_a_small_model_as_pm_sample_does(env, caplog, monkeypatch, tmp_path):
     """301 rows on 2 ranks over a long run: the call's fixed cost outweighs the rows, so
     dp.sample runs pm.sample itself (its chains on the cores the master had before fork),
     says so in one warning, and returns pm.sample's very draws; split=True / False override
@@ -294,6 +304,9 @@ def test_crossover_samples_a_small_model_as_pm_sample_does(env, caplog, monkeypa
     import os
 
     monkeypatch.setattr(crossover, "LEAPFROGS", 10_000)
+    # PyMC's own work a step as a slow machine's (1 ms): whatever this machine times PyMC's
+    # call at (a loaded one, over 88 us, would make 60 us of it worth a split at best).
+    monkeypatch.setitem(crossover.SAMPLER_S, "pymc", 1e-3)
 
     model, dp = env.models["negbin"], env.auto
     compiled = []
@@ -311,8 +324,8 @@ def test_crossover_samples_a_small_model_as_pm_sample_does(env, caplog, monkeypa
         idata = dp.sample(30, **kw)
     assert dp.decision.split is False and dp.decision.reason == "measured", dp.decision
     assert dp.decision.parallel_run_s * crossover.GAIN >= dp.decision.serial_run_s
-    # 2 chains of 60 us of PyMC's own work a step against one of 42 us and its call:
-    # not even a split at its best would gain, so nothing was built for the ranks.
+    # 2 chains of PyMC's own work a step against one and its call: not even a split at
+    # its best would gain, so nothing was built for the ranks.
     assert dp.decision.predicted is True and dp.decision.callback is False, dp.decision
     assert len(compiled) == 1, compiled
     said = [r.getMessage() for r in caplog.records if "would not gain" in r.getMessage()]
@@ -345,7 +358,9 @@ def test_crossover_samples_a_small_model_as_pm_sample_does(env, caplog, monkeypa
         monkeypatch.setattr(crossover, "MANY_COMPILE_S", 0.0)
         monkeypatch.setattr(dp._calls, "first_s", 1e3)
         dp.decisions.clear()
+        monkeypatch.setattr(decision_mod.KEPT, "directory", str(tmp_path / "again"))  # none kept
         dp.sample(10, **{**kw, "tune": 10})
+        assert dp.decision.kept is False, dp.decision
         assert dp.decision.separate is True, dp.decision
         assert not dp._calls._trials and dp._calls._batch_wins == kept
         dp.split = False   # the branch the measured decision took, without measuring
@@ -378,6 +393,75 @@ def test_crossover_takes_a_call_per_chain_where_it_times_cheaper(env, monkeypatc
     assert d.parallel_run_s == pytest.approx(steps * (2 * own + min(many_us * 1e-6, 2e-3)))
     assert d.split is True, d
     dp.decisions.clear()
+
+
+def test_crossover_keeps_a_measured_decision(env, monkeypatch):
+    """The next run of the same model (a fresh set-up: nothing in memory) takes the decision
+    its first run measured, timing and compiling nothing, and says so; another run's shape
+    (chains, draws) or a damaged entry is measured afresh."""
+    dp = env.auto
+    dp.decisions.clear()
+    first = crossover.decide(dp, "pymc", 2, 2, 30, 30)
+    assert first.reason == "measured" and first.kept is False, first
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("measured again")
+    monkeypatch.setattr(crossover, "_measured", no_timing)
+    dp.decisions.clear()
+    again = crossover.decide(dp, "pymc", 2, 2, 30, 30)
+    assert again == crossover.dataclasses.replace(first, kept=True)
+    assert "as an earlier run measured it" in again.describe()
+    dp.decisions.clear()
+    with pytest.raises(AssertionError, match="measured again"):
+        crossover.decide(dp, "pymc", 1, 2, 30, 30)   # one chain: not measured yet
+    with pytest.raises(AssertionError, match="measured again"):
+        crossover.decide(dp, "pymc", 2, 2, 31, 30)
+    good = crossover.dataclasses.asdict(first)
+    assert decision_mod.read(good, "pymc", 2, 2, 2) == again
+    for bad in ({**good, "split": 1}, {**good, "reason": "asked"}, {**good, "serial_s": "x"},
+                {**good, "parallel_run_s": float("nan")}, {**good, "extra": 1}, {**good,
+                "chains": 3}, [1, 2], None):
+        assert decision_mod.read(bad, "pymc", 2, 2, 2) is None, bad
+    dp.decisions.clear()
+
+
+@pytest.mark.parametrize("fitted", [True, False])
+def test_crossover_keeps_chains_apart_where_a_call_is_mostly_rows(env, monkeypatch, fitted):
+    """One call at both chains' positions saves at most a call's fixed cost a step: where
+    the call's chunks were timed and that is small (censored at 10^5 rows: a call 5.2 ms,
+    its 2-position graphs compiled for seconds, then not kept), the chains take a call
+    each and nothing more is compiled, however long the run; where nothing says what of
+    the call is fixed, its whole time is taken as what one call could save."""
+    from synkhronos.functions.pace import Fit
+
+    dp = env.auto
+    timed = iter([10e-3, 1e-3, 3e-3])   # PyMC's serial call, one position, two
+
+    def fake_timed(call, seconds=crossover.TRIAL_S):
+        call()
+        return next(timed)
+    fit = Fit(2, 5e-6, 1e-8) if fitted else None
+    monkeypatch.setattr(type(dp), "chunk_fit", property(lambda self: fit))
+    monkeypatch.setattr(crossover, "_timed", fake_timed)
+    monkeypatch.setattr(crossover, "LEAPFROGS", 100)   # 6000 steps: 6 s of calls per chain
+    monkeypatch.setattr(dp._calls, "first_s", 0.0)
+    dp.decisions.clear()
+    try:
+        d = crossover.decide(dp, "pymc", 2, 2, 30, 30)
+    finally:
+        dp.decisions.clear()
+    steps, own = 60 * 100, crossover.SAMPLER_S["pymc"]
+    fixed = crossover.CALL_S + 5e-6 + 1e-6
+    assert d.separate is True and d.split is True, d
+    assert d.parallel_run_s == pytest.approx(steps * (2 * own + 2e-3)), d
+    if fitted:
+        # 6000 x 9 us could not pay MANY_COMPILE_S: the 2-position graphs were not timed.
+        assert d.parallel_many_s is None and d.fixed_s == pytest.approx(fixed), d
+        assert next(timed) == 3e-3
+        assert f"({fixed * 1e6:.0f} us of it fixed)" in d.describe()
+    else:
+        assert d.parallel_many_s == pytest.approx(3e-3) and d.fixed_s is None, d
+        assert "fixed" not in d.describe()
 
 
 def test_crossover_gives_nutpie_the_compiled_function(env, caplog, monkeypatch):
@@ -413,6 +497,31 @@ def test_crossover_gives_nutpie_the_compiled_function(env, caplog, monkeypatch):
     assert set(idata.posterior.data_vars) == set(ref.posterior.data_vars)
     z = pymc_models.z_scores(idata, ref, [v.name for v in model.free_RVs])
     assert all(zm < 4.5 and zs < 4.5 for _, zm, zs in z), z
+
+
+def test_nutpie_compiling_its_own_compiles_nothing_of_pymc(env, caplog, monkeypatch):
+    """Where the decision (here one kept from an earlier run) is nutpie compiling its own,
+    dp.sample runs pm.sample's nutpie and compiles no PyMC function for it: nutpie would
+    not run it."""
+    pytest.importorskip("nutpie")
+    import logging
+
+    dp = env.auto
+    decision = crossover.Decision(False, "measured", "nutpie", 2, crossover.sampling_cores(2, None),
+                                  2, 1e-3, 0.5, 1e-4, None, 10.0, 20.0, kept=True)
+    monkeypatch.setattr(crossover, "decide", lambda *args: decision)
+
+    def refused(dp):
+        raise AssertionError("PyMC's function compiled")
+    monkeypatch.setattr(crossover, "serial_function", refused)
+    calls = dp.batcher.calls
+    with caplog.at_level(logging.WARNING, logger="synkhronos"):
+        idata = dp.sample(20, tune=20, chains=2, nuts_sampler="nutpie", random_seed=1,
+                          progressbar=False, compute_convergence_checks=False)
+    assert idata.posterior.sizes["chain"] == 2 and idata.posterior.sizes["draw"] == 20
+    assert dp.batcher.calls == calls
+    said = [r.getMessage() for r in caplog.records if "would not gain" in r.getMessage()]
+    assert len(said) == 1 and "as an earlier run measured it" in said[0], said
 
 
 def test_nutpie_way_turns_on_the_gradients_a_draw_takes(env, monkeypatch):

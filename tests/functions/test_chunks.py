@@ -269,6 +269,24 @@ def test_pace_rule():
     assert pace.fewest(1200 * us, 500 * us, 16, 2) == 2
 
 
+def test_pace_reads_only_a_fit_it_could_have_kept():
+    """A count kept on disk is used only where it is a whole fit that the rows' rule's
+    chunks allow; else (an older file's bare count, a damaged entry) the call is timed."""
+    fit = pace.Fit(4, 8e-6, 3e-9)
+    assert pace._kept(fit._asdict(), 16) == fit
+    assert pace._kept(fit._asdict(), 2) is None                 # more than the rows' rule
+    assert pace._kept(4, 16) is None and pace._kept(None, 16) is None
+    for bad in ({"chunks": 3, "fixed_s": 0.0, "row_s": 0.0},      # not a power of two
+                {"chunks": 4, "fixed_s": -1.0, "row_s": 0.0},
+                {"chunks": 4, "fixed_s": float("nan"), "row_s": 0.0},
+                {"chunks": 4.5, "fixed_s": 0.0, "row_s": 0.0},
+                {"chunks": 4, "fixed_s": "x", "row_s": 0.0},
+                {"chunks": 4, "fixed_s": 0.0}, [4, 0.0, 0.0]):
+        assert pace._kept(bad, 16) is None, bad
+    assert fit.fixed_per_rank(2) == pytest.approx(2 * (8e-6 + pace.MACHINERY_S))
+    assert fit.fixed_per_rank(3) == fit.fixed_per_rank(2)
+
+
 def _one_chunk_a_core():
     """What pace keeps where a chunk's fixed cost shows: the machine's cores, a power of two."""
     cores, floor = os.cpu_count() or 1, 2
@@ -295,7 +313,7 @@ def test_pace_cheap_chunks_are_fewer_the_same_at_any_rank_count_and_kept(monkeyp
     count is measured once, kept on disk, and every later run cuts the rows the same way,
     at any number of ranks: the same bits."""
     X = np.sin(np.arange(100_000.0) * 0.37) * 1e3 + 1e-3
-    seen, counts = {}, {}
+    seen, counts, fits = {}, {}, {}
     for n in (1, 2, 3):
         synk.fork(n, use_gpu=False)
         try:
@@ -305,6 +323,7 @@ def test_pace_cheap_chunks_are_fewer_the_same_at_any_rank_count_and_kept(monkeyp
             d = synk.data(X)
             got = [np.asarray(f(d)).tobytes() for _ in range(3)]
             counts[n] = f._chunks.plan.n_chunks
+            fits[n] = f.chunk_fit
         finally:
             synk.close()
         assert got[1:] == got[:2]
@@ -315,6 +334,9 @@ def test_pace_cheap_chunks_are_fewer_the_same_at_any_rank_count_and_kept(monkeyp
                 raise AssertionError("measured again")
             monkeypatch.setattr(pace, "_measured", no_timing)
     assert counts[1] == counts[2] == counts[3] == _one_chunk_a_core(), counts
+    # What the count was cut by is kept with it: a fixed cost and a row's time.
+    assert fits[1].chunks == counts[1] and fits[1].row_s > 0.0 and fits[1].fixed_s >= 0.0
+    assert fits[2] == fits[1] and fits[3] == fits[1], fits
     assert seen[2] == seen[1] and seen[3] == seen[1]
     rows = -(-len(X) // counts[1])
     np.testing.assert_array_equal(np.frombuffer(seen[1]), [_cut_expectation(X, rows)])
@@ -340,8 +362,14 @@ def test_pace_a_large_fixed_cost_keeps_one_chunk_a_core(forked):
     forked(2)
     x, M, w = pt.dvector("x"), pt.dmatrix("M"), pt.dscalar("w")
     f = synk.function([x], (x.sum() + pt.sum(pt.dot(M, M)) * w, "sum"), bcast_inputs=[M, w])
+    cheap = synk.function([x], (x.sum(), "sum"))
     synk.distribute()
     X = np.sin(np.arange(100_000.0) * 0.37)
     got = f(X, np.full((200, 200), 0.5), np.float64(0.0))
     assert f._chunks.plan.n_chunks == _one_chunk_a_core()
+    cheap(X)
+    fit, sum_fit = f.chunk_fit, cheap.chunk_fit
+    # The product (8 MFLOP a call) is fitted as fixed cost: many times the sum's alone.
+    assert fit.chunks == _one_chunk_a_core() and fit.fixed_s > 10 * sum_fit.fixed_s + 20e-6, (
+        fit, sum_fit)
     np.testing.assert_allclose(got, X.sum(), rtol=1e-12)

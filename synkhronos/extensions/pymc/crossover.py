@@ -37,6 +37,8 @@ chains' calls then take turns (one interpreter), so it is predicted as
 and taken where it beats pm.sample's own nutpie, whose gradient (in Numba) is predicted
 at PyMC's C call times the rank graph's Numba / C ratio (``numba_ratio``).  Where the
 choice turns on the gradients a draw takes, a short nutpie run counts them (``leapfrogs``).
+
+A measured decision is kept on disk for the next run of the model (``decision.py``).
 """
 
 import dataclasses
@@ -47,8 +49,12 @@ import warnings
 
 import numpy as np
 
+import synkhronos as synk
+
 from . import calls as calls_mod
+from . import decision as decision_mod
 from . import internals
+from .decision import Decision
 from .master_cores import released, unpinned_cores
 
 logger = logging.getLogger(__name__)
@@ -87,8 +93,9 @@ MANY_COMPILE_S = 3.0
 """What compiling the graphs at many positions (vectorised and the loop, at their first
 call) is taken to cost at least (a warm one on PyMC 5.28: 8-20 s a process, its Numba code
 uncached), or ``MANY_BUILDS`` times the first one-position call where more.  Where one call
-at every chain's position could save less over the run (at most a call per chain less each
-step), the chains take a call each and nothing more is compiled."""
+at every chain's position could save less over the run (at most a call's fixed cost per
+chain beyond the first, each step: ``call_fixed_s``), the chains take a call each and nothing
+more is compiled."""
 
 MANY_BUILDS = 4.0
 """Robust at 10^5 rows, PyMC 5.28: the first call 3.9-4.2 s, the many-position graphs 15.7-17.0
@@ -131,83 +138,6 @@ runs only where that is at most ``TRIAL_SHARE``.  bench/gallery_more.py's spline
 TRIAL_SHARE = 0.05
 
 
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """What ``dp.sample`` chose, and the figures it chose by.
-
-    ``split`` says whether the rows are split; ``reason`` is "asked" where
-    ``data_parallel(split=True/False)`` decided, "cluster" where only the
-    ranks hold the rows (several machines, or ``data=`` given as
-    ``synk.Data``), else "measured".  Times are seconds (None where not
-    measured): ``serial_s`` PyMC's serial call, ``compile_s`` compiling it,
-    ``parallel_s`` a data-parallel call at one position, ``parallel_many_s``
-    one at every chain's position; ``serial_run_s`` and ``parallel_run_s``
-    the rest of the run as predicted.  ``separate``: the chains' positions
-    go in a call each (``MANY_COMPILE_S``, or timed cheaper).  ``predicted``: ``parallel_s``
-    was predicted, not timed (even at best it would not gain: nothing was
-    built for the ranks; ``parallel_run_s`` then counts building it).
-    ``callback``: the way not split is nutpie on PyMC's compiled (logp,
-    dlogp) in this process instead of nutpie compiling its own
-    (``serial_run_s`` is that way's).  ``numba_ratio``: with nutpie, its
-    Numba gradient predicted at this ratio of PyMC's C call (``numba_ratio()``).
-    ``leapfrogs``: the gradients a draw takes, where counted (``leapfrogs()``;
-    else ``LEAPFROGS`` is assumed).
-    """
-
-    split: bool
-    reason: str
-    sampler: str
-    chains: int
-    cores: int
-    ranks: int
-    serial_s: float = None
-    compile_s: float = None
-    parallel_s: float = None
-    parallel_many_s: float = None
-    serial_run_s: float = None
-    parallel_run_s: float = None
-    separate: bool = False
-    predicted: bool = False
-    callback: bool = False
-    numba_ratio: float = None
-    leapfrogs: float = None
-
-    def describe(self):
-        """One line: what was chosen and why."""
-        if self.reason == "cluster":
-            return ("dp.sample: sampling data-parallel (the rows are the ranks': given as "
-                    "synk.Data, or over machines)")
-        if self.reason == "asked":
-            how = "data-parallel" if self.split else "as pm.sample does, in this process"
-            return f"dp.sample: sampling {how} (data_parallel(split={self.split}))"
-        calls = (f"a call {'at best ' if self.predicted else ''}"
-                 f"{self.parallel_s * 1e6:.0f} us" + (", a call per chain"
-                                                      if self.separate else ""))
-        if self.parallel_many_s is not None:
-            calls += f", at {self.chains} positions {self.parallel_many_s * 1e6:.0f} us"
-        if self.callback:
-            other = ("nutpie on PyMC's compiled (logp, dlogp) in this process (a call "
-                     f"{self.serial_s * 1e6:.0f} us, nothing more compiled)")
-        else:
-            other = (f"pm.sample on {self.cores} core(s) (a call {self.serial_s * 1e6:.0f} us"
-                     + (f", in nutpie's Numba {self.serial_s * self.numba_ratio * 1e6:.0f} us"
-                        if self.numba_ratio is not None else "")
-                     + (f", compiling {SAMPLER_COMPILE_S[self.sampler]:.1f} s)"
-                        if self.sampler in SAMPLER_COMPILE_S else ")"))
-        counted = ("" if self.leapfrogs is None
-                   else f", {self.leapfrogs:.0f} gradients a draw as counted")
-        figures = (f"{self.chains} chain(s), sampler {self.sampler}{counted}: predicted "
-                   f"{self.parallel_run_s:.1f} s data-parallel on {self.ranks} ranks ({calls}) "
-                   f"against {self.serial_run_s:.1f} s for {other}")
-        if self.split:
-            return f"dp.sample: splitting the rows gains ({figures})"
-        how = ("nutpie on PyMC's compiled (logp, dlogp)" if self.callback
-               else "as pm.sample does")
-        return (f"dp.sample: splitting the rows would not gain ({figures}); sampling {how}, "
-                f"in this process with its cores released. "
-                f"data_parallel(model, split=True) splits anyway")
-
-
 def check_split(split):
     """``split`` as ``data_parallel`` takes it: True, False or None."""
     if split is not None and not isinstance(split, bool):
@@ -247,16 +177,15 @@ def decide(dp, sampler, chains, cores, draws, tune):
 
     The data-parallel side is timed in up to two steps.  A call at one
     position bounds a step of every chain from below (every position in one
-    call that costs no more than one); where even that does not gain, the
-    rows are not split.  With several chains, where one call at every
-    chain's position could not save ``MANY_COMPILE_S`` over the run, the
+    call that costs each position's rows and one call's fixed cost,
+    ``call_fixed_s``); where even that does not gain, the rows are not
+    split.  With several chains, where one call at every chain's position
+    could not save ``MANY_COMPILE_S`` over the run, the
     chains take a call each (``Decision.separate``); else that call is timed,
     its first call compiling the many-position graphs, which sampling
     several chains would compile anyway, and the cheaper of it and a call
     per chain is taken.
     """
-    import synkhronos as synk
-
     layout = synk.layout()
     ranks = layout.n_parallel
     n_cores = sampling_cores(chains, cores)
@@ -268,8 +197,18 @@ def decide(dp, sampler, chains, cores, draws, tune):
     steps = (draws + (1000 if tune is None else tune)) * LEAPFROGS
     key = (dp.n_rows, sampler, chains, n_cores, ranks, steps)
     known = dp.decisions.get(key)
-    if known is not None:
-        return known
+    if known is None:
+        where = decision_mod.where(dp, key)
+        known = decision_mod.kept(where, sampler, chains, n_cores, ranks)
+        if known is None:
+            known = _measured(dp, sampler, chains, n_cores, ranks, steps)
+            decision_mod.keep(where, known)
+        dp.decisions[key] = known
+    return known
+
+
+def _measured(dp, sampler, chains, n_cores, ranks, steps):
+    """The decision as measured now (see ``decide``)."""
     x = dp.initial_x().astype(dp.dtype)
     serial = serial_function(dp)
     call = internals.serial_call(serial.fn)
@@ -295,11 +234,11 @@ def decide(dp, sampler, chains, cores, draws, tune):
             serial_run, callback = callback_run, True
     if at_best * GAIN >= serial_run:
         # Even the best a split could do would not gain: the ranks' graph is not built.
-        decision = dp.decisions[key] = Decision(
+        return Decision(
             False, "measured", sampler, chains, n_cores, ranks, serial_s, serial.compile_s,
             CALL_S + serial_s / (ranks * RANK_GRAPH_GAIN), None, serial_run, at_best,
-            predicted=True, callback=callback, leapfrogs=per_draw)
-        return decision
+            predicted=True, callback=callback, leapfrogs=per_draw,
+            sampler_compile_s=SAMPLER_COMPILE_S.get(sampler))
     one_s = _timed(lambda: dp.logp_dlogp(x))
     compile_s = 0.0
     # nutpie's gradient (Numba) costs PyMC's C call times the rank graph's Numba / C ratio,
@@ -307,10 +246,15 @@ def decide(dp, sampler, chains, cores, draws, tune):
     numba = numba_ratio(dp.mode_seconds) if sampler == "nutpie" and not callback else None
     if numba is not None:
         serial_run, _ = predict(sampler, chains, n_cores, steps, serial_s * numba, 0.0, 0.0)
-    _, fastest = predict(sampler, chains, n_cores, steps, serial_s, compile_s, one_s)
+    # One call at every chain's position saves at most a call's fixed cost per chain beyond
+    # the first: it runs every position's rows (at 10^5 rows the graphs at 2 positions never
+    # took less than 2 calls at one: bench/HISTORY.md, 2026-12-05).
+    fixed_s = call_fixed_s(dp.chunk_fit, one_s, ranks)
+    _, fastest = predict(sampler, chains, n_cores, steps, serial_s, compile_s,
+                         chains * one_s - (chains - 1) * fixed_s)
     many_s, parallel_run, separate = None, fastest, False
     many_cost = max(MANY_COMPILE_S, MANY_BUILDS * (dp.first_call_s or 0.0))
-    if chains > 1 and steps * (chains - 1) * one_s < many_cost:
+    if chains > 1 and steps * (chains - 1) * fixed_s < many_cost:
         separate = True   # a call each: the many-position graphs would not pay their compile
         _, parallel_run = predict(sampler, chains, n_cores, steps, serial_s, compile_s, chains * one_s)
     elif chains > 1 and fastest * GAIN < serial_run:
@@ -324,11 +268,20 @@ def decide(dp, sampler, chains, cores, draws, tune):
         round_s = min(many_s, chains * one_s)
         _, parallel_run = predict(sampler, chains, n_cores, steps, serial_s, compile_s, round_s)
     split = parallel_run * GAIN < serial_run
-    decision = Decision(split, "measured", sampler, chains, n_cores, ranks, serial_s,
-                        serial.compile_s, one_s, many_s, serial_run, parallel_run, separate,
-                        callback=callback, numba_ratio=numba, leapfrogs=per_draw)
-    dp.decisions[key] = decision
-    return decision
+    return Decision(split, "measured", sampler, chains, n_cores, ranks, serial_s,
+                    serial.compile_s, one_s, many_s, serial_run, parallel_run, separate,
+                    callback=callback, numba_ratio=numba, leapfrogs=per_draw,
+                    fixed_s=fixed_s if fixed_s < one_s else None,
+                    sampler_compile_s=SAMPLER_COMPILE_S.get(sampler))
+
+
+def call_fixed_s(fit, one_s, ranks):
+    """What a data-parallel call of ``one_s`` seconds costs beside its rows: where its chunks
+    were timed (``fit``, a ``Function.chunk_fit``), ``CALL_S`` and a rank's share of the
+    chunks' fixed costs; else all of ``one_s`` (as if its rows cost nothing)."""
+    if fit is None:
+        return one_s
+    return min(one_s, CALL_S + fit.fixed_per_rank(ranks))
 
 
 def callback_turns(draws, chains, cores, serial_s):

@@ -135,6 +135,7 @@ class DataParallelModel:
                                                           n_sym)
         logp = graphs.rank_logp(split_exprs, whole_expr, frac, self.dtype)
         logp = compat.clone_replace(logp, replace={n_sym: self._n_total})
+        self.rank_logp = logp    # what a rank's graphs are made from (decisions kept are keyed by it)
         # A lone position (one chain, find_map, logp_dlogp) runs PyMC's own graph on the
         # rank's rows; several run either the graph vectorised over them or a loop of the
         # one-position graph, whichever this model runs faster (calls.Calls).
@@ -143,6 +144,7 @@ class DataParallelModel:
         measured = asked is None and not self._given and synk.layout().n_machines == 1
         names = MODES if measured else [DEFAULT_MODE if asked is None else asked]
         rank_modes = {m: internals.pymc_mode(model, base=m) for m in names}
+        self.rank_modes = tuple(names)   # the modes its graphs may run in (asked, or measured)
         try:
             ways = calls_mod.register(inputs, position, positions, logp, value_vars,
                                       self._shapes, internals.rewrite_pregrad, rank_modes, name)
@@ -197,6 +199,12 @@ class DataParallelModel:
         """Seconds the first data-parallel call at one position took (each rank compiling its
         graph), or None where none was the first evaluation."""
         return self._calls.first_s
+
+    @property
+    def chunk_fit(self):
+        """How the one-position call's rows were cut into chunks where timed (a
+        ``Function.chunk_fit``: each chunk's fixed cost beside its rows), else None."""
+        return self._calls.fn1.chunk_fit if self._calls.built else None
 
     @property
     def given(self):

@@ -55,10 +55,10 @@ def sample(dp, draws, tune, chains, nuts_sampler, random_seed, **kwargs):
     else:
         logger.info(decision.describe())
     if not decision.split:
-        serial = crossover.serial_function(dp).fn
         if decision.callback:
             # nutpie's chains call PyMC's compiled function back, as the split's callback,
             # one chain after the other (the function serves one call at a time).
+            serial = crossover.serial_function(dp).fn
             kwargs = internals.sample_kwargs(nuts_sampler, chains, kwargs, at_once=False)
             with master_cores.released(), internals.driving_serial(dp, serial):
                 return pm.sample(draws, chains=chains, random_seed=random_seed,
@@ -66,9 +66,14 @@ def sample(dp, draws, tune, chains, nuts_sampler, random_seed, **kwargs):
         # The chains on the cores synkhronos was given, as the prediction took them (PyMC's
         # own default counts half the CPUs, taking the rest for hardware threads).
         kwargs["cores"] = decision.cores
-        with master_cores.released(), internals.serving(dp.model, serial):
-            return pm.sample(draws, chains=chains, random_seed=random_seed,
-                             nuts_sampler=nuts_sampler, model=dp.model, **kwargs)
+        with master_cores.released():
+            if nuts_sampler == "nutpie":   # nutpie compiles its own; PyMC's is not needed
+                return pm.sample(draws, chains=chains, random_seed=random_seed,
+                                 nuts_sampler=nuts_sampler, model=dp.model, **kwargs)
+            # PyMC's NUTS runs the function the decision compiled (a kept decision: now).
+            with internals.serving(dp.model, crossover.serial_function(dp).fn):
+                return pm.sample(draws, chains=chains, random_seed=random_seed,
+                                 nuts_sampler=nuts_sampler, model=dp.model, **kwargs)
     if cores is not None:
         warnings.warn(f"{where}: cores={cores} ignored: the {chains} chain(s) run in this "
                       "process, every step of all of them one call over the ranks, "
