@@ -14,6 +14,7 @@ model takes it at once.  Deleting the file (``KEPT.path()``) measures again.
 import dataclasses
 
 import numpy as np
+import pymc
 
 import synkhronos as synk
 
@@ -128,8 +129,6 @@ def where(dp, key):
     text = graph_text(dp.rank_logp)
     if not text:
         return None
-    import pymc
-
     shapes = [tuple(np.shape(c.get_value(borrow=True))) for c in (*dp.containers, *dp.whole)]
     return digest("pymc decision", text, shapes, key, dp.rank_modes, synk.__version__,
                   pymc.__version__)

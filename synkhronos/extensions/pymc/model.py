@@ -3,7 +3,12 @@
 The calls themselves (one position, or many vectorised or in a loop) are
 ``calls.Calls``'s job; this module builds the graphs, places the rows and
 offers the PyMC-facing surface (evaluations, scatter, ravel and unravel,
-find_map, sample).  Over 400 lines: one class, whose public surface is the job.
+find_map, sample).  Over 400 lines: one job, the object a PyMC user holds.  What could
+change apart already lives apart (the terms and their checks in ``terms``,
+``selections`` and ``rowcheck``, the graphs in ``graphs``, the calls in ``calls``, the
+decision in ``crossover`` and ``decision``, sampling in ``sampling``); what stays is
+the surface those share (its rows and their scatter, the flat position, the
+evaluations), each a few lines over the state of its one instance.
 """
 
 import logging
