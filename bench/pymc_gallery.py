@@ -557,8 +557,9 @@ def child_e2e(system, which, chains, draws, tune, rows=0, more=0, measure=0):
             import tempfile
 
             from synkhronos.functions.measures import MeasureFile
-            from synkhronos.extensions.pymc import decision
-            decision.KEPT = MeasureFile("decisions.json", tempfile.mkdtemp())
+            from synkhronos.extensions.pymc import decision as decision_mod
+            aside = tempfile.TemporaryDirectory()   # removed when this child ends
+            decision_mod.KEPT = MeasureFile("decisions.json", aside.name)
 
         def timed_decide(*args, **kwargs):   # what deciding costs, within dp.sample
             t = time.perf_counter()
