@@ -37,7 +37,10 @@ The parts, each model in a child process of its own (own memory, a quiet start):
             --e2e-systems nutpie,synk-nutpie: each with nutpie (ratio against nutpie);
             --rows 1e5: every gallery model with rows, its rows bootstrapped to 10^5;
             --more: eight other gallery models as a new user writes them
-            (bench/gallery_more.py), none of them in the tests.  dp.sample's decision is
+            (bench/gallery_more.py), none of them in the tests; --likelihoods: other
+            notebooks' likelihoods (pymc_gallery.LIKELIHOODS, tested exact only: ordered
+            logistic, zero-inflated Poisson, LKJ, stochastic volatility, Dirichlet-multinomial,
+            a pm.Potential, a DataFrame).  dp.sample's decision is
             kept on disk (pymc/decision.py): a run after the first of a model takes it, as
             a user's second run does; --measure-decisions measures it in every run.
   compile   seconds nutpie compiles each gallery model in a fresh process, and PyMC its
@@ -52,6 +55,7 @@ The parts, each model in a child process of its own (own memory, a quiet start):
     python bench/pymc_gallery.py --parts startup --rows 1e3           # about 10 minutes here
     python bench/pymc_gallery.py --parts e2e --draws 500 --tune 500 --chains 2
     python bench/pymc_gallery.py --parts e2e --more --draws 500 --tune 500 --chains 2
+    python bench/pymc_gallery.py --parts e2e --likelihoods --draws 500 --tune 500 --chains 2
 """
 
 import argparse
@@ -524,7 +528,8 @@ def child_e2e(system, which, chains, draws, tune, rows=0, more=0, measure=0):
     """One run end to end: from the model built to the draws, set-up and compiling included.
 
     ``rows``: the gallery model's rows bootstrapped to that many (0: its own);
-    ``more``: the model is one of bench/gallery_more.py's; ``measure``: dp.sample
+    ``more``: 1, the model is one of bench/gallery_more.py's, 2, one of
+    ``pymc_gallery.LIKELIHOODS``; ``measure``: dp.sample
     measures its decision, whatever an earlier run kept.
     """
     sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -534,9 +539,11 @@ def child_e2e(system, which, chains, draws, tune, rows=0, more=0, measure=0):
     import pymc as pm
     import pytensor
     with pytensor.config.change_flags(floatX="float64"):
-        if more:
+        if more == 1:
             import gallery_more
             model = gallery_more.MODELS[which]()
+        elif more == 2:
+            model = pymc_gallery.LIKELIHOODS[which]()
         else:
             model = pymc_gallery.MODELS[which](**({"rows": rows} if rows else {}))
     kw = dict(draws=draws, tune=tune, chains=chains, random_seed=1, progressbar=False,
@@ -663,7 +670,7 @@ def child_compile(which):
                       "pymc_s": time.perf_counter() - t1})
 
 
-def _e2e(models, chains, systems, draws, tune, rounds, rows=0, more=False, measure=False):
+def _e2e(models, chains, systems, draws, tune, rounds, rows=0, more=0, measure=False):
     """Every system on every model, rounds alternating the systems' order; medians."""
     import statistics
     runs = {}
@@ -689,7 +696,7 @@ def _e2e(models, chains, systems, draws, tune, rounds, rows=0, more=False, measu
     print(f"\n### End to end: seconds from the model built to the draws ({chains} chains, "
           f"{draws} draws after {tune} tuning steps, median of {rounds} rounds; "
           f"{'rows bootstrapped to %d' % rows if rows else 'the gallery sizes'}"
-          f"{'; bench/gallery_more.py' if more else ''}"
+          f"{['', '; bench/gallery_more.py', '; pymc_gallery.LIKELIHOODS'][more]}"
           f"{'; every decision measured' if measure else ''})\n")
     for s in systems:
         print(f"- {s}: {E2E_WHAT[s]}")
@@ -733,6 +740,8 @@ def main():
     p.add_argument("--rounds", type=int, default=2, help="e2e: rounds, systems alternating")
     p.add_argument("--more", action="store_true",
                    help="e2e: bench/gallery_more.py's models (none in the tests)")
+    p.add_argument("--likelihoods", action="store_true",
+                   help="e2e: other notebooks' likelihoods (pymc_gallery.LIKELIHOODS)")
     p.add_argument("--measure-decisions", action="store_true",
                    help="e2e: every dp.sample measures its decision (by default a run after "
                         "the first of a model takes the one kept on disk, as a user's does)")
@@ -808,12 +817,15 @@ def main():
         from helpers import pymc_gallery
         rows = int(float(a.rows)) if a.rows else 0
         every = pymc_gallery.WITH_ROWS if rows else list(pymc_gallery.MODELS)
+        more = 1 if a.more else 2 if a.likelihoods else 0
         if a.more:
             import gallery_more
             every = list(gallery_more.MODELS)
+        elif a.likelihoods:
+            every = list(pymc_gallery.LIKELIHOODS)
         names = every if a.models == ",".join(MODELS) else models
         _e2e(names, int(a.chains.split(",")[-1]), a.e2e_systems.split(","), a.draws, a.tune,
-             a.rounds, rows, a.more, a.measure_decisions)
+             a.rounds, rows, more, a.measure_decisions)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ through 3.x.  What differs between them, as far as synkhronos is concerned:
 - Module paths of compiled functions moved (``pytensor.compile.function.types``
   in 2.x, ``pytensor.compile.executor`` in 3.x); code here and in the core uses
   the public names only (``pytensor.compile.Function``).
+- PyTensor 2.38's Numba backend rewrites an ``OpFromGraph``'s shared inner
+  graph in place; graphs compiled here get ops of their own first
+  (``private_inner_graphs``).
 
 Every other module asks this one instead of testing ``pytensor.__version__``.
 """
@@ -176,8 +179,53 @@ def rebuilt(output, replace):
     """
     from pytensor.tensor.shape import SpecifyShape
 
+    def remake(node, new_inputs):
+        if all(a is b for a, b in zip(new_inputs, node.inputs)):
+            return node.outputs
+        if isinstance(node.op, SpecifyShape):
+            return [new_inputs[0]]
+        if hasattr(node.op, "build_inner_graph"):   # a SymbolicOp: built for the input types
+            outs = node.op(*new_inputs)
+            return list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        return node.op.make_node(*new_inputs).outputs
+    return _remade(output, dict(replace), remake)
+
+
+def private_inner_graphs(output):
+    """``output`` (a variable or a list) with a copy of every ``OpFromGraph`` in it (its inner
+    graph cloned), so that compiling it changes no graph but this one.
+
+    PyTensor 2.38's Numba backend rewrites an ``OpFromGraph``'s own inner graph
+    in place (inplace operations added), and the op is shared: by every graph
+    of the model, and by every gradient of it (``OpFromGraph`` caches its
+    gradient's op).  A later compile of the same graph in C then fails, "Graph
+    must not contain inplace operations" (an LKJ prior's ``AllocDiag``, compiled
+    in Numba then in C: ``tests/extensions/test_pymc_gallery.py``'s ``lkj``).
+    PyTensor 3.x clones the inner graph first.
+    """
+    import copy
+
+    from pytensor.compile.builders import OpFromGraph
+
+    def remake(node, new_inputs):
+        op = node.op
+        if isinstance(op, OpFromGraph):
+            op = op.clone()   # PyTensor 3's inner graphs are frozen: the op itself
+        elif isinstance(getattr(op, "core_op", None), OpFromGraph):   # vectorised (Blockwise)
+            core = op.core_op.clone()
+            if core is not op.core_op:
+                op = copy.copy(op)
+                op.core_op = core
+        if op is node.op and all(a is b for a, b in zip(new_inputs, node.inputs)):
+            return node.outputs
+        return op.make_node(*new_inputs).outputs
+    return _remade(output, {}, remake)
+
+
+def _remade(output, memo, remake):
+    """``output`` (a variable or a list) with each node, from the inputs up, made again by
+    ``remake(node, new_inputs)`` (its new outputs); ``memo`` maps variables already replaced."""
     outputs = output if isinstance(output, (list, tuple)) else [output]
-    memo = dict(replace)
     stack = list(outputs)
     while stack:
         v = stack[-1]
@@ -194,17 +242,7 @@ def rebuilt(output, replace):
             stack.extend(pending)
             continue
         stack.pop()
-        new_inputs = [memo[i] for i in node.inputs]
-        if all(a is b for a, b in zip(new_inputs, node.inputs)):
-            outs = node.outputs
-        elif isinstance(node.op, SpecifyShape):
-            outs = [new_inputs[0]]
-        elif hasattr(node.op, "build_inner_graph"):   # a SymbolicOp: built for the input types
-            outs = node.op(*new_inputs)
-            outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-        else:
-            outs = node.op.make_node(*new_inputs).outputs
-        for old, new in zip(node.outputs, outs):
+        for old, new in zip(node.outputs, remake(node, [memo[i] for i in node.inputs])):
             memo[old] = new
     got = [memo[o] for o in outputs]
     return got if isinstance(output, (list, tuple)) else got[0]

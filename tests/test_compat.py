@@ -134,3 +134,64 @@ def test_precompile_compiles_numba_code_for_the_types_a_call_passes():
     assert f(np.ones((3, 2)), np.array(4, "int32")) == 10.0
     assert len(jit.signatures) == 1  # the call found the code compiled for its types
     assert not compat.precompile(pytensor.function([x], x.sum(), mode="FAST_COMPILE"))
+
+
+def _ofg_graph():
+    """(x, an OpFromGraph setting a diagonal, [y, dy/dx]): the op and its gradient's, which
+    OpFromGraph caches on the op, are shared by every graph built from them."""
+    from pytensor.compile.builders import OpFromGraph
+
+    a = pt.vector("a", shape=(2,))
+    diag = OpFromGraph([a], [pt.set_subtensor(pt.zeros((2, 2))[[0, 1], [0, 1]], a)])
+    x = pt.vector("x", shape=(2,))
+    y = (diag(x) ** 2).sum() * 3.0
+    return x, diag, [y, pytensor.grad(y, x)]
+
+
+def test_private_inner_graphs_leave_the_shared_ops_alone():
+    pytest.importorskip("numba")
+    x, diag, outputs = _ofg_graph()
+    inner = [str(n.op) for n in diag.fgraph.toposort()]
+    private = compat.private_inner_graphs(outputs)
+    from pytensor.compile.builders import OpFromGraph
+
+    ops = [v.owner.op for v in compat.ancestors(private) if v.owner is not None]
+    found = [op for op in ops if isinstance(op, OpFromGraph)]
+    # PyTensor 3's inner graphs are frozen: nothing to copy (clone() is the op itself).
+    assert len(found) >= 2
+    assert all(op is not diag for op in found) or diag.clone() is diag
+    numba_fn = pytensor.function([x], private, mode="NUMBA")
+    # Python's linker runs the op's own inner graph: on PyTensor 2.38 it failed ("must not
+    # contain inplace operations") where Numba had compiled the shared graph first.
+    py_fn = pytensor.function([x], outputs, mode=pytensor.compile.mode.Mode(linker="py"))
+    v = np.array([0.5, -2.0], dtype=x.dtype)
+    for y, g in (numba_fn(v), py_fn(v)):
+        np.testing.assert_allclose(y, 3.0 * np.sum(v ** 2), rtol=1e-6)
+        np.testing.assert_allclose(g, 6.0 * v, rtol=1e-6)
+    assert [str(n.op) for n in diag.fgraph.toposort()] == inner
+
+
+def test_private_inner_graphs_keep_a_c_compile_after_numba_working():
+    # An LKJ prior's AllocDiag, kept as an OpFromGraph: on PyTensor 2.38 its Numba compile
+    # rewrote the graph the op shares, and the C function's first call then failed.
+    if compat.PYTENSOR_VERSION >= (3,):
+        pytest.skip("PyTensor 3 rewrites a copy of an OpFromGraph's inner graph")
+    pytest.importorskip("numba")
+    pm = pytest.importorskip("pymc")
+    rng = np.random.default_rng(0)
+    obs = rng.normal(size=(50, 2))
+    with pm.Model() as model:
+        chol, _, _ = pm.LKJCholeskyCov("chol", n=2, eta=2.0, compute_corr=True,
+                                       sd_dist=pm.Exponential.dist(1.0, shape=2))
+        pm.MvNormal("obs", np.zeros(2), chol=chol, observed=obs)
+    logp = model.logp()
+    outputs = [logp, *pytensor.grad(logp, model.value_vars)]
+    point = model.initial_point()
+    args = [point[v.name] for v in model.value_vars]
+    numba_fn = pytensor.function(model.value_vars, compat.private_inner_graphs(outputs),
+                                 mode="NUMBA")
+    c_fn = pytensor.function(model.value_vars, outputs, mode="CVM")
+    got, want = numba_fn(*args), c_fn(*args)
+    np.testing.assert_allclose(got[0], model.compile_logp()(point), rtol=1e-10)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-10)

@@ -15,6 +15,18 @@ parameters the notebooks report.
   censored    censored regression (pm.Censored): 500 rows
   rugby       rugby analytics: attack and defence per team, 60 matches, 6 teams
 
+``LIKELIHOODS``: likelihoods of other gallery notebooks that the seven above do not
+have, each in its notebook's form (tested for exactness only; none takes ``rows=``):
+
+  ordinal     ordered categorical outcomes: pm.OrderedLogistic, ordered cutpoints, 300 rows
+  zip         zero-inflated Poisson regression: 250 rows
+  lkj         LKJ Cholesky covariance, pm.MvNormal observed: 10,000 rows of 2
+  stochvol    stochastic volatility: a Gaussian random walk with a value a row, Student-t
+              returns, 400 rows
+  dirmult     Dirichlet-multinomial counts: 20 rows of 5 categories
+  potential   a likelihood written as pm.Potential over the rows (black-box likelihoods)
+  dataframe   logistic regression on a pandas DataFrame, observed= a pandas Series: 300 rows
+
 Every model with rows (all but eight schools, whose rows each have a parameter of their
 own) takes ``rows=``: that many rows drawn with replacement from the notebook's (a
 bootstrap), for the bench's figures at 10^5 rows (``bench/pymc_gallery.py --parts e2e
@@ -182,3 +194,110 @@ MODELS = {"radon": radon, "schools": schools, "linear": linear, "robust": robust
           "logistic": logistic, "censored": censored, "rugby": rugby}
 # The models that take rows= (eight schools has a parameter per row).
 WITH_ROWS = [k for k in MODELS if k != "schools"]
+
+
+def ordinal(seed=0):
+    """Regression models with ordered categorical outcomes: an ordered-logistic regression."""
+    rng = np.random.default_rng(seed)
+    n = 300
+    X = rng.normal(size=(n, 2))
+    y = np.digitize(X @ [1.0, -0.5] + rng.logistic(size=n), [-1.0, 0.0, 1.0])
+    with pm.Model() as model:
+        beta = pm.Normal("beta", 0, 2, shape=2)
+        cutpoints = pm.Normal("cutpoints", mu=[-1, 0, 1], sigma=2, shape=3,
+                              transform=pm.distributions.transforms.ordered)
+        pm.OrderedLogistic("y", eta=pm.math.dot(X, beta), cutpoints=cutpoints, observed=y)
+    return model
+
+
+def zero_inflated(seed=0):
+    """Zero-inflated Poisson regression (GLM: count data with structural zeros)."""
+    rng = np.random.default_rng(seed)
+    n = 250
+    x = rng.normal(size=n)
+    y = rng.poisson(np.exp(0.3 + 0.5 * x)) * (rng.random(n) > 0.3)
+    with pm.Model() as model:
+        psi = pm.Beta("psi", 1, 1)
+        a = pm.Normal("a", 0, 2)
+        b = pm.Normal("b", 0, 2)
+        pm.ZeroInflatedPoisson("y", psi=psi, mu=pm.math.exp(a + b * x), observed=y)
+    return model
+
+
+def lkj(seed=0):
+    """LKJ Cholesky covariance priors for multivariate normal models: 10,000 draws of 2."""
+    rng = np.random.default_rng(seed)
+    n = 10_000
+    mu_actual = np.array([1.0, -2.0])
+    sigmas = np.array([0.7, 1.5])
+    corr = np.array([[1.0, -0.4], [-0.4, 1.0]])
+    x = rng.multivariate_normal(mu_actual, np.diag(sigmas) @ corr @ np.diag(sigmas), size=n)
+    with pm.Model() as model:
+        chol, corr, stds = pm.LKJCholeskyCov("chol", n=2, eta=2.0,
+                                             sd_dist=pm.Exponential.dist(1.0, shape=2),
+                                             compute_corr=True)
+        mu = pm.Normal("mu", 0.0, sigma=1.5, shape=2)
+        pm.MvNormal("obs", mu, chol=chol, observed=x)
+    return model
+
+
+def stochvol(seed=0):
+    """Stochastic volatility: log-volatility a Gaussian random walk, one value a day."""
+    rng = np.random.default_rng(seed)
+    n = 400
+    returns = rng.standard_t(5, n) * 0.02 * np.exp(np.cumsum(rng.normal(0, 0.05, n)))
+    with pm.Model(coords={"time": np.arange(n)}) as model:
+        step_size = pm.Exponential("step_size", 10)
+        volatility = pm.GaussianRandomWalk("volatility", sigma=step_size, dims="time",
+                                           init_dist=pm.Normal.dist(0, 100))
+        nu = pm.Exponential("nu", 0.1)
+        pm.StudentT("returns", nu=nu, lam=np.exp(-2 * volatility), observed=returns, dims="time")
+    return model
+
+
+def dirmult(seed=0):
+    """Dirichlet-multinomial: tree counts of 5 species in 20 forests."""
+    rng = np.random.default_rng(seed)
+    k, n, total = 5, 20, 50
+    frac = rng.dirichlet(np.ones(k))
+    counts = np.stack([rng.multinomial(total, rng.dirichlet(frac * 10)) for _ in range(n)])
+    with pm.Model(coords={"tree": np.arange(k), "forest": np.arange(n)}) as model:
+        frac = pm.Dirichlet("frac", a=np.ones(k), dims="tree")
+        conc = pm.Lognormal("conc", mu=1, sigma=1)
+        pm.DirichletMultinomial("counts", n=total, a=frac * conc, observed=counts,
+                                dims=("forest", "tree"))
+    return model
+
+
+def potential(seed=0):
+    """A likelihood written as a pm.Potential over the rows (as black-box likelihoods are)."""
+    rng = np.random.default_rng(seed)
+    n = 200
+    x = rng.normal(size=n)
+    y = 1.0 + 2.0 * x + rng.normal(size=n)
+    with pm.Model() as model:
+        a = pm.Normal("a", 0, 5)
+        b = pm.Normal("b", 0, 5)
+        sigma = pm.HalfNormal("sigma", 2)
+        pm.Potential("likelihood", pm.logp(pm.Normal.dist(a + b * x, sigma), y))
+    return model
+
+
+def dataframe(seed=0):
+    """Logistic regression on a pandas DataFrame, observed= a pandas Series."""
+    import pandas as pd
+
+    rng = np.random.default_rng(seed)
+    n = 300
+    df = pd.DataFrame({"x1": rng.normal(size=n), "x2": rng.normal(size=n)})
+    df["y"] = (rng.random(n) < 1 / (1 + np.exp(-(df.x1 - df.x2)))).astype(int)
+    with pm.Model() as model:
+        intercept = pm.Normal("Intercept", 0, 2)
+        beta = pm.Normal("beta", 0, 2, shape=2)
+        pm.Bernoulli("y", logit_p=intercept + pm.math.dot(df[["x1", "x2"]].values, beta),
+                     observed=df["y"])
+    return model
+
+
+LIKELIHOODS = {"ordinal": ordinal, "zip": zero_inflated, "lkj": lkj, "stochvol": stochvol,
+               "dirmult": dirmult, "potential": potential, "dataframe": dataframe}

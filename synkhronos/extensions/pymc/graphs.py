@@ -109,7 +109,7 @@ def joined(logp, value_vars, shapes, position, pregrad=None):
         part = position[lo:lo + size].reshape(shape)
         replace[v] = part.astype(v.dtype) if part.dtype != v.dtype else part
         lo += size
-    out = compat.clone_replace([logp, *grads], replace=replace)
+    out = compat.private_inner_graphs(compat.clone_replace([logp, *grads], replace=replace))
     parts = [out[0].astype(position.dtype)[None]]
     parts += [g.reshape((-1,)).astype(position.dtype) for g in out[1:]]
     return without_shape_checks(pt.concatenate(parts) if len(parts) > 1 else parts[0])
@@ -189,7 +189,8 @@ def batched(logp, value_vars, shapes, positions, pregrad=None):
         part = positions[:, lo:lo + size].reshape((k, *shape))
         replace[v] = part.astype(v.dtype) if part.dtype != v.dtype else part
         lo += size
-    out = _join_in_batches(vectorize_graph([logp, *grads], replace=replace))
+    out = _join_in_batches(compat.private_inner_graphs(vectorize_graph([logp, *grads],
+                                                                       replace=replace)))
     logps, bgrads = out[0], out[1:]
     flat = [g.reshape((k, -1)) for g in bgrads]
     grad = pt.concatenate(flat, axis=1) if len(flat) > 1 else flat[0]

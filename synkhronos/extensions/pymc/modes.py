@@ -28,6 +28,7 @@ import time
 import numpy as np
 import pytensor
 
+from ... import compat
 from ...functions.measures import MeasureFile, digest, graph_text
 from ...runtime.liveness import stop_process
 from ...runtime.process_setup import fork_quietly
@@ -106,7 +107,9 @@ def _compiled(inputs, position, output, mode, args):
     """``output``'s function in ``mode``, called once (Numba compiles at the first call), and
     the seconds both took."""
     t0 = time.perf_counter()
-    fn = pytensor.function([*inputs, position], output, mode=mode, on_unused_input="ignore")
+    # A graph of its own in each mode: Numba may change what an earlier compile shares.
+    fn = pytensor.function([*inputs, position], compat.private_inner_graphs(output), mode=mode,
+                           on_unused_input="ignore")
     fn(*args)
     return fn, time.perf_counter() - t0
 

@@ -144,6 +144,6 @@ def _combines_rows(term, plan, whole, summed):
     whole_fix = " " + _whole_fix(plan, [term], "If it needs every row (a time series, a sort), it") + "."
     return (f"{WHERE}: the log-density term of {term.name!r} combines rows (statistics across "
             "rows such as a mean or a sort, a cumulative sum, a time series): on parts of the "
-            f"rows it adds up to {summed!r}, on all of them it is {whole!r}, so split over ranks "
-            f"it would be silently wrong.{found}"
+            f"rows it adds up to {float(summed):.10g}, on all of them it is {float(whole):.10g}, "
+            f"so split over ranks it would be silently wrong.{found}"
             + (whole_fix + numpy_fix if ops else numpy_fix + whole_fix))
