@@ -514,6 +514,8 @@ def _startup(models, n_rows):
 
 # -- driver --------------------------------------------------------------------------------------
 E2E_SYSTEMS = ("pymc", "synk", "synk-split")
+SOURCES = {"gallery": "", "more": "; bench/gallery_more.py", "likelihoods": "; pymc_gallery.LIKELIHOODS"}
+"""Where an e2e run's models come from (``child_e2e``'s ``source``), as its table's title says."""
 E2E_WHAT = {"pymc": "pm.sample as the installed PyMC runs it by default (its sampler, its cores)",
             "synk": "synk.fork(2) + data_parallel(model) + distribute() + dp.sample, the "
                     "default (split measured)",
@@ -524,12 +526,12 @@ E2E_WHAT = {"pymc": "pm.sample as the installed PyMC runs it by default (its sam
 E2E_AGAINST = {"synk-nutpie": "nutpie"}
 
 
-def child_e2e(system, which, chains, draws, tune, rows=0, more=0, measure=0):
+def child_e2e(system, which, chains, draws, tune, rows=0, source="gallery", measure=0):
     """One run end to end: from the model built to the draws, set-up and compiling included.
 
     ``rows``: the gallery model's rows bootstrapped to that many (0: its own);
-    ``more``: 1, the model is one of bench/gallery_more.py's, 2, one of
-    ``pymc_gallery.LIKELIHOODS``; ``measure``: dp.sample
+    ``source``: where the model is ("gallery": the tests' gallery, "more":
+    bench/gallery_more.py, "likelihoods": ``pymc_gallery.LIKELIHOODS``); ``measure``: dp.sample
     measures its decision, whatever an earlier run kept.
     """
     sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -539,10 +541,10 @@ def child_e2e(system, which, chains, draws, tune, rows=0, more=0, measure=0):
     import pymc as pm
     import pytensor
     with pytensor.config.change_flags(floatX="float64"):
-        if more == 1:
+        if source == "more":
             import gallery_more
             model = gallery_more.MODELS[which]()
-        elif more == 2:
+        elif source == "likelihoods":
             model = pymc_gallery.LIKELIHOODS[which]()
         else:
             model = pymc_gallery.MODELS[which](**({"rows": rows} if rows else {}))
@@ -670,7 +672,7 @@ def child_compile(which):
                       "pymc_s": time.perf_counter() - t1})
 
 
-def _e2e(models, chains, systems, draws, tune, rounds, rows=0, more=0, measure=False):
+def _e2e(models, chains, systems, draws, tune, rounds, rows=0, source="gallery", measure=False):
     """Every system on every model, rounds alternating the systems' order; medians."""
     import statistics
     runs = {}
@@ -678,7 +680,7 @@ def _e2e(models, chains, systems, draws, tune, rounds, rows=0, more=0, measure=F
         for m in models:
             order = systems if r % 2 == 0 else systems[::-1]
             for s in order:
-                res = _run_child(["e2e", s, m, chains, draws, tune, rows, int(more),
+                res = _run_child(["e2e", s, m, chains, draws, tune, rows, source,
                                   int(measure)])
                 if res is None:
                     continue
@@ -696,7 +698,7 @@ def _e2e(models, chains, systems, draws, tune, rounds, rows=0, more=0, measure=F
     print(f"\n### End to end: seconds from the model built to the draws ({chains} chains, "
           f"{draws} draws after {tune} tuning steps, median of {rounds} rounds; "
           f"{'rows bootstrapped to %d' % rows if rows else 'the gallery sizes'}"
-          f"{['', '; bench/gallery_more.py', '; pymc_gallery.LIKELIHOODS'][more]}"
+          f"{SOURCES[source]}"
           f"{'; every decision measured' if measure else ''})\n")
     for s in systems:
         print(f"- {s}: {E2E_WHAT[s]}")
@@ -759,7 +761,7 @@ def main():
             child_crossover(rest[0], int(rest[1]), int(rest[2]), int(rest[3]), int(rest[4]))
         elif kind == "e2e":
             child_e2e(rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]), int(rest[5]),
-                      int(rest[6]), int(rest[7]))
+                      rest[6], int(rest[7]))
         else:
             child_sample(rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]), int(rest[5]))
         return
@@ -817,7 +819,7 @@ def main():
         from helpers import pymc_gallery
         rows = int(float(a.rows)) if a.rows else 0
         every = pymc_gallery.WITH_ROWS if rows else list(pymc_gallery.MODELS)
-        more = 1 if a.more else 2 if a.likelihoods else 0
+        source = "more" if a.more else "likelihoods" if a.likelihoods else "gallery"
         if a.more:
             import gallery_more
             every = list(gallery_more.MODELS)
@@ -825,7 +827,7 @@ def main():
             every = list(pymc_gallery.LIKELIHOODS)
         names = every if a.models == ",".join(MODELS) else models
         _e2e(names, int(a.chains.split(",")[-1]), a.e2e_systems.split(","), a.draws, a.tune,
-             a.rounds, rows, more, a.measure_decisions)
+             a.rounds, rows, source, a.measure_decisions)
 
 
 if __name__ == "__main__":
