@@ -58,7 +58,7 @@ $(OLD_STAMP): pyproject.toml setup.py $(C_SOURCES)
 $(PYMC_STAMP): pyproject.toml setup.py $(C_SOURCES)
 	$(PYTHON) -m venv $(PYMC_VENV)
 	$(PYMC_VENV)/bin/python -m pip install -q --upgrade pip
-	$(PYMC_VENV)/bin/python -m pip install -q -e ".[pymc,nutpie,mpi]" $(PYTEST_DEPS)
+	$(PYMC_VENV)/bin/python -m pip install -q -e ".[pymc,nutpie,mpi,jax]" $(PYTEST_DEPS)
 	touch $(PYMC_STAMP)
 
 # pip takes the newest of everything the extras admit: PyMC 6.x, PyTensor 3.x, ArviZ 1.
@@ -129,15 +129,18 @@ test-lowest: $(OLD_STAMP)
 # PyMC 5 (Python 3.11); nutpie and MPICH (the 2-machine sampling test) come with it.
 PYMC_ONLY := tests/extensions/test_pymc_internals.py tests/extensions/test_pymc.py \
 	tests/extensions/test_pymc_gallery.py \
-	tests/extensions/test_pymc_terms.py tests/extensions/test_pymc_batching.py
+	tests/extensions/test_pymc_terms.py tests/extensions/test_pymc_batching.py \
+	tests/extensions/test_pymc_jax.py
 PYMC_TESTS := tests/test_compat.py tests/test_floatx.py $(PYMC_ONLY)
-# On PyMC 5 in make test: its internals, the sampling tests, and the gallery's models and
-# other notebooks' likelihoods as written (accepted and exact); the gallery's sampling, the
+# On PyMC 5 in make test: its internals, the sampling tests, the gallery's models and
+# other notebooks' likelihoods as written (accepted and exact), and the ranks in JAX
+# (PyTensor 2.38's JAX backend; jax is installed there for it); the gallery's sampling, the
 # terms' cases and batching run on PyMC 6 (test-current), and on PyMC 5 too with
 # make test-pymc PYMC5_TESTS='$(PYMC_TESTS)'.
 PYMC5_TESTS ?= tests/test_compat.py tests/test_floatx.py tests/extensions/test_pymc_internals.py \
 	tests/extensions/test_pymc.py "tests/extensions/test_pymc_gallery.py::test_as_written_and_exact" \
-	"tests/extensions/test_pymc_gallery.py::test_other_likelihoods_as_written_and_exact"
+	"tests/extensions/test_pymc_gallery.py::test_other_likelihoods_as_written_and_exact" \
+	tests/extensions/test_pymc_jax.py
 # The same draws on 1-4 ranks (four runtimes in a subprocess) run on PyMC 6 only.
 PYMC5_DESELECT ?= --deselect tests/extensions/test_pymc.py::test_the_same_draws_on_any_number_of_ranks
 test-pymc: $(PYMC_STAMP)

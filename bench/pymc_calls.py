@@ -385,6 +385,7 @@ def _modes_table(results):
 # -- the speedup at 10^4 rows ------------------------------------------------------------------
 def child_ratio(n_rows, calls, modes, which="logistic"):
     """dp.logp_dlogp on 2 ranks against PyMC's serial call, per mode, rounds alternating."""
+    import numpy as np
     quiet()
     import synkhronos as synk
     from synkhronos.extensions import pymc as synk_pymc
@@ -402,7 +403,9 @@ def child_ratio(n_rows, calls, modes, which="logistic"):
     synk.distribute()
     fns = {}
     for m in modes:
-        fns[f"PyMC serial, {m}"] = (lambda f: lambda: f(q))(serial_pair(model, m))
+        # np.asarray: JAX returns before it has computed (NumPy's arrays pass as they are).
+        fns[f"PyMC serial, {m}"] = (lambda f: lambda: [np.asarray(o) for o in f(q)])(
+            serial_pair(model, m))
         if m in dps:
             dps[m].scatter()
             fns[f"dp.logp_dlogp, {m}"] = (lambda d: lambda: d.logp_dlogp(q))(dps[m])
@@ -505,7 +508,7 @@ def main():
     p.add_argument("--tune", type=int, default=300)
     p.add_argument("--mode-rows", type=int, default=10_000)
     p.add_argument("--ratio-rows", type=int, default=10_000)
-    p.add_argument("--ratio-modes", default="CVM,NUMBA")
+    p.add_argument("--ratio-modes", default="CVM,NUMBA", help="ratio: any of CVM, NUMBA, JAX")
     p.add_argument("--ratio-models", default="logistic", help="ratio: logistic and/or radon")
     p.add_argument("--child", nargs="+")
     a = p.parse_args()

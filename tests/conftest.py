@@ -20,6 +20,11 @@ collect_ignore = ["helpers"]
 # PyTensor's JAX backend every function's default mode, so the function and
 # collective suites run again on JAX arrays.  Read by test_collectives.py too.
 TEST_MODE = os.environ.get("SYNK_TEST_MODE") or None
+
+# The pytest process never starts JAX (its later fork()s would hang in it: helpers/child.py),
+# so a PyMC model's ranks are measured in Numba and C only; the tests of JAX among the
+# modes measured run in a forked child (tests/extensions/test_pymc_jax.py).
+os.environ.setdefault("SYNK_PYMC_MODES", "NUMBA,CVM")
 if TEST_MODE:
     import pytensor
 

@@ -70,7 +70,7 @@ def function_at_first_call(inputs, outputs=None, bcast_inputs=None, updates=None
     compiles it at the first call: at once where each has a core, else the
     master first, so that the others load the code from PyTensor's cache
     instead of each compiling it (``deferred.py``).  A graph with updates, givens, sliceable shared
-    variables, in-graph collectives or the JAX linker is built now, as
+    variables, in-graph collectives or the JAX linker (unless lazy, in CPU mode) is built now, as
     ``function()`` builds it.  Master only, before ``distribute()``; takes
     ``function()``'s arguments, and ``lazy``: a ``deferred.Lazy`` whose
     ``make`` builds the output variables at the first call, in each
@@ -103,13 +103,17 @@ def _build(inputs, outputs, bcast_inputs, updates, givens, sliceable_shareds, kw
         # GPU mode: shared variables live on the device as JAX arrays.
         kwargs.setdefault("mode", "JAX")
     args = (inputs + bcast_inputs, out_vars)
+    jax = _jax_mode(kwargs.get("mode"))
+    # A lazy graph in JAX runs on the CPU's NumPy arrays like any other (the PyMC
+    # extension's rank graphs); GPU mode's JAX functions hold device arrays: built now.
     deferred = (deferred and not upd_pairs and not givens and not sliceable
-                and not _jax_mode(kwargs.get("mode")) and not _graph_holds_collective(out_vars))
+                and (not jax or (lazy is not None and rt.config.device == "cpu"))
+                and not _graph_holds_collective(out_vars))
     if lazy is not None:
         if not deferred or _graph_holds_collective(lazy.base):
             raise ValueError("function_at_first_call: lazy outputs need a plain graph (no "
-                             "in-graph collective, not the JAX linker)")
-        fn = Deferred(args, kwargs, lazy)
+                             "in-graph collective, not the JAX linker in GPU mode)")
+        fn = Deferred(args, kwargs, lazy, uses_jax=jax)
     elif deferred:
         fn = Deferred(args, kwargs)
     else:

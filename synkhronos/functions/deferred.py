@@ -10,10 +10,10 @@ every rank: on one machine with a core for each rank, all at once (the master
 once the call is posted); else the master first, before posting it, so that
 the others load Numba's code from PyTensor's cache (``kept.builds_together``).
 
-Only plain graphs are deferred (no updates, givens, in-graph collectives or
-JAX linker): what the rest of the library reads of a function before its
-first call (its name, its shared variables, whether it is JAX) is then known
-from the graph itself.
+Only plain graphs are deferred (no updates, givens or in-graph collectives;
+JAX-linked ones only where lazy, in CPU mode): what the rest of the library
+reads of a function before its first call (its name, its shared variables,
+whether it is JAX) is then known from the graph itself and its mode.
 
 The graph itself may be built at the first call too (``Lazy``): building a
 gradient vectorised over many positions, or a Scan of one, took 0.1-0.3 s
@@ -49,11 +49,10 @@ class Deferred:
     are set on the built function.  Pickles as the graph, unbuilt.
     """
 
-    uses_jax = False   # JAX-linked graphs are never deferred (devices.uses_jax)
-
-    def __init__(self, args, kwargs, lazy=None):
+    def __init__(self, args, kwargs, lazy=None, uses_jax=False):
+        # uses_jax: whether it links with JAX, read before the build (devices.uses_jax)
         self.__dict__.update(_args=args, _kwargs=kwargs, _fn=None, _attrs={},
-                             name=kwargs.get("name"), _lazy=lazy)
+                             name=kwargs.get("name"), _lazy=lazy, uses_jax=uses_jax)
 
     def get_shared(self):
         """The graph's shared variables, as ``Function.get_shared`` lists a built one's."""
@@ -83,7 +82,8 @@ class Deferred:
 
     def __getattr__(self, name):
         # Anything else a built function has: build it (a read before the first call).
-        if name.startswith("__") or name in ("_args", "_kwargs", "_fn", "_attrs", "_lazy"):
+        if name.startswith("__") or name in ("_args", "_kwargs", "_fn", "_attrs", "_lazy",
+                                             "uses_jax"):
             raise AttributeError(name)
         return getattr(self.build(), name)
 
@@ -92,7 +92,8 @@ class Deferred:
 
     def __getstate__(self):
         return {"_args": self._args, "_kwargs": self._kwargs, "_fn": None,
-                "_attrs": dict(self._attrs), "name": self.name, "_lazy": self._lazy}
+                "_attrs": dict(self._attrs), "name": self.name, "_lazy": self._lazy,
+                "uses_jax": self.uses_jax}
 
     def __setstate__(self, state):
         self.__dict__.update(state)

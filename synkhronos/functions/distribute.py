@@ -63,9 +63,12 @@ def _install(rt, functions, shareds):
     rt.registry.functions = list(functions)
     rt.registry.shareds = list(shareds)
     rt.registry.shared_ids = {id(s): i for i, s in enumerate(shareds)}
-    # Collectives keep the values of JAX functions' shared variables on the device.
-    rt.registry.device_shareds = {id(s) for f in functions if devices.uses_jax(f.spec.fn)
-                         for s in f.spec.fn.get_shared()}
+    # Collectives keep the values of JAX functions' shared variables on the device; a JAX
+    # function built at its first call (CPU mode only) reads host arrays, and placing them
+    # here would start JAX in the master before the workers are forked from it.
+    rt.registry.device_shareds = {id(s) for f in functions
+                                  if devices.uses_jax(f.spec.fn) and not f.spec.compile_at_first_call
+                                  for s in f.spec.fn.get_shared()}
     for s in shareds:
         # Their values go to the device once, here, rather than from the host
         # at every call until their first update.

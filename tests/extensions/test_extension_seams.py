@@ -61,6 +61,10 @@ SEAMS = {
             "the master compiles it in Numba: a helper process of ours, as the runtime forks its own",
         "synkhronos.runtime.liveness.stop_process":
             "that child, stuck past its bound, is killed and reaped as the runtime ends its own",
+        "synkhronos.runtime.devices.jax_initialised":
+            "JAX is measured only where no JAX backend started in the master (the workers and "
+            "that child, forked from it, would hang at their first JAX call): the runtime's own "
+            "test, which fork() applies to its workers",
         "synkhronos.functions.measures.MeasureFile":
             "the mode measured is kept on disk for the next run as the library keeps its own "
             "timed choices (how many chunks a call is cut into), in one file format",

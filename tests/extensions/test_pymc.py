@@ -164,6 +164,44 @@ def test_fastest_mode_keeps_the_faster():
     assert modes.kept({"NUMBA": 8e-6, "CVM": 10e-6}) == "NUMBA"
 
 
+class _RefusingLinker(pytensor.link.basic.PerformLinker):
+    """A backend lacking an op of the graph (as PyTensor's JAX backend lacks some)."""
+
+    def make_all(self, *args, **kwargs):
+        raise NotImplementedError("no implementation of this op here")
+
+
+@pytest.mark.parametrize("aside", [False, True], ids=["master", "child"])
+def test_a_mode_that_does_not_compile_is_left_out(tmp_path, monkeypatch, aside):
+    """A mode whose graph does not compile is no candidate, measured by the master or by the
+    child aside: the others decide, and it is not kept as a figure."""
+    import pytensor.tensor as pt
+    from pytensor.compile.mode import Mode
+
+    from synkhronos.extensions.pymc import modes
+    from synkhronos.functions.measures import MeasureFile
+
+    had = os.sched_getaffinity(0)
+    cores = sorted(modes.unpinned_cores())
+    if aside and len(cores) < 2:
+        pytest.skip("needs two cores: one for the master, one for the child")
+    monkeypatch.setattr(modes, "KEPT", MeasureFile("modes.json", str(tmp_path)))
+    monkeypatch.setattr(modes, "unpinned_cores", lambda: set(cores) if aside else had)
+    X, p = pt.matrix("X", dtype="float64"), pt.vector("p", dtype="float64")
+    out = (pt.tanh(X * p) * p).sum(axis=0)
+    rows = np.random.default_rng(0).normal(size=(400, 3))
+    ways = {"CVM": "CVM", "BROKEN": Mode(linker=_RefusingLinker(), optimizer=None),
+            "PY": Mode(linker="py", optimizer=None)}
+    if aside:
+        os.sched_setaffinity(0, cores[:1])          # as fork() pins the master
+    try:
+        best, seconds = modes.fastest([X], p, out, [rows], np.ones(3), 2, ways)
+    finally:
+        os.sched_setaffinity(0, had)
+    assert set(seconds) == {"CVM", "PY"} and best in seconds, seconds
+    assert modes.fastest([X], p, out, [rows], np.ones(3), 2, ways) == (best, seconds)  # kept
+
+
 def test_a_measured_mode_is_kept_for_the_next_run(tmp_path, monkeypatch):
     """The same graph on as many rows is not measured again (nothing compiled, the figures
     of the first run); other rows, or another graph, are."""

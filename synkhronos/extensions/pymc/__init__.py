@@ -57,8 +57,9 @@ def data_parallel(model=None, data=None, unsplit=None, name="pymc_logp", mode=No
             only those count once).
         name: name of the synkhronos function (for logs and errors).
         mode: the PyTensor mode the ranks compile the log-density in:
-            "NUMBA", "CVM" (C code) or a ``Mode``; None: the faster of the two
-            on this model, timed on a rank's share of the rows at the first
+            "NUMBA", "CVM" (C code), "JAX" (XLA's CPU code; needs jax) or a
+            ``Mode``; None: the fastest of those on this model (JAX where
+            installed), timed on a rank's share of the rows at the first
             data-parallel evaluation (``dp.mode``; docs/pymc.md, "The ranks'
             mode, measured").
         split: whether ``dp.sample`` splits the rows over the ranks: True

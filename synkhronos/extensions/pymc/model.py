@@ -11,6 +11,7 @@ the surface those share (its rows and their scatter, the flat position, the
 evaluations), each a few lines over the state of its one instance.
 """
 
+import importlib.util
 import logging
 import weakref
 
@@ -33,9 +34,10 @@ logger = logging.getLogger(__name__)
 # not hold the rows to time it on (several machines, rows given as synk.Data), Numba, as
 # nutpie compiles: per row it ran PyMC's own graph and the rank's in 0.3-0.8x the time of C
 # code on a logistic regression and a radon-style model at 10^5 rows (bench/pymc_calls.py
-# --parts modes), though 5x slower on a dense one of 55 covariates (issue 47).
+# --parts modes), though 5x slower on a dense one of 55 covariates (issue 47).  JAX is
+# measured where it is installed (modes.measurable).
 DEFAULT_MODE = "NUMBA"
-MODES = ("NUMBA", "CVM")
+MODES = ("NUMBA", "CVM", "JAX")
 
 
 # pm.Data container -> a weak reference to the shared array it was given (DataParallelModel._point_at).
@@ -50,6 +52,9 @@ def _rank_mode(mode):
     if mode.upper() not in MODES:
         raise ValueError(f"data_parallel: mode must be one of {', '.join(MODES)}, a PyTensor "
                          f"Mode or None; got {mode!r}")
+    if mode.upper() == "JAX" and importlib.util.find_spec("jax") is None:
+        raise ValueError("data_parallel: mode='JAX' needs jax installed (pip install "
+                         "'synkhronos[jax]'); got mode='JAX' without it")
     return mode.upper()
 
 
@@ -71,8 +76,8 @@ class DataParallelModel:
         whole: the containers every rank reads whole.
         n_rows: rows of the split data.
         value_names, size, dtype: the flat parameter vector.
-        mode: the PyTensor mode the rank's graphs compile in ("NUMBA", "CVM" or a
-            ``Mode``); where ``data_parallel(mode=None)``, the faster on this model,
+        mode: the PyTensor mode the rank's graphs compile in ("NUMBA", "CVM", "JAX" or a
+            ``Mode``); where ``data_parallel(mode=None)``, the fastest on this model,
             measured at the first data-parallel evaluation (None before).
         split: ``data_parallel``'s ``split`` (None: measured at the first ``sample``).
         decision: what the last ``sample`` chose (``crossover.Decision``), None before.
@@ -147,7 +152,7 @@ class DataParallelModel:
         position = pt.vector("position", dtype=self.dtype)
         positions = pt.matrix("positions", dtype=self.dtype)
         measured = asked is None and not self._given and synk.layout().n_machines == 1
-        names = MODES if measured else [DEFAULT_MODE if asked is None else asked]
+        names = modes.measurable(MODES) if measured else [DEFAULT_MODE if asked is None else asked]
         rank_modes = {m: internals.pymc_mode(model, base=m) for m in names}
         self.rank_modes = tuple(names)   # the modes its graphs may run in (asked, or measured)
         try:

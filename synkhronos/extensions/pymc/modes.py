@@ -12,6 +12,16 @@ process measures the others on the ranks' cores, idle then
 (``_measure_aside``).  A mode whose graph Numba could compile only in
 object mode simply measures slow.
 
+JAX (XLA's CPU code) is measured too where JAX is installed and no JAX
+backend has started in the master: XLA vectorises the transcendental
+functions a likelihood spends its rows on, and ran a logistic regression's and
+a censored regression's rank graph 2.2-2.3x faster than Numba on a core at
+5 x 10^4 rows (PyMC 6.4).  A started backend owns threads that a forked
+process lacks, so the workers, forked at ``synk.fork()``, could not run it, and
+the child measuring aside could not either (then the master measures JAX
+itself).  A mode whose graph does not compile (an op PyTensor's JAX backend
+lacks) is left out, and said so at debug level.
+
 A measurement is kept on disk (``KEPT`` in PyTensor's compile
 directory, where PyTensor keeps its compiled code), keyed by the graph, the
 rows a rank holds, the modes, the PyTensor and Numba versions and the CPU, so
@@ -20,8 +30,10 @@ compile and the timing were 0.2-0.7 s of a warm start (and several seconds of
 a cold one).  Delete the file to measure again.
 """
 
+import importlib.util
 import json
 import logging
+import math
 import os
 import time
 
@@ -30,6 +42,7 @@ import pytensor
 
 from ... import compat
 from ...functions.measures import MeasureFile, digest, graph_text
+from ...runtime.devices import jax_initialised
 from ...runtime.liveness import stop_process
 from ...runtime.process_setup import fork_quietly
 from .master_cores import unpinned_cores
@@ -45,6 +58,31 @@ CLEAR_WIN = 0.9
 """Another mode than the first is kept only where its graph ran in at most this share of the
 first's time: closer, the timing's spread decides, and the first (Numba) is the quicker to
 start from warm caches (each rank loads PyTensor's cache of C modules at its first C call)."""
+
+
+MODES_ENV = "SYNK_PYMC_MODES"
+"""Names the modes measured, comma-separated (all of them where unset): a process that must
+not start JAX (it forks later, as a test suite's does) leaves JAX out."""
+
+
+def measurable(names):
+    """Of ``names``, those measured: the ones ``SYNK_PYMC_MODES`` names (all where unset),
+    and JAX only where it is installed and has not started a backend in this process (the
+    workers, forked from it, would hang at their first JAX call)."""
+    asked = os.environ.get(MODES_ENV, "").strip()
+    if asked:
+        wanted = {n.strip().upper() for n in asked.split(",") if n.strip()}
+        if not wanted or not wanted <= set(names):
+            raise ValueError(f"{MODES_ENV} must name modes among {', '.join(names)}, "
+                             f"comma-separated; got {asked!r}")
+        names = tuple(n for n in names if n in wanted)
+    usable = tuple(n for n in names if n != "JAX"
+                   or (importlib.util.find_spec("jax") is not None and not jax_initialised()))
+    if not usable:
+        logger.warning("pymc model: JAX, the one mode %s names, cannot run here (not installed, "
+                       "or started before the workers were forked): the ranks run in NUMBA",
+                       MODES_ENV)
+    return usable or ("NUMBA",)
 
 
 def fastest(inputs, position, output, arrays, x, n_parts, modes):
@@ -69,7 +107,9 @@ def fastest(inputs, position, output, arrays, x, n_parts, modes):
                                                         for m, s in seconds.items()),
                     rows, cache_path())
         return best, seconds
-    helper = _measure_aside(inputs, position, output, dict(list(modes.items())[1:]), args)
+    # JAX started here (an earlier model's ranks run in it): a forked child would hang in it.
+    aside = {n: m for n, m in list(modes.items())[1:] if n != "JAX" or not jax_initialised()}
+    helper = _measure_aside(inputs, position, output, aside, args)
     fns, compile_s, seconds = {}, {}, {}
     first = next(iter(modes))
     try:
@@ -80,13 +120,18 @@ def fastest(inputs, position, output, arrays, x, n_parts, modes):
             seconds[name], compile_s[name] = s, c
     for name, mode in modes.items():
         if name not in fns and name not in seconds:  # no child, or it failed: here, then
-            fns[name], compile_s[name] = _compiled(inputs, position, output, mode, args)
+            built = _compiled(inputs, position, output, mode, args, optional=True)
+            if built is None:
+                seconds[name], compile_s[name] = math.inf, math.nan
+            else:
+                fns[name], compile_s[name] = built
     for name, fn in fns.items():
         seconds[name] = _trial(fn, args)
     for name in modes:
         logger.debug("pymc model: the ranks' graph in %s: %.1f us on %d rows (compiled in "
                      "%.2f s)", name, seconds[name] * 1e6, rows, compile_s[name])
-    seconds = {name: seconds[name] for name in modes}
+    # A mode that did not compile is no candidate (nor kept as one).
+    seconds = {name: seconds[name] for name in modes if math.isfinite(seconds[name])}
     best = kept(seconds)
     logger.info("pymc model: the ranks' graph runs in %s (%s on %d rows)", best,
                 ", ".join(f"{m} {s * 1e6:.0f} us" for m, s in seconds.items()), rows)
@@ -103,14 +148,21 @@ def kept(seconds):
     return best if seconds[best] <= CLEAR_WIN * seconds[first] else first
 
 
-def _compiled(inputs, position, output, mode, args):
+def _compiled(inputs, position, output, mode, args, optional=False):
     """``output``'s function in ``mode``, called once (Numba compiles at the first call), and
-    the seconds both took."""
+    the seconds both took; where ``optional``, None if it fails (a backend lacking an op)."""
     t0 = time.perf_counter()
-    # A graph of its own in each mode: Numba may change what an earlier compile shares.
-    fn = pytensor.function([*inputs, position], compat.private_inner_graphs(output), mode=mode,
-                           on_unused_input="ignore")
-    fn(*args)
+    try:
+        # A graph of its own in each mode: Numba may change what an earlier compile shares.
+        fn = pytensor.function([*inputs, position], compat.private_inner_graphs(output),
+                               mode=mode, on_unused_input="ignore")
+        _done(fn(*args))
+    except Exception as exc:  # noqa: BLE001 - any backend's failure: that mode is no candidate
+        if not optional:
+            raise
+        logger.debug("pymc model: the ranks' graph does not compile in %s (%s: %s)", mode,
+                     type(exc).__name__, str(exc)[:300])
+        return None
     return fn, time.perf_counter() - t0
 
 
@@ -119,9 +171,15 @@ def _trial(fn, args):
     times, end = [], time.perf_counter() + TRIAL_S
     while len(times) < 3 or (len(times) < 200 and time.perf_counter() < end):
         t0 = time.perf_counter()
-        fn(*args)
+        _done(fn(*args))
         times.append(time.perf_counter() - t0)
     return min(times)
+
+
+def _done(outputs):
+    """``outputs`` as NumPy arrays: JAX returns before it has computed them."""
+    for out in outputs:
+        np.asarray(out)
 
 
 HELPER_WAIT_S = 60.0
@@ -163,10 +221,12 @@ def _measure_aside(inputs, position, output, modes, args):
         os.close(go_w)
         os.sched_setaffinity(0, others)
         logging.disable(logging.CRITICAL)
-        built = {name: _compiled(inputs, position, output, mode, args)
+        built = {name: _compiled(inputs, position, output, mode, args, optional=True)
                  for name, mode in modes.items()}
         os.read(go_r, 1)   # the master's compile done (or the master gone: end of file)
-        measured = {name: [_trial(fn, args), c] for name, (fn, c) in built.items()}
+        # A mode that did not compile: infinite seconds (JSON's Infinity), not compiled again.
+        measured = {name: [_trial(b[0], args), b[1]] if b else [math.inf, math.nan]
+                    for name, b in built.items()}
         os.write(w, json.dumps(measured).encode())   # far less than a pipe's buffer
         code = 0
     finally:
