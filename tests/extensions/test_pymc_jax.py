@@ -74,7 +74,7 @@ def _case_asked(n, name):
         assert dp.batcher.calls > 0     # the chains' gradients were data-parallel calls
 
 
-@pytest.mark.parametrize("n,name", [(2, "logistic"), (3, "radon")])
+@pytest.mark.parametrize("n,name", [(2, "logistic"), (3, "radon"), (2, "censored")])
 def test_the_ranks_run_in_jax_where_asked(n, name):
     """mode="JAX": every rank's graphs (one position, several) run on PyTensor's JAX backend,
     built at their first call, and equal PyMC's; dp.sample draws through them."""
@@ -124,3 +124,24 @@ def test_which_modes_are_measured(monkeypatch):
     with pytest.raises(ValueError, match=r"SYNK_PYMC_MODES must name modes among NUMBA, CVM, "
                                          r"JAX.*'NUMBA,GPU'"):
         modes.measurable(model.MODES)
+
+
+def _case_erfcx():
+    import jax
+    import scipy.special
+
+    from synkhronos.extensions.pymc import jax_ops
+
+    jax.config.update("jax_enable_x64", True)
+    x = np.concatenate([np.linspace(-26.5, 40, 100_001), [25.999, 26.0, 26.001, 1e3, 1e200,
+                                                         -27.0, -0.0, np.inf]])
+    got, ref = np.asarray(jax.jit(jax_ops.erfcx)(x)), scipy.special.erfcx(x)
+    finite = np.isfinite(ref)
+    assert np.array_equal(np.isfinite(got), finite)        # overflows where SciPy's does
+    np.testing.assert_allclose(got[finite], ref[finite], rtol=1e-13, atol=0)
+
+
+def test_erfcx_for_jax_equals_scipys():
+    """The erfcx given to PyTensor's JAX backend where it has none (pm.Censored's normal on
+    PyMC 5.28 reads it): SciPy's to 1e-13, on both sides of where it turns to its series."""
+    child.run(_case_erfcx)

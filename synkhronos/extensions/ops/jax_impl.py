@@ -1,19 +1,17 @@
 """The JAX implementations of the convolution, pooling and batch-norm Ops (GPU mode).
 
-The package's one module that imports jax: the Ops and their CPU kernels
+The Ops' one module that imports jax: the Ops and their CPU kernels
 (``conv``, ``pool``, ``batch_norm``) load without it.
 
 Registered with PyTensor's ``jax_funcify`` (``register_when_loaded``, called when
 the package loads) once PyTensor's JAX dispatch module is imported (it imports jax,
-which CPU users need not pay for): at once if it is loaded already, otherwise by an
-import hook that runs after it loads.
+which CPU users need not pay for): at once if it is loaded already, otherwise right
+after it loads (``compat.when_imported``).
 """
 
-import importlib.abc
-import importlib.util
 import logging
-import sys
 
+from ... import compat
 from .batch_norm import BatchNormGrad, BatchNormTrain
 from .conv import Conv2d, Conv2dGradInput, Conv2dGradWeights
 from .geometry import channel_axis, image_shape, weight_io, weight_shape
@@ -168,36 +166,6 @@ def _register_jax():
     logger.debug("convolution, pooling and batch-norm Ops registered with the JAX backend")
 
 
-class _RegisterAfterLoad(importlib.abc.Loader):
-    """Run the real loader of PyTensor's JAX dispatch module, then register our Ops."""
-
-    def __init__(self, loader):
-        self.loader = loader
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module):
-        self.loader.exec_module(module)
-        _register_jax()
-
-
-class _JaxDispatchHook(importlib.abc.MetaPathFinder):
-    """Find PyTensor's JAX dispatch module as usual, wrapping its loader; once."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != _JAX_DISPATCH:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _RegisterAfterLoad(spec.loader)
-        return spec
-
-
 def register_when_loaded():
     """Register the Ops with PyTensor's JAX backend: now if it is loaded, else once it loads."""
-    if _JAX_DISPATCH in sys.modules:
-        _register_jax()
-    elif not any(isinstance(f, _JaxDispatchHook) for f in sys.meta_path):
-        sys.meta_path.insert(0, _JaxDispatchHook())
+    compat.when_imported(_JAX_DISPATCH, _register_jax)
