@@ -19,6 +19,9 @@ through 3.x.  What differs between them, as far as synkhronos is concerned:
   (``when_imported``).
 
 Every other module asks this one instead of testing ``pytensor.__version__``.
+Over 400 lines: one job, what differs between PyTensor releases and their
+backends, a few lines each; split, the extensions (which may import this
+module and the public API only) would need a second seam.
 """
 
 import functools

@@ -8,7 +8,8 @@ PyTensor 3.3's takes jax's own, which in jax 0.10.2 is off by up to 100%
 near x = 26.5 (a one-off check, bench/HISTORY.md, 2026-12-06).  ``erfcx`` here is
 ``exp(x**2) * erfc(x)`` where that product cannot overflow, and its
 asymptotic series beyond (x > 26, seven terms: below float64's rounding
-there): within 1e-13 of SciPy's (the test), 1.4e-15 measured.  Registered when
+there): within 1e-13 of SciPy's (the test; 1.4e-15 in a one-off check on
+200,001 points, bench/HISTORY.md).  Registered when
 PyTensor's JAX dispatch module loads (``compat.when_imported``), unless
 TensorFlow Probability, which PyTensor's own asks for, is installed.
 """

@@ -14,13 +14,13 @@ object mode simply measures slow.
 
 JAX (XLA's CPU code) is measured too where JAX is installed and no JAX
 backend has started in the master: XLA vectorises the transcendental
-functions a likelihood spends its rows on, and ran a logistic regression's and
-a censored regression's rank graph 2.2-2.3x faster than Numba on a core at
-5 x 10^4 rows (PyMC 6.4).  A started backend owns threads that a forked
-process lacks, so the workers, forked at ``synk.fork()``, could not run it, and
-the child measuring aside could not either (then the master measures JAX
-itself).  A mode whose graph does not compile (an op PyTensor's JAX backend
-lacks) is left out, and said so at debug level.
+functions a likelihood spends its rows on, and a logistic regression's
+data-parallel call at 10^5 rows ran 2.0x faster in JAX than in Numba (PyMC
+6.4, bench/pymc_calls.py --parts ratio, bench/RESULTS.md).  A started backend
+owns threads that a forked process lacks, so the workers, forked from the
+master, could not run it, and the child measuring aside could not either (then
+the master measures JAX itself).  A mode whose graph does not compile (an op
+PyTensor's JAX backend lacks) is left out, and said so at debug level.
 
 A measurement is kept on disk (``KEPT`` in PyTensor's compile
 directory, where PyTensor keeps its compiled code), keyed by the graph, the
