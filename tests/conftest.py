@@ -38,6 +38,32 @@ if TEST_MODE:
         jax.config.update("jax_enable_x64", True)
 
 
+# MPICH's mpiexec (Hydra) leaves its topology file in /tmp after each launch (about 31 a
+# make test): the files that appeared during this session are removed at its end.
+HYDRA_FILES = "/tmp/hydra_hwloc_xmlfile_"
+
+
+def _hydra_files():
+    import glob
+    return set(glob.glob(HYDRA_FILES + "*"))
+
+
+def pytest_sessionstart(session):
+    session.config.stash[_HYDRA_BEFORE] = _hydra_files()
+
+
+def pytest_sessionfinish(session):
+    before = session.config.stash.get(_HYDRA_BEFORE, None)
+    if before is None:
+        return
+    for path in _hydra_files() - before:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+_HYDRA_BEFORE = pytest.StashKey()
+
+
 def pytest_terminal_summary(terminalreporter):
     """Say which stack this run tested, at the end of its log, with -q too (docs/installation.md's table)."""
     import importlib.metadata
