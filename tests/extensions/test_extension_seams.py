@@ -23,6 +23,8 @@ PUBLIC = set(synkhronos.__all__) | set(synkhronos._PUBLIC_MODULES) | {"__version
 ANYWHERE = {
     "synkhronos.compat": "the one place that knows which PyTensor is installed; the extensions "
                          "build PyTensor graphs and Ops on every supported version",
+    "synkhronos.import_hooks": "registrations with PyTensor's JAX backend once it loads, which "
+                               "the extensions' Ops and PyMC's erfcx make without importing jax",
 }
 
 # An extension module (path under extensions/) -> {what it imports: why the public API lacks it}.

@@ -6,12 +6,12 @@ The Ops' one module that imports jax: the Ops and their CPU kernels
 Registered with PyTensor's ``jax_funcify`` (``register_when_loaded``, called when
 the package loads) once PyTensor's JAX dispatch module is imported (it imports jax,
 which CPU users need not pay for): at once if it is loaded already, otherwise right
-after it loads (``compat.when_imported``).
+after it loads (``import_hooks.when_imported``).
 """
 
 import logging
 
-from ... import compat
+from ... import import_hooks
 from .batch_norm import BatchNormGrad, BatchNormTrain
 from .conv import Conv2d, Conv2dGradInput, Conv2dGradWeights
 from .geometry import channel_axis, image_shape, weight_io, weight_shape
@@ -168,4 +168,4 @@ def _register_jax():
 
 def register_when_loaded():
     """Register the Ops with PyTensor's JAX backend: now if it is loaded, else once it loads."""
-    compat.when_imported(_JAX_DISPATCH, _register_jax)
+    import_hooks.when_imported(_JAX_DISPATCH, _register_jax)

@@ -26,12 +26,12 @@ except ImportError as exc:
     raise ImportError("synkhronos.extensions.pymc needs PyMC: pip install -e '.[pymc]'"
                       ) from exc
 
-from ... import compat
+from ... import import_hooks
 from . import jax_ops
 from .model import DataParallelModel
 
 # erfcx for PyTensor's JAX backend where it has none (jax_ops), once that backend loads.
-compat.when_imported(jax_ops.JAX_DISPATCH, jax_ops.register)
+import_hooks.when_imported(jax_ops.JAX_DISPATCH, jax_ops.register)
 
 __all__ = ["DataParallelModel", "data_parallel"]
 

@@ -10,7 +10,7 @@ near x = 26.5 (a one-off check, bench/HISTORY.md, 2026-12-06).  ``erfcx`` here i
 asymptotic series beyond (x > 26, seven terms: below float64's rounding
 there): within 1e-13 of SciPy's (the test; 1.4e-15 in a one-off check on
 200,001 points, bench/HISTORY.md).  Registered when
-PyTensor's JAX dispatch module loads (``compat.when_imported``), unless
+PyTensor's JAX dispatch module loads (``import_hooks.when_imported``), unless
 TensorFlow Probability, which PyTensor's own asks for, is installed.
 """
 
