@@ -12,6 +12,7 @@ silently wrong.  Skipped where PyMC is not installed.
 import os
 import re
 import threading
+import time
 import types
 
 import numpy as np
@@ -282,6 +283,87 @@ def test_the_other_modes_are_measured_by_a_child_on_the_ranks_cores(tmp_path, mo
     finally:
         os.sched_setaffinity(0, had)
     assert len(compiled) == 3 and len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_the_child_and_the_master_time_their_modes_in_turns(tmp_path, monkeypatch):
+    """The child's modes and the master's are timed round after round, one at a time
+    (modes.ROUNDS), each keeping its least; a child that stops answering is killed and the
+    master measures its modes itself."""
+    import pytensor.tensor as pt
+    from pytensor.compile.mode import Mode
+
+    from synkhronos.extensions.pymc import modes
+    from synkhronos.functions.measures import MeasureFile
+    from synkhronos.runtime.liveness import pid_alive
+
+    had = os.sched_getaffinity(0)
+    cores = sorted(modes.unpinned_cores())
+    if len(cores) < 2:
+        pytest.skip("needs two cores: one for the master, one for the child")
+    monkeypatch.setattr(modes, "KEPT", MeasureFile("modes.json", str(tmp_path)))
+    monkeypatch.setattr(modes, "unpinned_cores", lambda: set(cores))
+    log = tmp_path / "rounds.log"
+    real_trial = modes._trial
+
+    def logged(fn, args, seconds):     # the child's and the master's, in one file
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {sorted(os.sched_getaffinity(0))} start\n")
+        try:
+            return real_trial(fn, args, seconds)
+        finally:
+            with open(log, "a") as f:
+                f.write(f"{os.getpid()} {sorted(os.sched_getaffinity(0))} end\n")
+    monkeypatch.setattr(modes, "_trial", logged)
+    X, p = pt.matrix("X", dtype="float64"), pt.vector("p", dtype="float64")
+    out = (pt.tanh(X * p) * p).sum(axis=0)
+    rows = np.random.default_rng(0).normal(size=(400, 3))
+    ways = {"PY": Mode(linker="py", optimizer=None), "CVM": "CVM"}
+    os.sched_setaffinity(0, cores[:1])
+    try:
+        best, seconds = modes.fastest([X], p, out, [rows], np.ones(3), 2, ways)
+    finally:
+        os.sched_setaffinity(0, had)
+    lines = [line.split(" ", 1) for line in log.read_text().split("\n")[:-1]]
+    assert len(lines) == 4 * modes.ROUNDS, lines
+    # a trial's start and end in one process on one core, then the other's: never both at once
+    assert all(lines[i][0] == lines[i + 1][0] and lines[i][1].rsplit(" ", 1)[0]
+               == lines[i + 1][1].rsplit(" ", 1)[0] for i in range(0, len(lines), 2)), lines
+    turns = [(pid, where.rsplit(" ", 1)[0]) for pid, where in lines[::2]]
+    child = [w for pid, w in turns if pid != str(os.getpid())]
+    master = [w for pid, w in turns if pid == str(os.getpid())]
+    assert turns[0][0] != str(os.getpid())                            # the child first
+    assert all(turns[i][0] != turns[i + 1][0] for i in range(len(turns) - 1)), turns
+    # each on both cores, one after the other: a core's slow spell slows both modes' figures
+    assert len(child) == len(master) == modes.ROUNDS
+    assert master[0] == str(cores[:1]) and child[0] != master[0], turns
+    assert child[::2] == master[1::2] and master[::2] == child[1::2], turns
+    assert set(seconds) == {"PY", "CVM"} and best == "CVM", seconds
+
+    # A child that stops answering after its first round: killed; the master times it all.
+    (tmp_path / "modes.json").unlink()
+    monkeypatch.setattr(modes, "HELPER_WAIT_S", 3.0)
+    master, real_round = os.getpid(), modes._round
+
+    def stuck(fns, args, best, cores=None):
+        if os.getpid() != master and best:
+            time.sleep(60)
+        real_round(fns, args, best, cores)
+    monkeypatch.setattr(modes, "_trial", real_trial)
+    monkeypatch.setattr(modes, "_round", stuck)
+    children = []
+    real_aside = modes._measure_aside
+    monkeypatch.setattr(modes, "_measure_aside",
+                        lambda *a: children.append(real_aside(*a)) or children[-1])
+    fds = len(os.listdir("/proc/self/fd"))
+    os.sched_setaffinity(0, cores[:1])
+    t0 = time.monotonic()
+    try:
+        best, seconds = modes.fastest([X], p, out, [rows], np.ones(3), 2, ways)
+    finally:
+        os.sched_setaffinity(0, had)
+    assert time.monotonic() - t0 < 30
+    assert set(seconds) == {"PY", "CVM"} and best == "CVM", seconds
+    assert not pid_alive(children[0][0]) and len(os.listdir("/proc/self/fd")) == fds
 
 
 def test_mode_is_checked_before_anything_is_built(env):
