@@ -380,3 +380,22 @@ def harness(name):
         sys.modules["helpers"] = package
         spec.loader.exec_module(package)
     return importlib.import_module(f"helpers.{name}")
+
+
+def child_env(env=None):
+    """The environment a bench's child runs in: ``env`` (this process's where None) without
+    ``PYTHONDONTWRITEBYTECODE``, and synkhronos's bytecode written first.
+
+    pip writes every installed package's bytecode at install time, so a user's process
+    imports PyMC and PyTensor from it, and synkhronos too once installed or first
+    imported.  A shell that sets the variable (this project's VM does) made each child
+    compile synkhronos's 93 modules from source, 0.1-0.2 s of every start that pm.sample,
+    importing no synkhronos, never paid (2026-12-06, bench/HISTORY.md).
+    """
+    import compileall
+
+    compileall.compile_dir(os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "synkhronos"), quiet=1)
+    env = dict(os.environ if env is None else env)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env

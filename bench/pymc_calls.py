@@ -40,7 +40,7 @@ import subprocess
 import sys
 import time
 
-from common import (calls_for, flat_point, logistic, overhead_table, pymc_mode, quiet, serial_pair,
+from common import (calls_for, child_env, flat_point, logistic, overhead_table, pymc_mode, quiet, serial_pair,
                     uniform)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -472,7 +472,7 @@ def _ratio_table(runs):
 
 # -- the parent --------------------------------------------------------------------------------
 def _run_child(args, tree=ROOT):
-    env = dict(os.environ)
+    env = child_env()
     env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
     p = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True,
                        text=True, env=env)

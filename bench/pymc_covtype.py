@@ -165,7 +165,8 @@ def child_sample(system, n_rows, draws, tune):
 
 def _run(args):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", *map(str, args)]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=common.ROOT)
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=common.ROOT,
+                         env=common.child_env())
     found = [line for line in out.stdout.splitlines() if line.startswith(("GRADIENT ", "SAMPLE "))]
     if out.returncode or not found:
         sys.stderr.write(f"child {args} failed ({out.returncode}):\n{out.stderr[-3000:]}\n")

@@ -718,7 +718,8 @@ def _e2e(models, chains, systems, draws, tune, rounds, rows=0, source="gallery",
 
 def _run_child(args, env=None):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", *map(str, args)]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                         env=common.child_env(env))
     found = [line for line in out.stdout.splitlines()
              if line.startswith(("GRAPHS ", "SAMPLE ", "STARTUP ", "E2E ", "COMPILE ",
                                          "CROSSOVER "))]

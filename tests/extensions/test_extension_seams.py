@@ -57,12 +57,14 @@ SEAMS = {
             "fork() pinned it: the set fork() saved (Processes.unpinned), which no public call "
             "returns",
     },
-    "pymc/modes.py": {
+    "pymc/trials.py": {
         "synkhronos.runtime.process_setup.fork_quietly":
             "a child compiles and times the rank's graph in C on the ranks' idle cores while "
             "the master compiles it in Numba: a helper process of ours, as the runtime forks its own",
         "synkhronos.runtime.liveness.stop_process":
             "that child, stuck past its bound, is killed and reaped as the runtime ends its own",
+    },
+    "pymc/modes.py": {
         "synkhronos.runtime.devices.jax_initialised":
             "JAX is measured only where no JAX backend started in the master (the workers and "
             "that child, forked from it, would hang at their first JAX call): the runtime's own "

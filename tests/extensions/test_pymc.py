@@ -179,15 +179,15 @@ def test_a_mode_that_does_not_compile_is_left_out(tmp_path, monkeypatch, aside):
     import pytensor.tensor as pt
     from pytensor.compile.mode import Mode
 
-    from synkhronos.extensions.pymc import modes
+    from synkhronos.extensions.pymc import modes, trials
     from synkhronos.functions.measures import MeasureFile
 
     had = os.sched_getaffinity(0)
-    cores = sorted(modes.unpinned_cores())
+    cores = sorted(trials.unpinned_cores())
     if aside and len(cores) < 2:
         pytest.skip("needs two cores: one for the master, one for the child")
     monkeypatch.setattr(modes, "KEPT", MeasureFile("modes.json", str(tmp_path)))
-    monkeypatch.setattr(modes, "unpinned_cores", lambda: set(cores) if aside else had)
+    monkeypatch.setattr(trials, "unpinned_cores", lambda: set(cores) if aside else had)
     X, p = pt.matrix("X", dtype="float64"), pt.vector("p", dtype="float64")
     out = (pt.tanh(X * p) * p).sum(axis=0)
     rows = np.random.default_rng(0).normal(size=(400, 3))
@@ -209,20 +209,20 @@ def test_a_measured_mode_is_kept_for_the_next_run(tmp_path, monkeypatch):
     import pytensor.tensor as pt
     from pytensor.compile.mode import Mode
 
-    from synkhronos.extensions.pymc import modes
+    from synkhronos.extensions.pymc import modes, trials
     from synkhronos.functions.measures import MeasureFile
 
     monkeypatch.setattr(modes, "KEPT", MeasureFile("modes.json", str(tmp_path)))
     # No core for a child measuring aside (the next test's): the master measures every mode.
-    monkeypatch.setattr(modes, "unpinned_cores", lambda: os.sched_getaffinity(0))
+    monkeypatch.setattr(trials, "unpinned_cores", lambda: os.sched_getaffinity(0))
     X, p = pt.matrix("X", dtype="float64"), pt.vector("p", dtype="float64")
     out = (pt.tanh(X * p) * p).sum(axis=0)
     rows = np.random.default_rng(0).normal(size=(400, 3))
     ways = {"PY": Mode(linker="py", optimizer=None), "CVM": "CVM"}
     first = modes.fastest([X], p, out, [rows], np.ones(3), 2, ways)
     compiled = []
-    real = modes.pytensor.function
-    monkeypatch.setattr(modes.pytensor, "function",
+    real = trials.pytensor.function
+    monkeypatch.setattr(trials.pytensor, "function",
                         lambda *a, **k: compiled.append(1) or real(*a, **k))
     assert modes.fastest([X], p, out, [rows], np.ones(3), 2, ways) == first
     assert compiled == []
@@ -238,23 +238,28 @@ def test_a_measured_mode_is_kept_for_the_next_run(tmp_path, monkeypatch):
 def test_the_other_modes_are_measured_by_a_child_on_the_ranks_cores(tmp_path, monkeypatch):
     """Where the ranks hold cores the master does not, the master compiles only the first
     mode; a child compiles the others there, and times them once the master's compile is
-    done (modes._measure_aside): its figures decide."""
+    done (trials.measure_aside): its figures decide."""
     import pytensor.tensor as pt
     from pytensor.compile.mode import Mode
 
-    from synkhronos.extensions.pymc import modes
+    from synkhronos.extensions.pymc import modes, trials
     from synkhronos.functions.measures import MeasureFile
 
     had = os.sched_getaffinity(0)
-    cores = sorted(modes.unpinned_cores())     # this process's before a fork() pinned it
+    cores = sorted(trials.unpinned_cores())     # this process's before a fork() pinned it
     if len(cores) < 2:
         pytest.skip("needs two cores: one for the master, one for the child")
     monkeypatch.setattr(modes, "KEPT", MeasureFile("modes.json", str(tmp_path)))
-    monkeypatch.setattr(modes, "unpinned_cores", lambda: set(cores))
-    compiled = []
-    real = modes.pytensor.function
-    monkeypatch.setattr(modes.pytensor, "function",
-                        lambda *a, **k: compiled.append(1) or real(*a, **k))
+    monkeypatch.setattr(trials, "unpinned_cores", lambda: set(cores))
+    compiled, master = [], os.getpid()
+    real = trials.pytensor.function
+
+    def counted(*a, **k):        # the master's compiles (a child's are its own), slow enough
+        if os.getpid() == master:   # that the child has begun the other mode
+            compiled.append(1)
+            time.sleep(0.5)
+        return real(*a, **k)
+    monkeypatch.setattr(trials.pytensor, "function", counted)
     X, p = pt.matrix("X", dtype="float64"), pt.vector("p", dtype="float64")
     out = X * p
     for i in range(60):          # C's fused loop against the Python linker's 120 steps
@@ -275,7 +280,7 @@ def test_the_other_modes_are_measured_by_a_child_on_the_ranks_cores(tmp_path, mo
 
     def no_fork():
         raise OSError("no fork")
-    monkeypatch.setattr(modes, "fork_quietly", no_fork)
+    monkeypatch.setattr(trials, "fork_quietly", no_fork)
     fds = len(os.listdir("/proc/self/fd"))
     os.sched_setaffinity(0, cores[:1])
     try:
@@ -285,25 +290,75 @@ def test_the_other_modes_are_measured_by_a_child_on_the_ranks_cores(tmp_path, mo
     assert len(compiled) == 3 and len(os.listdir("/proc/self/fd")) == fds
 
 
+def test_the_master_compiles_the_modes_the_child_has_not_begun(tmp_path, monkeypatch):
+    """Once its own mode is compiled, the master takes the modes the child has not begun
+    (trials.Claims), never JAX (started in the master it would hang the workers forked
+    later): the child takes JAX first; every mode is timed all the same."""
+    import pytensor.tensor as pt
+    from pytensor.compile.mode import Mode
+
+    from synkhronos.extensions.pymc import modes, trials
+    from synkhronos.functions.measures import MeasureFile
+
+    claims = trials.Claims(["CVM", "JAX", "PY"])
+    assert claims.take(claims.MASTER) == "CVM" and claims.take(claims.CHILD) == "JAX"
+    assert claims.take(claims.MASTER) == "PY" and claims.take(claims.MASTER) is None
+    claims = trials.Claims(["CVM", "JAX"])
+    assert claims.take(claims.CHILD) == "JAX" and claims.take(claims.CHILD) == "CVM"
+    assert claims.take(claims.MASTER) is None
+
+    had = os.sched_getaffinity(0)
+    cores = sorted(trials.unpinned_cores())
+    if len(cores) < 2:
+        pytest.skip("needs two cores: one for the master, one for the child")
+    monkeypatch.setattr(modes, "KEPT", MeasureFile("modes.json", str(tmp_path)))
+    monkeypatch.setattr(trials, "unpinned_cores", lambda: set(cores))
+    master, log = os.getpid(), tmp_path / "compiled.log"
+    real = trials.compiled
+
+    def logged(inputs, position, output, mode, args, optional=False):
+        with open(log, "a") as f:
+            f.write(f"{'master' if os.getpid() == master else 'child'} {names[id(mode)]}\n")
+        if os.getpid() != master:
+            time.sleep(2)             # the child's compile, long: the master takes the next
+        return real(inputs, position, output, mode, args, optional)
+    monkeypatch.setattr(trials, "compiled", logged)
+    X, p = pt.matrix("X", dtype="float64"), pt.vector("p", dtype="float64")
+    out = (pt.tanh(X * p) * p).sum(axis=0)
+    rows = np.random.default_rng(0).normal(size=(400, 3))
+    ways = {"CVM": "CVM", "PY": Mode(linker="py", optimizer=None),
+            "PY2": Mode(linker="py", optimizer=None)}
+    names = {id(m): name for name, m in ways.items()}
+    os.sched_setaffinity(0, cores[:1])
+    try:
+        best, seconds = modes.fastest([X], p, out, [rows], np.ones(3), 2, ways)
+    finally:
+        os.sched_setaffinity(0, had)
+    who = sorted(log.read_text().split("\n")[:-1])
+    assert who == ["child PY", "master CVM", "master PY2"] or who == [
+        "child PY2", "master CVM", "master PY"], who
+    assert set(seconds) == {"CVM", "PY", "PY2"} and best == "CVM", seconds
+
+
 def test_the_child_and_the_master_time_their_modes_in_turns(tmp_path, monkeypatch):
     """The child's modes and the master's are timed round after round, one at a time
-    (modes.ROUNDS), each keeping its least; a child that stops answering is killed and the
+    (trials.ROUNDS), each keeping its least; a child that stops answering is killed and the
     master measures its modes itself."""
     import pytensor.tensor as pt
     from pytensor.compile.mode import Mode
 
-    from synkhronos.extensions.pymc import modes
+    from synkhronos.extensions.pymc import modes, trials
     from synkhronos.functions.measures import MeasureFile
     from synkhronos.runtime.liveness import pid_alive
 
     had = os.sched_getaffinity(0)
-    cores = sorted(modes.unpinned_cores())
+    cores = sorted(trials.unpinned_cores())
     if len(cores) < 2:
         pytest.skip("needs two cores: one for the master, one for the child")
     monkeypatch.setattr(modes, "KEPT", MeasureFile("modes.json", str(tmp_path)))
-    monkeypatch.setattr(modes, "unpinned_cores", lambda: set(cores))
+    monkeypatch.setattr(trials, "unpinned_cores", lambda: set(cores))
     log = tmp_path / "rounds.log"
-    real_trial = modes._trial
+    real_trial = trials.trial
 
     def logged(fn, args, seconds):     # the child's and the master's, in one file
         with open(log, "a") as f:
@@ -313,7 +368,7 @@ def test_the_child_and_the_master_time_their_modes_in_turns(tmp_path, monkeypatc
         finally:
             with open(log, "a") as f:
                 f.write(f"{os.getpid()} {sorted(os.sched_getaffinity(0))} end\n")
-    monkeypatch.setattr(modes, "_trial", logged)
+    monkeypatch.setattr(trials, "trial", logged)
     X, p = pt.matrix("X", dtype="float64"), pt.vector("p", dtype="float64")
     out = (pt.tanh(X * p) * p).sum(axis=0)
     rows = np.random.default_rng(0).normal(size=(400, 3))
@@ -324,7 +379,7 @@ def test_the_child_and_the_master_time_their_modes_in_turns(tmp_path, monkeypatc
     finally:
         os.sched_setaffinity(0, had)
     lines = [line.split(" ", 1) for line in log.read_text().split("\n")[:-1]]
-    assert len(lines) == 4 * modes.ROUNDS, lines
+    assert len(lines) == 4 * trials.ROUNDS, lines
     # a trial's start and end in one process on one core, then the other's: never both at once
     assert all(lines[i][0] == lines[i + 1][0] and lines[i][1].rsplit(" ", 1)[0]
                == lines[i + 1][1].rsplit(" ", 1)[0] for i in range(0, len(lines), 2)), lines
@@ -334,25 +389,25 @@ def test_the_child_and_the_master_time_their_modes_in_turns(tmp_path, monkeypatc
     assert turns[0][0] != str(os.getpid())                            # the child first
     assert all(turns[i][0] != turns[i + 1][0] for i in range(len(turns) - 1)), turns
     # each on both cores, one after the other: a core's slow spell slows both modes' figures
-    assert len(child) == len(master) == modes.ROUNDS
+    assert len(child) == len(master) == trials.ROUNDS
     assert master[0] == str(cores[:1]) and child[0] != master[0], turns
     assert child[::2] == master[1::2] and master[::2] == child[1::2], turns
     assert set(seconds) == {"PY", "CVM"} and best == "CVM", seconds
 
     # A child that stops answering after its first round: killed; the master times it all.
     (tmp_path / "modes.json").unlink()
-    monkeypatch.setattr(modes, "HELPER_WAIT_S", 3.0)
-    master, real_round = os.getpid(), modes._round
+    monkeypatch.setattr(trials, "HELPER_WAIT_S", 3.0)
+    master, real_round = os.getpid(), trials.time_round
 
     def stuck(fns, args, best, cores=None):
         if os.getpid() != master and best:
             time.sleep(60)
         real_round(fns, args, best, cores)
-    monkeypatch.setattr(modes, "_trial", real_trial)
-    monkeypatch.setattr(modes, "_round", stuck)
+    monkeypatch.setattr(trials, "trial", real_trial)
+    monkeypatch.setattr(trials, "time_round", stuck)
     children = []
-    real_aside = modes._measure_aside
-    monkeypatch.setattr(modes, "_measure_aside",
+    real_aside = trials.measure_aside
+    monkeypatch.setattr(trials, "measure_aside",
                         lambda *a: children.append(real_aside(*a)) or children[-1])
     fds = len(os.listdir("/proc/self/fd"))
     os.sched_setaffinity(0, cores[:1])
@@ -363,7 +418,7 @@ def test_the_child_and_the_master_time_their_modes_in_turns(tmp_path, monkeypatc
         os.sched_setaffinity(0, had)
     assert time.monotonic() - t0 < 30
     assert set(seconds) == {"PY", "CVM"} and best == "CVM", seconds
-    assert not pid_alive(children[0][0]) and len(os.listdir("/proc/self/fd")) == fds
+    assert not pid_alive(children[0].pid) and len(os.listdir("/proc/self/fd")) == fds
 
 
 def test_mode_is_checked_before_anything_is_built(env):
