@@ -101,19 +101,20 @@ def fastest(inputs, position, output, arrays, x, n_parts, modes):
     aside = {n: m for n, m in list(modes.items())[1:] if n != "JAX" or not jax_initialised()}
     helper = trials.measure_aside(inputs, position, output, aside, args)
     first = next(iter(modes))
+    fns, compile_s, failed = {}, {}, set()
     try:
-        fn, compiled_s = trials.compiled(inputs, position, output, modes[first], args)
+        fns[first], compile_s[first] = trials.compiled(inputs, position, output, modes[first],
+                                                       args)
+        # Then what the child has not begun (never JAX: see trials.Claims).
+        while helper is not None and (name := helper.claims.take(trials.Claims.MASTER)):
+            built = trials.compiled(inputs, position, output, modes[name], args, optional=True)
+            if built is None:
+                failed.add(name)
+            else:
+                fns[name], compile_s[name] = built
     except BaseException:
         trials.stop(helper)
         raise
-    fns, compile_s, failed = {first: fn}, {first: compiled_s}, set()
-    # Then the master compiles what the child has not begun (never JAX: see trials.Claims).
-    while helper is not None and (name := helper.claims.take(trials.Claims.MASTER)):
-        built = trials.compiled(inputs, position, output, modes[name], args, optional=True)
-        if built is None:
-            failed.add(name)
-        else:
-            fns[name], compile_s[name] = built
     seconds, by_child = trials.turns(helper, fns, args) if helper is not None else ({}, {})
     for name, (s, c) in by_child.items():
         seconds[name], compile_s[name] = s, c

@@ -203,32 +203,38 @@ def turns(helper, fns, args):
     """
     best = {}
     deadline = time.monotonic() + HELPER_WAIT_S
-    for i in range(ROUNDS):
-        if helper is not None and not _turn(helper, deadline):
-            stop(helper, "ended or did not answer")
-            helper = None
-        time_round(fns, args, best, helper.cores if helper is not None and i % 2 else None)
-    if helper is None:
-        return best, {}
-    pid, pipe, go = helper.pid, helper.pipe, helper.go
-    os.close(go)
+    try:
+        for i in range(ROUNDS):
+            if helper is not None and not _turn(helper, deadline):
+                failed, helper = helper, None
+                stop(failed, "ended or did not answer")
+            time_round(fns, args, best, helper.cores if helper is not None and i % 2 else None)
+    except BaseException:
+        stop(helper)
+        raise
+    return best, ({} if helper is None else _results(helper, deadline))
+
+
+def _results(helper, deadline):
+    """What the child measured, ``{mode: (seconds, compile seconds)}``, read once its turns are
+    done; empty where it failed or did not end by ``deadline`` (then it is killed)."""
+    os.close(helper.go)
     try:
         chunks = []
-        while _readable(pipe, deadline):
-            chunk = os.read(pipe, 65536)
+        while _readable(helper.pipe, deadline):
+            chunk = os.read(helper.pipe, 65536)
             if not chunk:
                 break
             chunks.append(chunk)
         else:
             logger.warning("pymc model: the child measuring the ranks' graph aside did not "
                            "end; killed")
-            stop_process(pid, reap=True)
-            return best, {}
+            stop_process(helper.pid, reap=True)
+            return {}
     finally:
-        os.close(pipe)
-    _, status = os.waitpid(pid, 0)
-    return best, (_measured(b"".join(chunks)) if os.waitstatus_to_exitcode(status) == 0
-                  else {})
+        os.close(helper.pipe)
+    _, status = os.waitpid(helper.pid, 0)
+    return _measured(b"".join(chunks)) if os.waitstatus_to_exitcode(status) == 0 else {}
 
 
 def _turn(helper, deadline):
