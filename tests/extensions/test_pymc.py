@@ -235,7 +235,23 @@ def test_a_measured_mode_is_kept_for_the_next_run(tmp_path, monkeypatch):
     assert len(compiled) == 6
 
 
-def test_the_other_modes_are_measured_by_a_child_on_the_ranks_cores(tmp_path, monkeypatch):
+@pytest.fixture
+def aside_cores(tmp_path, monkeypatch):
+    """(this process's cores, the cores it had before a fork() pinned it) for a child that
+    measures modes aside: the measurements kept in ``tmp_path``; skipped without two cores."""
+    from synkhronos.extensions.pymc import modes, trials
+    from synkhronos.functions.measures import MeasureFile
+
+    had = os.sched_getaffinity(0)
+    cores = sorted(trials.unpinned_cores())
+    if len(cores) < 2:
+        pytest.skip("needs two cores: one for the master, one for the child")
+    monkeypatch.setattr(modes, "KEPT", MeasureFile("modes.json", str(tmp_path)))
+    monkeypatch.setattr(trials, "unpinned_cores", lambda: set(cores))
+    return had, cores
+
+
+def test_the_other_modes_are_measured_by_a_child_on_the_ranks_cores(tmp_path, monkeypatch, aside_cores):
     """Where the ranks hold cores the master does not, the master compiles only the first
     mode; a child compiles the others there, and times them once the master's compile is
     done (trials.measure_aside): its figures decide."""
@@ -243,14 +259,8 @@ def test_the_other_modes_are_measured_by_a_child_on_the_ranks_cores(tmp_path, mo
     from pytensor.compile.mode import Mode
 
     from synkhronos.extensions.pymc import modes, trials
-    from synkhronos.functions.measures import MeasureFile
 
-    had = os.sched_getaffinity(0)
-    cores = sorted(trials.unpinned_cores())     # this process's before a fork() pinned it
-    if len(cores) < 2:
-        pytest.skip("needs two cores: one for the master, one for the child")
-    monkeypatch.setattr(modes, "KEPT", MeasureFile("modes.json", str(tmp_path)))
-    monkeypatch.setattr(trials, "unpinned_cores", lambda: set(cores))
+    had, cores = aside_cores
     compiled, master = [], os.getpid()
     real = trials.pytensor.function
 
@@ -290,7 +300,7 @@ def test_the_other_modes_are_measured_by_a_child_on_the_ranks_cores(tmp_path, mo
     assert len(compiled) == 3 and len(os.listdir("/proc/self/fd")) == fds
 
 
-def test_the_master_compiles_the_modes_the_child_has_not_begun(tmp_path, monkeypatch):
+def test_the_master_compiles_the_modes_the_child_has_not_begun(tmp_path, monkeypatch, aside_cores):
     """Once its own mode is compiled, the master takes the modes the child has not begun
     (trials.Claims), never JAX (started in the master it would hang the workers forked
     later): the child takes JAX first; every mode is timed all the same."""
@@ -298,7 +308,6 @@ def test_the_master_compiles_the_modes_the_child_has_not_begun(tmp_path, monkeyp
     from pytensor.compile.mode import Mode
 
     from synkhronos.extensions.pymc import modes, trials
-    from synkhronos.functions.measures import MeasureFile
 
     claims = trials.Claims(["CVM", "JAX", "PY"])
     assert claims.take(claims.MASTER) == "CVM" and claims.take(claims.CHILD) == "JAX"
@@ -307,12 +316,7 @@ def test_the_master_compiles_the_modes_the_child_has_not_begun(tmp_path, monkeyp
     assert claims.take(claims.CHILD) == "JAX" and claims.take(claims.CHILD) == "CVM"
     assert claims.take(claims.MASTER) is None
 
-    had = os.sched_getaffinity(0)
-    cores = sorted(trials.unpinned_cores())
-    if len(cores) < 2:
-        pytest.skip("needs two cores: one for the master, one for the child")
-    monkeypatch.setattr(modes, "KEPT", MeasureFile("modes.json", str(tmp_path)))
-    monkeypatch.setattr(trials, "unpinned_cores", lambda: set(cores))
+    had, cores = aside_cores
     master, log = os.getpid(), tmp_path / "compiled.log"
     real = trials.compiled
 
@@ -340,7 +344,7 @@ def test_the_master_compiles_the_modes_the_child_has_not_begun(tmp_path, monkeyp
     assert set(seconds) == {"CVM", "PY", "PY2"} and best == "CVM", seconds
 
 
-def test_the_child_and_the_master_time_their_modes_in_turns(tmp_path, monkeypatch):
+def test_the_child_and_the_master_time_their_modes_in_turns(tmp_path, monkeypatch, aside_cores):
     """The child's modes and the master's are timed round after round, one at a time
     (trials.ROUNDS), each keeping its least; a child that stops answering is killed and the
     master measures its modes itself."""
@@ -348,15 +352,9 @@ def test_the_child_and_the_master_time_their_modes_in_turns(tmp_path, monkeypatc
     from pytensor.compile.mode import Mode
 
     from synkhronos.extensions.pymc import modes, trials
-    from synkhronos.functions.measures import MeasureFile
     from synkhronos.runtime.liveness import pid_alive
 
-    had = os.sched_getaffinity(0)
-    cores = sorted(trials.unpinned_cores())
-    if len(cores) < 2:
-        pytest.skip("needs two cores: one for the master, one for the child")
-    monkeypatch.setattr(modes, "KEPT", MeasureFile("modes.json", str(tmp_path)))
-    monkeypatch.setattr(trials, "unpinned_cores", lambda: set(cores))
+    had, cores = aside_cores
     log = tmp_path / "rounds.log"
     real_trial, real_compiled, master = trials.trial, trials.compiled, os.getpid()
 
