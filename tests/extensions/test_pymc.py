@@ -425,6 +425,76 @@ def test_the_child_and_the_master_time_their_modes_in_turns(tmp_path, monkeypatc
     assert not pid_alive(children[0].pid) and len(os.listdir("/proc/self/fd")) == fds
 
 
+def test_settled_climbs_to_the_mode_and_keeps_the_best_finite_position():
+    """trials.settled moves a position uphill to where a sampler's draws go: a least-squares
+    log-density reaches NumPy's solution; off the support it keeps the best finite position
+    met; out of time, the start; a float32 start stays float32."""
+    from synkhronos.extensions.pymc import trials
+
+    rng = np.random.default_rng(3)
+    A, b = rng.normal(size=(50, 4)), rng.normal(size=50)
+
+    def quadratic(x):
+        r = A @ x - b
+        return -0.5 * r @ r, -A.T @ r
+    x0 = np.zeros(4)
+    x = trials.settled(quadratic, x0)
+    np.testing.assert_allclose(x, np.linalg.lstsq(A, b, rcond=None)[0], atol=1e-5)
+    assert (x0 == 0).all()                                   # the start is not changed
+    seen = []
+
+    def edge(x):    # a log-density defined below 2 only, climbing towards 3
+        seen.append(float(x[0]))
+        return (-(x[0] - 3.0) ** 2, np.array([-2 * (x[0] - 3.0)])) if x[0] < 2 else (np.nan, x)
+    x = trials.settled(edge, np.array([0.0]))
+    assert x[0] == max(v for v in seen if v < 2) and x[0] > 0 and max(seen) >= 2, seen
+    assert trials.settled(quadratic, np.ones(4), seconds=0.0).tolist() == [1.0] * 4
+    out = trials.settled(quadratic, np.zeros(4, dtype="float32"))
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, np.linalg.lstsq(A, b, rcond=None)[0], atol=1e-3)
+
+
+def test_the_modes_are_timed_near_the_mode(tmp_path, monkeypatch, aside_cores):
+    """With settle, the modes are timed (by the master and by the child aside) at the
+    rank's log-density's mode, not at the initial point given; without, where given."""
+    import pytensor.tensor as pt
+    from pytensor.compile.mode import Mode
+
+    from synkhronos.extensions.pymc import modes, trials
+
+    had, cores = aside_cores
+    log = tmp_path / "where.log"
+    real_trial, real_compiled, master = trials.trial, trials.compiled, os.getpid()
+
+    def slow_master(*a, **k):   # the child has begun CVM before the master could take it
+        if os.getpid() == master:
+            time.sleep(1)
+        return real_compiled(*a, **k)
+    monkeypatch.setattr(trials, "compiled", slow_master)
+
+    def logged(fn, args, seconds):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {' '.join(map(repr, np.asarray(args[-1]).tolist()))}\n")
+        return real_trial(fn, args, seconds)
+    monkeypatch.setattr(trials, "trial", logged)
+    X, p = pt.matrix("X", dtype="float64"), pt.vector("p", dtype="float64")
+    lp = -0.5 * ((X - p) ** 2).sum()
+    out = pt.concatenate([lp[None], pytensor.grad(lp, p)])   # graphs.joined's layout
+    rows = np.random.default_rng(0).normal(loc=[1.0, -2.0, 0.5], size=(400, 3))
+    ways = {"PY": Mode(linker="py", optimizer=None), "CVM": "CVM"}
+    for settle, expected in ((True, rows[:200].mean(axis=0)), (False, np.ones(3))):
+        log.unlink(missing_ok=True)
+        os.sched_setaffinity(0, cores[:1])
+        try:
+            modes.fastest([X], p, out, [rows], np.ones(3), 2, ways, settle=settle)
+        finally:
+            os.sched_setaffinity(0, had)
+        where = [line.split(" ") for line in log.read_text().split("\n")[:-1]]
+        assert {pid for pid, *_ in where} - {str(master)}, where        # the child timed too
+        for pid, *x in where:
+            np.testing.assert_allclose(np.array(x, dtype=float), expected, atol=1e-5)
+
+
 def test_mode_is_checked_before_anything_is_built(env):
     with pytest.raises(ValueError, match=r"mode must be one of NUMBA, CVM"):
         synk_pymc.data_parallel(env.models["negbin"], mode="FAST")
@@ -507,6 +577,9 @@ def test_crossover_samples_a_small_model_as_pm_sample_does(env, caplog, monkeypa
     # its best would gain, so nothing was built for the ranks.
     assert dp.decision.predicted is True and dp.decision.callback is False, dp.decision
     assert len(compiled) == 1, compiled
+    # Timed nearer the mode than the initial point, where the sampler's draws go.
+    point = dp.unravel(dp.typical_x)
+    assert model.compile_logp()(point) > model.compile_logp()(model.initial_point()) + 1.0
     said = [r.getMessage() for r in caplog.records if "would not gain" in r.getMessage()]
     assert len(said) == 1 and "split=True" in said[0], caplog.records
     assert dp.batcher.calls == 0

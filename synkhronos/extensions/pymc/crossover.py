@@ -7,7 +7,8 @@ PyMC's NUTS, every chain's Python work runs in this one process, where
 unless ``data_parallel(split=...)`` decided, the first ``dp.sample`` of a
 model times PyMC's own serial call (compiled as pm.sample compiles it, run
 in this process on one core as one of pm.sample's chains runs it) and, where
-it must, a data-parallel call, and predicts the rest of the run both ways:
+it must, a data-parallel call, both near the model's mode, where the
+sampler's draws go (``typical_x``), and predicts the rest of the run both ways:
 
     pm.sample:  what its sampler compiles of its own (nutpie: SAMPLER_COMPILE_S)
                 + steps x ceil(chains / cores) x (serial call + the sampler's own work)
@@ -53,7 +54,7 @@ import synkhronos as synk
 
 from . import calls as calls_mod
 from . import decision as decision_mod
-from . import internals
+from . import internals, trials
 from .decision import Decision
 from .master_cores import released, unpinned_cores
 
@@ -209,9 +210,9 @@ def decide(dp, sampler, chains, cores, draws, tune):
 
 def _measured(dp, sampler, chains, n_cores, ranks, steps):
     """The decision as measured now (see ``decide``)."""
-    x = dp.initial_x().astype(dp.dtype)
     serial = serial_function(dp)
     call = internals.serial_call(serial.fn)
+    x = typical_x(dp, call)
     serial_s = _timed(lambda: call(x), SERIAL_TRIAL_S)
     per_draw = None
     if sampler == "nutpie":
@@ -273,6 +274,15 @@ def _measured(dp, sampler, chains, n_cores, ranks, steps):
                     callback=callback, numba_ratio=numba, leapfrogs=per_draw,
                     fixed_s=fixed_s if fixed_s < one_s else None,
                     sampler_compile_s=SAMPLER_COMPILE_S.get(sampler))
+
+
+def typical_x(dp, call):
+    """Where ``dp``'s calls are timed: near the mode, where the sampler's draws go
+    (``trials.settled``, climbing on PyMC's own ``call``), found once; the ranks' modes
+    are then timed there too."""
+    if dp.typical_x is None:
+        dp.typical_x = trials.settled(call, dp.initial_x().astype(dp.dtype))
+    return dp.typical_x
 
 
 def call_fixed_s(fit, one_s, ranks):

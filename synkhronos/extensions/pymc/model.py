@@ -95,6 +95,7 @@ class DataParallelModel:
         self.decision = None     # what the last sample() chose (crossover.Decision)
         self.decisions = {}      # crossover.decide's, per rows, sampler, chains and cores
         self.serial = None       # PyMC's own (logp, dlogp), compiled at the first decision
+        self.typical_x = None    # where the first decision timed its calls (trials.settled)
         self.model = model
         if not model.observed_RVs and not model.potentials:
             raise ValueError("data_parallel: the model has no likelihood (no observed "
@@ -166,8 +167,11 @@ class DataParallelModel:
             one = graphs.joined(logp, value_vars, self._shapes, position,
                                 pregrad=internals.rewrite_pregrad)
             rows = [d.data for d in self._data]
-            return modes.fastest(inputs, position, one, rows, self.initial_x().astype(self.dtype),
-                                 synk.layout().n_parallel, rank_modes)
+            # Timed where the sampler's draws go: the decision's position, else near the mode.
+            given = self.typical_x is not None
+            x = self.typical_x if given else self.initial_x()
+            return modes.fastest(inputs, position, one, rows, x.astype(self.dtype),
+                                 synk.layout().n_parallel, rank_modes, settle=not given)
         self._data = None
         self._scattered = False      # scatter() done once (the first evaluation does it)
         self._seen = {}

@@ -6,7 +6,8 @@ gemv, fused loops) than in Numba, and on a radon-style model, indexed per
 row, 4.8x faster in Numba (issue 47, bench/pymc_calls.py --parts ratio).  So
 where ``data_parallel(mode=None)``, the first data-parallel evaluation
 compiles the one-position graph in each mode, times it on as many rows as
-one rank holds, and keeps the faster; only that mode's functions are then
+one rank holds, near the model's mode (``trials.settled``: a row's cost
+moves with the position), and keeps the faster; only that mode's functions are then
 built on the ranks.  The master compiles the first mode while a child
 process compiles the others on the ranks' cores, idle then, the master taking
 its share of them once its own is compiled; the two then time them in turns,
@@ -34,6 +35,7 @@ a cold one).  Delete the file to measure again.
 import importlib.util
 import logging
 import math
+import mmap
 import os
 
 import numpy as np
@@ -75,7 +77,7 @@ def measurable(names):
     return usable or ("NUMBA",)
 
 
-def fastest(inputs, position, output, arrays, x, n_parts, modes):
+def fastest(inputs, position, output, arrays, x, n_parts, modes, settle=False):
     """The name of the fastest of ``modes`` for ``output`` on a rank's rows (the first, unless
     another wins clearly: ``CLEAR_WIN``), and each one's seconds.
 
@@ -85,10 +87,18 @@ def fastest(inputs, position, output, arrays, x, n_parts, modes):
         output: the one-position graph.
         n_parts: how many ranks share the rows (each holds about 1 / n_parts of them).
         modes: mode name -> the PyTensor mode to compile in.
+        settle: ``output`` is ``[logp, *gradient]`` (``graphs.joined``) and ``x`` the
+            initial point: the modes are timed at a position near the mode instead
+            (``trials.settled``, climbing on the first mode's graph on a rank's rows).
     """
     rows = max(1, -(-len(arrays[0]) // n_parts))
-    args = [np.asarray(a[:rows]) for a in arrays] + [x]
-    key = _key(output, args, modes)
+    # The position in memory shared with the child measuring aside: moved (settle) after
+    # the fork, before the child's first turn.
+    shared = np.frombuffer(mmap.mmap(-1, max(1, np.asarray(x).nbytes)), dtype=np.asarray(x).dtype,
+                           count=np.size(x)).reshape(np.shape(x))
+    shared[...] = x
+    args = [np.asarray(a[:rows]) for a in arrays] + [shared]
+    key = _key(output, args, modes, settle)
     known = _cached(key) if key is not None else None
     if known is not None:
         best, seconds = known
@@ -105,6 +115,8 @@ def fastest(inputs, position, output, arrays, x, n_parts, modes):
     try:
         fns[first], compile_s[first] = trials.compiled(inputs, position, output, modes[first],
                                                        args)
+        if settle:
+            shared[...] = trials.settled(_split(fns[first], args[:-1], shared.dtype), shared)
         # Then what the child has not begun (never JAX: see trials.Claims).
         while helper is not None and (name := helper.claims.take(trials.Claims.MASTER)):
             built = trials.compiled(inputs, position, output, modes[name], args, optional=True)
@@ -143,6 +155,15 @@ def fastest(inputs, position, output, arrays, x, n_parts, modes):
     return best, seconds
 
 
+def _split(fn, rows, dtype):
+    """``fn`` (a ``graphs.joined`` graph's function of ``rows`` and a position of ``dtype``)
+    as a function of the position returning (logp, gradient)."""
+    def logp_dlogp(x):
+        out = np.asarray(fn(*rows, np.asarray(x, dtype=dtype)), dtype=np.float64).reshape(-1)
+        return out[0], out[1:]
+    return logp_dlogp
+
+
 def kept(seconds):
     """The mode kept of ``{mode: seconds}``: the first, unless another ran in at most
     ``CLEAR_WIN`` of its time (then the fastest)."""
@@ -160,16 +181,16 @@ def cache_path():
     return KEPT.path()
 
 
-def _key(output, args, modes):
+def _key(output, args, modes, settle):
     """What a measurement depends on, hashed: the graph as PyTensor prints it (its
     operations and types, not the rows' values), the arguments' shapes and types, the
-    modes, the libraries that compile it and the CPU that runs it (``measures.digest``);
-    None where the graph cannot be printed."""
+    modes, where it was timed (``settle``), the libraries that compile it and the CPU that
+    runs it (``measures.digest``); None where the graph cannot be printed."""
     graph = graph_text(output)
     if graph is None:
         return None
     return digest(graph, [(np.shape(a), str(np.asarray(a).dtype)) for a in args],
-                  sorted(str(m) for m in modes))
+                  sorted(str(m) for m in modes), "settled" if settle else "as given")
 
 
 def _cached(key):

@@ -45,6 +45,64 @@ Swapping cores, 6 runs of 6 measured Numba 554-601 us and C 815-893 us (PyMC 5.2
 Xeon VM, 2026-12-06, bench/HISTORY.md)."""
 
 
+SETTLE_S = 0.25
+"""Seconds at most that ``settled`` climbs for (the decision's serial call at 10^5 rows
+costs 0.04-11 ms on PyMC 5.28: 20 calls or more)."""
+
+SETTLE_STEPS = 30
+"""L-BFGS iterations at most that ``settled`` takes."""
+
+
+def settled(logp_dlogp, x0, seconds=SETTLE_S, steps=SETTLE_STEPS):
+    """A position near the model's mode, where a sampler's draws go: ``x0`` moved uphill by
+    a few L-BFGS steps (at most ``steps``, and ``seconds``), the best finite one met.
+
+    The graphs are timed there, not at the initial point, because a row's cost
+    depends on the position where a likelihood's functions take branches: libm's
+    ``log1p``, ``exp`` and ``erfc`` are quicker for small arguments, XLA's
+    vectorised ones cost the same everywhere.  At 10^5 rows on PyMC 6.4 a
+    Student-t regression's (logp, dlogp) took 383 us in Numba and 483 in JAX at
+    its initial point, 867 and 564 at a position its sampler visited; a logistic
+    regression's 1515 and 612, then 2320 and 638 (one-off probes, 2026-12-06,
+    bench/HISTORY.md): timed at the initial point, Numba was kept for the
+    Student-t where JAX runs its draws 1.5x faster.
+
+    Args:
+        logp_dlogp: a function of a position returning (logp, its gradient).
+        x0: where to start (a vector; not changed).
+    """
+    from scipy.optimize import minimize
+
+    dtype = np.asarray(x0).dtype
+    start = np.array(x0, dtype=np.float64)
+    best, best_lp = start, -math.inf
+    end = time.perf_counter() + seconds
+
+    class Enough(Exception):
+        pass
+
+    def objective(x):
+        nonlocal best, best_lp
+        if time.perf_counter() > end:
+            raise Enough
+        lp, grad = logp_dlogp(np.asarray(x, dtype=dtype))
+        lp, grad = float(lp), np.asarray(grad, dtype=np.float64).reshape(-1)
+        if not (math.isfinite(lp) and np.isfinite(grad).all()):
+            raise Enough   # off the model's support: stay with the best seen
+        if lp > best_lp:
+            best, best_lp = np.array(x, dtype=np.float64), lp
+        return -lp, -grad
+
+    try:
+        minimize(objective, start, jac=True, method="L-BFGS-B",
+                 options={"maxiter": steps, "maxfun": 2 * steps})
+    except Enough:
+        pass
+    except Exception as exc:  # noqa: BLE001 - the initial point then, as before
+        logger.debug("pymc model: no position nearer the mode (%s: %s)", type(exc).__name__, exc)
+    return best.astype(dtype)
+
+
 def compiled(inputs, position, output, mode, args, optional=False):
     """``output``'s function in ``mode``, called once (Numba compiles at the first call), and
     the seconds both took; where ``optional``, None if it fails (a backend lacking an op)."""
