@@ -407,6 +407,33 @@ def test_a_killed_janitor_is_started_again_and_still_cleans_up():
         close_process(proc)
 
 
+def test_a_janitor_found_ended_when_told_of_new_workers_is_started_again(caplog):
+    """watch() (distribute()'s new workers) to a janitor that has ended: no BrokenPipeError;
+    a new janitor is started, holding the new pid, and stops that worker when released."""
+    import logging
+
+    from synkhronos.runtime.janitor import Janitor
+
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    janitor = Janitor(f"/synk_test_janitor_{os.getpid()}_", [], [])
+    try:
+        first = janitor.pid
+        os.kill(first, signal.SIGKILL)
+        assert wait_for(lambda: janitor.proc.poll() is not None)
+        with caplog.at_level(logging.WARNING, logger="synkhronos"):
+            janitor.watch([worker.pid])
+        assert janitor.pid != first and janitor.proc.poll() is None
+        assert any("started another" in r.getMessage() for r in caplog.records), caplog.records
+        janitor.release(DEADLINE_S)
+        assert wait_for(lambda: worker.poll() is not None)   # stopped by the new janitor
+        assert worker.returncode == -signal.SIGKILL
+    finally:
+        worker.kill()
+        worker.wait()
+        if janitor.proc.poll() is None:
+            janitor.release(DEADLINE_S)
+
+
 def test_stale_segments_of_a_killed_run_are_swept_by_the_next_fork(forked):
     # A master killed before its janitor could run (here: both killed at once)
     # leaves segments; the next fork() on the machine removes them.

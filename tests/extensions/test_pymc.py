@@ -484,6 +484,7 @@ def test_the_modes_are_timed_near_the_mode(tmp_path, monkeypatch, aside_cores):
     ways = {"PY": Mode(linker="py", optimizer=None), "CVM": "CVM"}
     for settle, expected in ((True, rows[:200].mean(axis=0)), (False, np.ones(3))):
         log.unlink(missing_ok=True)
+        (tmp_path / "modes.json").unlink(missing_ok=True)   # one key either way: measured again
         os.sched_setaffinity(0, cores[:1])
         try:
             modes.fastest([X], p, out, [rows], np.ones(3), 2, ways, settle=settle)
@@ -493,6 +494,15 @@ def test_the_modes_are_timed_near_the_mode(tmp_path, monkeypatch, aside_cores):
         assert {pid for pid, *_ in where} - {str(master)}, where        # the child timed too
         for pid, *x in where:
             np.testing.assert_allclose(np.array(x, dtype=float), expected, atol=1e-5)
+    # A run that reads a kept decision (no position given, so settle) reads the modes a
+    # measuring run kept at the decision's position: nothing timed again.
+    log.unlink()
+    os.sched_setaffinity(0, cores[:1])
+    try:
+        modes.fastest([X], p, out, [rows], np.ones(3), 2, ways, settle=True)
+    finally:
+        os.sched_setaffinity(0, had)
+    assert not log.exists()
 
 
 def test_mode_is_checked_before_anything_is_built(env):

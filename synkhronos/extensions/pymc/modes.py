@@ -98,7 +98,7 @@ def fastest(inputs, position, output, arrays, x, n_parts, modes, settle=False):
                            count=np.size(x)).reshape(np.shape(x))
     shared[...] = x
     args = [np.asarray(a[:rows]) for a in arrays] + [shared]
-    key = _key(output, args, modes, settle)
+    key = _key(output, args, modes)
     known = _cached(key) if key is not None else None
     if known is not None:
         best, seconds = known
@@ -181,16 +181,18 @@ def cache_path():
     return KEPT.path()
 
 
-def _key(output, args, modes, settle):
+def _key(output, args, modes):
     """What a measurement depends on, hashed: the graph as PyTensor prints it (its
     operations and types, not the rows' values), the arguments' shapes and types, the
-    modes, where it was timed (``settle``), the libraries that compile it and the CPU that
-    runs it (``measures.digest``); None where the graph cannot be printed."""
+    modes, the rule (timed near the mode: the decision's position or ``settle``'s, one
+    key for both, so that a run reading a kept decision reads the modes it measured), the
+    libraries that compile it and the CPU that runs it (``measures.digest``); None where
+    the graph cannot be printed."""
     graph = graph_text(output)
     if graph is None:
         return None
     return digest(graph, [(np.shape(a), str(np.asarray(a).dtype)) for a in args],
-                  sorted(str(m) for m in modes), "settled" if settle else "as given")
+                  sorted(str(m) for m in modes), "timed near the mode")
 
 
 def _cached(key):
