@@ -59,13 +59,13 @@ def settled(logp_dlogp, x0, seconds=SETTLE_S, steps=SETTLE_STEPS):
 
     The graphs are timed there, not at the initial point, because a row's cost
     depends on the position where a likelihood's functions take branches: libm's
-    ``log1p``, ``exp`` and ``erfc`` are quicker for small arguments, XLA's
-    vectorised ones cost the same everywhere.  At 10^5 rows on PyMC 6.4 a
-    Student-t regression's (logp, dlogp) took 383 us in Numba and 483 in JAX at
-    its initial point, 867 and 564 at a position its sampler visited; a logistic
-    regression's 1515 and 612, then 2320 and 638 (one-off probes, 2026-12-06,
-    bench/HISTORY.md): timed at the initial point, Numba was kept for the
-    Student-t where JAX runs its draws 1.5x faster.
+    ``log1p`` and ``exp`` are quicker for small arguments, XLA's vectorised ones
+    cost the same everywhere.  On 50,000 rows on PyMC 6.4 (unpinned) a Student-t
+    regression's (logp, dlogp) took 383 us in Numba and 483 in JAX at its initial
+    point, 867 and 564 at a position its sampler visited; a logistic regression's
+    1515 and 612, then 2320 and 638 (one-off probes, 2026-12-06, bench/HISTORY.md).
+    Timed at the initial point, the modes favoured Numba and C, and both sides of
+    ``crossover``'s prediction ran short.
 
     Args:
         logp_dlogp: a function of a position returning (logp, its gradient).
