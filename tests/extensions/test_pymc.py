@@ -344,6 +344,20 @@ def test_the_master_compiles_the_modes_the_child_has_not_begun(tmp_path, monkeyp
     assert set(seconds) == {"CVM", "PY", "PY2"} and best == "CVM", seconds
 
 
+def _slow_master_compile(monkeypatch):
+    """The master's compiles take a second more: the child has begun CVM before the master
+    could take it (``trials.Claims``)."""
+    from synkhronos.extensions.pymc import trials
+
+    real_compiled, master = trials.compiled, os.getpid()
+
+    def slow_master(*a, **k):
+        if os.getpid() == master:
+            time.sleep(1)
+        return real_compiled(*a, **k)
+    monkeypatch.setattr(trials, "compiled", slow_master)
+
+
 def test_the_child_and_the_master_time_their_modes_in_turns(tmp_path, monkeypatch, aside_cores):
     """The child's modes and the master's are timed round after round, one at a time
     (trials.ROUNDS), each keeping its least; a child that stops answering is killed and the
@@ -356,13 +370,8 @@ def test_the_child_and_the_master_time_their_modes_in_turns(tmp_path, monkeypatc
 
     had, cores = aside_cores
     log = tmp_path / "rounds.log"
-    real_trial, real_compiled, master = trials.trial, trials.compiled, os.getpid()
-
-    def slow_master(*a, **k):   # the child has begun CVM before the master could take it
-        if os.getpid() == master:
-            time.sleep(1)
-        return real_compiled(*a, **k)
-    monkeypatch.setattr(trials, "compiled", slow_master)
+    real_trial, master = trials.trial, os.getpid()
+    _slow_master_compile(monkeypatch)
 
     def logged(fn, args, seconds):     # the child's and the master's, in one file
         with open(log, "a") as f:
@@ -464,13 +473,8 @@ def test_the_modes_are_timed_near_the_mode(tmp_path, monkeypatch, aside_cores):
 
     had, cores = aside_cores
     log = tmp_path / "where.log"
-    real_trial, real_compiled, master = trials.trial, trials.compiled, os.getpid()
-
-    def slow_master(*a, **k):   # the child has begun CVM before the master could take it
-        if os.getpid() == master:
-            time.sleep(1)
-        return real_compiled(*a, **k)
-    monkeypatch.setattr(trials, "compiled", slow_master)
+    real_trial, master = trials.trial, os.getpid()
+    _slow_master_compile(monkeypatch)
 
     def logged(fn, args, seconds):
         with open(log, "a") as f:
