@@ -28,6 +28,7 @@ that world uses is in ``elastic/``.  One module per job:
 - ``reports``: what a node master reports after each command, and its packed form;
 - ``recovery``: going on with the machines left after one is lost (ULFM);
 - ``sentinel``: each node master's sentinel process and the heartbeats it sends;
+- ``heartbeats``: the controller's end of the sentinels' connections (``Heartbeats``);
 - ``doorbell``: waking an idle node master through its sentinel;
 - ``auth``: the job's secret and the HMAC proof that a peer holds it (sentinels, joiners);
 - ``elastic/``: machines that come and go: ``env`` (their settings), ``door`` (the

@@ -6,8 +6,8 @@ to others, has to sleep between polls, and each sleep delays the next
 command by as much (up to ``liveness.wait_until``'s 1 ms).  Instead, after
 spinning it blocks on the read end of a pipe whose write end its sentinel
 holds (``Doorbell``).  The controller already holds a TCP connection to every
-sentinel (the heartbeats, cluster/sentinel.py): before a command that follows
-``QUIET_S`` or more without one, it sends ``RING`` there, the sentinel writes
+sentinel (the heartbeats: sentinel.py, heartbeats.py): before a command that
+follows ``QUIET_S`` or more without one, it sends ``RING`` there, the sentinel writes
 into the pipe, and the node master wakes while the command's message is on
 its way.  Commands in a loop ring nothing: their node masters still spin.
 """

@@ -22,7 +22,8 @@ from .node import NodeMaster, serve
 from .doorbell import Doorbell
 from .auth import new_secret
 from .settings import controller_host
-from .sentinel import CONNECT_TIMEOUT_S, Heartbeats, send_address, start_sentinel
+from .heartbeats import Heartbeats
+from .sentinel import CONNECT_TIMEOUT_S, send_address, start_sentinel
 
 logger = logging.getLogger(__name__)
 

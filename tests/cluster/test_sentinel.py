@@ -1,4 +1,5 @@
-"""cluster.sentinel: the liveness port admits only sentinels that prove the job's secret."""
+"""cluster.sentinel and cluster.heartbeats: the liveness port admits only sentinels that prove the
+job's secret; the controller's heartbeats name a machine lost or silent."""
 
 import socket
 import struct
@@ -7,7 +8,7 @@ import time
 
 import pytest
 
-from synkhronos.cluster import auth, sentinel
+from synkhronos.cluster import auth, heartbeats, sentinel
 from synkhronos.cluster.layout import Layout
 from synkhronos.errors import MachineLostError, SynkError, WorkerStalledError
 
@@ -49,7 +50,7 @@ def _accept_in_thread(beats, listener, n, timeout_s=10):
 
 def test_proven_sentinels_are_admitted_and_strangers_dropped(port):
     secret = auth.new_secret()
-    beats = sentinel.Heartbeats(Layout([1, 1, 1], ["a", "b", "c"]), secret)
+    beats = heartbeats.Heartbeats(Layout([1, 1, 1], ["a", "b", "c"]), secret)
     t, box = _accept_in_thread(beats, port, 3)
     keep = []
     # Strangers first: one silent, one sending garbage, one with the wrong secret,
@@ -86,7 +87,7 @@ def test_proven_sentinels_are_admitted_and_strangers_dropped(port):
 
 def test_a_machine_cannot_connect_twice(port):
     secret = auth.new_secret()
-    beats = sentinel.Heartbeats(Layout([1, 1, 1], ["a", "b", "c"]), secret)
+    beats = heartbeats.Heartbeats(Layout([1, 1, 1], ["a", "b", "c"]), secret)
     t, box = _accept_in_thread(beats, port, 3, timeout_s=2)
     keep = []
     _sentinel(port, 1, secret, keep)
@@ -100,7 +101,7 @@ def test_a_machine_cannot_connect_twice(port):
 
 
 def test_nothing_proven_in_time_is_an_error_naming_the_count(port):
-    beats = sentinel.Heartbeats(Layout([1, 1], ["a", "b"]), auth.new_secret())
+    beats = heartbeats.Heartbeats(Layout([1, 1], ["a", "b"]), auth.new_secret())
     silent = _connect(port)
     with pytest.raises(SynkError, match="0 of 1 within 0.5 s"):
         beats.accept(port, 2, timeout_s=0.5)
@@ -110,7 +111,7 @@ def test_nothing_proven_in_time_is_an_error_naming_the_count(port):
 def _three_machines(port, monkeypatch, limit_s="30"):
     monkeypatch.setenv("SYNK_HEARTBEAT_S", limit_s)
     secret = auth.new_secret()
-    beats = sentinel.Heartbeats(Layout([2, 1, 3], ["a", "b", "c"]), secret)
+    beats = heartbeats.Heartbeats(Layout([2, 1, 3], ["a", "b", "c"]), secret)
     t, box = _accept_in_thread(beats, port, 3)
     keep = []
     _sentinel(port, 1, secret, keep)

@@ -41,7 +41,8 @@ from ..controller import Controller
 from ..layout import Layout, take_place
 from ..link import CMD, CMD_HEAD, DATA, DONE, REPORT
 from ..recovery import relayout
-from ..sentinel import CONNECT_TIMEOUT_S, Heartbeats
+from ..heartbeats import Heartbeats
+from ..sentinel import CONNECT_TIMEOUT_S
 from ..settings import heartbeat_limit_s, join_timeout_s
 from .join import Welcome, join_as_node, survives_loss, zmq_socket
 from .knocks import Knocks
