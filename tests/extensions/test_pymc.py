@@ -39,9 +39,13 @@ DRAWS = 300
 @pytest.fixture(autouse=True)
 def _decisions_kept_aside(tmp_path, monkeypatch):
     """Each test's measured decisions are kept in a file of its own: none reads another
-    run's (test_crossover_keeps_a_measured_decision tests the file)."""
+    run's (test_crossover_keeps_a_measured_decision tests the file); every mode is
+    measured, however small the graph (test_a_small_graph_keeps_its_first_mode)."""
+    from synkhronos.extensions.pymc import modes
     from synkhronos.functions.measures import MeasureFile
     monkeypatch.setattr(decision_mod, "KEPT", MeasureFile("decisions.json", str(tmp_path)))
+    # These tests' graphs are small: every mode measured all the same (SMALL_S's own test).
+    monkeypatch.setattr(modes, "SMALL_S", 0.0)
 
 
 def _points(model, rng, k=2):
@@ -249,6 +253,52 @@ def aside_cores(tmp_path, monkeypatch):
     monkeypatch.setattr(modes, "KEPT", MeasureFile("modes.json", str(tmp_path)))
     monkeypatch.setattr(trials, "unpinned_cores", lambda: set(cores))
     return had, cores
+
+
+def test_a_small_graph_keeps_its_first_mode(tmp_path, monkeypatch, aside_cores):
+    """A rank graph whose first mode runs in less than modes.SMALL_S keeps it: no other mode
+    is compiled (the child measuring aside is stopped, and reaped), the figure is kept for
+    the next run; above it every mode is measured."""
+    import pytensor.tensor as pt
+    from pytensor.compile.mode import Mode
+
+    from synkhronos.extensions.pymc import modes, trials
+
+    had, cores = aside_cores
+    compiled, master = [], os.getpid()
+    real = trials.pytensor.function
+
+    def counted(*a, **k):        # the master's compiles, slow enough that the child has begun
+        if os.getpid() == master:
+            compiled.append(k.get("mode"))
+            time.sleep(0.5)
+        return real(*a, **k)
+    monkeypatch.setattr(trials.pytensor, "function", counted)
+    children, real_aside = [], trials.measure_aside
+    monkeypatch.setattr(trials, "measure_aside",
+                        lambda *a: (h := real_aside(*a)) and children.append(h.pid) or h)
+    X, p = pt.matrix("X", dtype="float64"), pt.vector("p", dtype="float64")
+    out = (pt.tanh(X * p) * p).sum(axis=0)
+    rows = np.random.default_rng(0).normal(size=(400, 3))
+    ways = {"CVM": "CVM", "PY": Mode(linker="py", optimizer=None)}
+    small = trials.trial(real([X, p], out), [rows[:200], np.ones(3)], 0.05)
+    monkeypatch.setattr(modes, "SMALL_S", 10 * small + 1e-4)
+    os.sched_setaffinity(0, cores[:1])          # as fork() pins the master
+    try:
+        best, seconds = modes.fastest([X], p, out, [rows], np.ones(3), 2, ways)
+    finally:
+        os.sched_setaffinity(0, had)
+    assert (best, list(seconds), compiled) == ("CVM", ["CVM"], ["CVM"])
+    assert 0 < seconds["CVM"] < modes.SMALL_S
+    assert len(children) == 1
+    with pytest.raises(ChildProcessError):      # the child was stopped and reaped
+        os.waitpid(children[0], os.WNOHANG)
+    assert modes.fastest([X], p, out, [rows], np.ones(3), 2, ways) == (best, seconds)  # kept
+    assert len(compiled) == 1
+    # Above it (another graph, so nothing kept answers): both measured.
+    monkeypatch.setattr(modes, "SMALL_S", small / 10)
+    best, seconds = modes.fastest([X], p, out * 2, [rows], np.ones(3), 2, ways)
+    assert set(seconds) == {"CVM", "PY"} and best == "CVM", seconds
 
 
 def test_the_other_modes_are_measured_by_a_child_on_the_ranks_cores(tmp_path, monkeypatch, aside_cores):

@@ -12,7 +12,9 @@ built on the ranks.  The master compiles the first mode while a child
 process compiles the others on the ranks' cores, idle then, the master taking
 its share of them once its own is compiled; the two then time them in turns,
 swapping cores (``trials``).  A mode whose graph Numba could compile only in
-object mode simply measures slow.
+object mode simply measures slow.  Where the first mode already runs in less
+than ``SMALL_S`` on a rank's rows, it is kept and the child is stopped: a
+faster mode could not save what compiling it costs.
 
 JAX (XLA's CPU code) is measured too where JAX is installed and no JAX
 backend has started in the master: XLA vectorises the transcendental
@@ -50,6 +52,17 @@ CLEAR_WIN = 0.9
 """Another mode than the first is kept only where its graph ran in at most this share of the
 first's time: closer, the timing's spread decides, and the first (Numba) is the quicker to
 start from warm caches (each rank loads PyTensor's cache of C modules at its first C call)."""
+
+
+SMALL_S = 50e-6
+"""A rank graph whose first mode runs in less than this on a rank's rows keeps that mode, the
+others not compiled: another could save at most this much a call (1 s over 20,000 calls),
+where compiling it costs seconds cold (C 8.3 s, JAX 1.1 s beside Numba's 5.1 s for the
+eight schools, PyMC 6.4, Intel Xeon VM, 2026-12-06), and at 4-500 rows a rank
+none ran clearly faster than Numba (bench/HISTORY.md)."""
+
+TIME_FIRST_S = 0.01
+"""Seconds the first mode's graph is timed for, alone, to compare it with ``SMALL_S``."""
 
 
 MODES_ENV = "SYNK_PYMC_MODES"
@@ -117,6 +130,16 @@ def fastest(inputs, position, output, arrays, x, n_parts, modes, settle=False):
                                                        args)
         if settle:
             shared[...] = trials.settled(_split(fns[first], args[:-1], shared.dtype), shared)
+        alone = (trials.trial(fns[first], args, TIME_FIRST_S) if SMALL_S > 0 and len(modes) > 1
+                 else math.inf)
+        if alone < SMALL_S:
+            trials.stop(helper)
+            logger.info("pymc model: the ranks' graph runs in %s (%.1f us on %d rows, less "
+                        "than the %.0f us where another mode could matter: no other measured)",
+                        first, alone * 1e6, rows, SMALL_S * 1e6)
+            if key is not None:
+                _store(key, first, {first: alone})
+            return first, {first: alone}
         # Then what the child has not begun (never JAX: see trials.Claims).
         while helper is not None and (name := helper.claims.take(trials.Claims.MASTER)):
             built = trials.compiled(inputs, position, output, modes[name], args, optional=True)
