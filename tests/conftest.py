@@ -3,7 +3,9 @@
 import faulthandler
 import contextlib
 import os
+import shutil
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -38,6 +40,14 @@ if TEST_MODE:
         jax.config.update("jax_enable_x64", True)
 
 
+# The session's temporary files in a directory of its own, removed at its end, with what
+# the processes it starts leave there: PyTensor's Numba backend writes each graph's source to
+# a file it never deletes (about 9,200 a make test), and a killed mpirun (Open MPI's fault
+# tests) its session directory.  Set before anything asks tempfile where /tmp is.
+SUITE_TMP = tempfile.mkdtemp(prefix="synk-suite-")
+os.environ["TMPDIR"] = SUITE_TMP
+tempfile.tempdir = None
+
 # MPICH's mpiexec (Hydra) leaves its topology file in /tmp after each launch (about 31 a
 # make test): the files that appeared during this session are removed at its end.
 HYDRA_FILES = "/tmp/hydra_hwloc_xmlfile_"
@@ -53,6 +63,7 @@ def pytest_sessionstart(session):
 
 
 def pytest_sessionfinish(session):
+    shutil.rmtree(SUITE_TMP, ignore_errors=True)
     before = session.config.stash.get(_HYDRA_BEFORE, None)
     if before is None:
         return
