@@ -96,6 +96,7 @@ _LAUNCHER = """\
 # Like an ssh client, this script stays on the machine that calls it (its namespaces)
 # while the command runs on the other one, so a crash of either machine leaves the
 # other side's process: exit 255 (ssh's "connection lost") when the command is killed.
+# TMPDIR: where the caller's temporary files go (the test suite's own directory).
 host=$1; shift
 case "$host" in
 {cases}
@@ -103,7 +104,7 @@ case "$host" in
 esac
 nsenter -t "$pid" -n -m -u --wd="$PWD" -- taskset -c "$cores" \\
     env -i HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \\
-    LANG=C.UTF-8 sh -c "$*"
+    LANG=C.UTF-8 TMPDIR={tmpdir} sh -c "$*"
 rc=$?
 [ "$rc" -gt 128 ] && exit 255
 exit "$rc"
@@ -185,7 +186,7 @@ class Machines:
                                                 self.cores))
         self.launcher = os.path.join(self.dir, "on_machine")
         with open(self.launcher, "w") as f:
-            f.write(_LAUNCHER.format(cases=cases))
+            f.write(_LAUNCHER.format(cases=cases, tmpdir=shlex.quote(tempfile.gettempdir())))
         os.chmod(self.launcher, 0o755)
 
     def close(self):
