@@ -57,9 +57,10 @@ start from warm caches (each rank loads PyTensor's cache of C modules at its fir
 SMALL_S = 50e-6
 """A rank graph whose first mode runs in less than this on a rank's rows keeps that mode, the
 others not compiled: another could save at most this much a call (1 s over 20,000 calls),
-where compiling it costs seconds cold (C 8.3 s, JAX 1.1 s beside Numba's 5.1 s for the
-eight schools, PyMC 6.4, Intel Xeon VM, 2026-12-06), and at 4-500 rows a rank
-none ran clearly faster than Numba (bench/HISTORY.md)."""
+where compiling it costs seconds cold.  The eight schools (4 rows a rank) and a logistic
+regression (500) compiled C in 8.3 and 8.2 s, JAX in 1.1 and 0.9 s, beside Numba's 5.1
+and 7.0 s, and both ran slower than Numba's 10 and 25 us: C 14 and 34 us, JAX 53 and
+56 (PyMC 6.4, Intel Xeon VM, 2026-12-06, bench/HISTORY.md)."""
 
 TIME_FIRST_S = 0.01
 """Seconds the first mode's graph is timed for, alone, to compare it with ``SMALL_S``."""
@@ -130,6 +131,7 @@ def fastest(inputs, position, output, arrays, x, n_parts, modes, settle=False):
                                                        args)
         if settle:
             shared[...] = trials.settled(_split(fns[first], args[:-1], shared.dtype), shared)
+        # Timed while the child may still compile beside it: slower, if anything.
         alone = (trials.trial(fns[first], args, TIME_FIRST_S) if SMALL_S > 0 and len(modes) > 1
                  else math.inf)
         if alone < SMALL_S:
