@@ -281,7 +281,9 @@ def test_a_small_graph_keeps_its_first_mode(tmp_path, monkeypatch, aside_cores):
     out = (pt.tanh(X * p) * p).sum(axis=0)
     rows = np.random.default_rng(0).normal(size=(400, 3))
     ways = {"CVM": "CVM", "PY": Mode(linker="py", optimizer=None)}
-    small = trials.trial(real([X, p], out), [rows[:200], np.ones(3)], 0.05)
+    fn, args = real([X, p], out, mode="CVM"), [rows[:200], np.ones(3)]
+    fn(*args)                                   # compiled before it is timed
+    small = trials.trial(fn, args, 0.05)
     monkeypatch.setattr(modes, "SMALL_S", 10 * small + 1e-4)
     os.sched_setaffinity(0, cores[:1])          # as fork() pins the master
     try:
@@ -299,6 +301,40 @@ def test_a_small_graph_keeps_its_first_mode(tmp_path, monkeypatch, aside_cores):
     monkeypatch.setattr(modes, "SMALL_S", small / 10)
     best, seconds = modes.fastest([X], p, out * 2, [rows], np.ones(3), 2, ways)
     assert set(seconds) == {"CVM", "PY"} and best == "CVM", seconds
+
+
+class _PythonOnly(pytensor.graph.op.Op):
+    """An op with no Numba implementation: Numba runs it in object mode (Python)."""
+
+    def make_node(self, x):
+        return pytensor.graph.basic.Apply(self, [x], [x.type()])
+
+    def perform(self, node, inputs, outputs):
+        outputs[0][0] = np.tanh(inputs[0])
+
+
+def test_a_small_graph_in_object_mode_measures_every_mode(tmp_path, monkeypatch):
+    """However fast it runs, a first mode in which Numba runs an op in object mode is not
+    kept unmeasured: the other modes are compiled and timed (and PyTensor's warning still
+    reaches the user)."""
+    import pytensor.tensor as pt
+
+    from synkhronos.extensions.pymc import modes, trials
+    from synkhronos.functions.measures import MeasureFile
+
+    monkeypatch.setattr(modes, "KEPT", MeasureFile("modes.json", str(tmp_path)))
+    monkeypatch.setattr(trials, "unpinned_cores", lambda: os.sched_getaffinity(0))
+    monkeypatch.setattr(modes, "SMALL_S", 1.0)     # any graph is small
+    X, p = pt.matrix("X", dtype="float64"), pt.vector("p", dtype="float64")
+    rows = np.random.default_rng(0).normal(size=(40, 3))
+    ways = {"NUMBA": "NUMBA", "CVM": "CVM"}
+    best, seconds = modes.fastest([X], p, (pt.tanh(X * p) * p).sum(axis=0), [rows],
+                                  np.ones(3), 2, ways)
+    assert list(seconds) == ["NUMBA"]               # compiled: kept without C
+    with pytest.warns(UserWarning, match=modes.OBJECT_MODE):
+        best, seconds = modes.fastest([X], p, (_PythonOnly()(X * p) * p).sum(axis=0), [rows],
+                                      np.ones(3), 2, ways)
+    assert set(seconds) == {"NUMBA", "CVM"}, seconds
 
 
 def test_the_other_modes_are_measured_by_a_child_on_the_ranks_cores(tmp_path, monkeypatch, aside_cores):

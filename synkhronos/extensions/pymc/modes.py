@@ -14,7 +14,8 @@ its share of them once its own is compiled; the two then time them in turns,
 swapping cores (``trials``).  A mode whose graph Numba could compile only in
 object mode simply measures slow.  Where the first mode already runs in less
 than ``SMALL_S`` on a rank's rows, it is kept and the child is stopped: a
-faster mode could not save what compiling it costs.
+faster mode could not save what compiling it costs (unless Numba runs an op of
+it in object mode: then every mode is measured).
 
 JAX (XLA's CPU code) is measured too where JAX is installed and no JAX
 backend has started in the master: XLA vectorises the transcendental
@@ -39,6 +40,7 @@ import logging
 import math
 import mmap
 import os
+import warnings
 
 import numpy as np
 
@@ -127,13 +129,13 @@ def fastest(inputs, position, output, arrays, x, n_parts, modes, settle=False):
     first = next(iter(modes))
     fns, compile_s, failed = {}, {}, set()
     try:
-        fns[first], compile_s[first] = trials.compiled(inputs, position, output, modes[first],
-                                                       args)
+        (fns[first], compile_s[first]), in_object_mode = _compiled_first(
+            inputs, position, output, modes[first], args)
         if settle:
             shared[...] = trials.settled(_split(fns[first], args[:-1], shared.dtype), shared)
         # Timed while the child may still compile beside it: slower, if anything.
-        alone = (trials.trial(fns[first], args, TIME_FIRST_S) if SMALL_S > 0 and len(modes) > 1
-                 else math.inf)
+        alone = (trials.trial(fns[first], args, TIME_FIRST_S)
+                 if SMALL_S > 0 and len(modes) > 1 and not in_object_mode else math.inf)
         if alone < SMALL_S:
             trials.stop(helper)
             logger.info("pymc model: the ranks' graph runs in %s (%.1f us on %d rows, less "
@@ -178,6 +180,27 @@ def fastest(inputs, position, output, arrays, x, n_parts, modes, settle=False):
     if key is not None:
         _store(key, best, seconds)
     return best, seconds
+
+
+OBJECT_MODE = "Numba will use object mode"
+"""How PyTensor's warning begins where Numba runs an op of a graph in object mode (Python)."""
+
+
+def _compiled_first(inputs, position, output, mode, args):
+    """The first mode's function and its compile seconds (``trials.compiled``), and whether
+    Numba runs an op of it in object mode: then the other modes are measured however fast
+    it runs (object mode is never kept unmeasured where a compiled backend may run).
+    PyTensor's warnings are passed on as they would have been."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        built = trials.compiled(inputs, position, output, mode, args)
+    for w in said:   # under the filters outside, as if never caught
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    in_object_mode = any(str(w.message).startswith(OBJECT_MODE) for w in said)
+    if in_object_mode:
+        logger.debug("pymc model: the ranks' graph runs partly in Numba's object mode: "
+                     "every mode measured")
+    return built, in_object_mode
 
 
 def _split(fn, rows, dtype):
