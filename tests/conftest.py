@@ -43,8 +43,11 @@ if TEST_MODE:
 # The session's temporary files in a directory of its own, removed at its end, with what
 # the processes it starts leave there: PyTensor's Numba backend writes each graph's source to
 # a file it never deletes (about 9,200 a make test), and a killed mpirun (Open MPI's fault
-# tests) its session directory.  Set before anything asks tempfile where /tmp is.
+# tests) its session directory.  Set before anything asks tempfile where /tmp is.  Open to
+# all as /tmp is (sticky): the Slurm tests' daemons run as other users (munged checks
+# every folder above its own, and refused this one at mkdtemp's 0700).
 SUITE_TMP = tempfile.mkdtemp(prefix="synk-suite-")
+os.chmod(SUITE_TMP, 0o1777)
 os.environ["TMPDIR"] = SUITE_TMP
 tempfile.tempdir = None
 
