@@ -275,8 +275,13 @@ def test_a_small_graph_keeps_its_first_mode(tmp_path, monkeypatch, aside_cores):
         return real(*a, **k)
     monkeypatch.setattr(trials.pytensor, "function", counted)
     children, real_aside = [], trials.measure_aside
-    monkeypatch.setattr(trials, "measure_aside",
-                        lambda *a: (h := real_aside(*a)) and children.append(h.pid) or h)
+
+    def noted(*a):               # the child measuring aside, its pid noted
+        helper = real_aside(*a)
+        if helper is not None:
+            children.append(helper.pid)
+        return helper
+    monkeypatch.setattr(trials, "measure_aside", noted)
     X, p = pt.matrix("X", dtype="float64"), pt.vector("p", dtype="float64")
     out = (pt.tanh(X * p) * p).sum(axis=0)
     rows = np.random.default_rng(0).normal(size=(400, 3))
