@@ -28,6 +28,7 @@ from helpers import pymc_models  # noqa: E402
 from synkhronos.extensions import pymc as synk_pymc  # noqa: E402
 from synkhronos.extensions.pymc import crossover  # noqa: E402
 from synkhronos.extensions.pymc import decision as decision_mod  # noqa: E402
+from synkhronos.extensions.pymc import internals  # noqa: E402
 
 # PyMC graphs compile to C on PyTensor 2.x: a cold cache makes the first build slow.
 pytestmark = pytest.mark.timeout(300)
@@ -854,6 +855,30 @@ def test_crossover_gives_nutpie_the_compiled_function(env, caplog, monkeypatch):
     assert set(idata.posterior.data_vars) == set(ref.posterior.data_vars)
     z = pymc_models.z_scores(idata, ref, [v.name for v in model.free_RVs])
     assert all(zm < 4.5 and zs < 4.5 for _, zm, zs in z), z
+
+
+def test_nutpie_times_pymc_function_compiled_as_nutpie_compiles_it(env):
+    """nutpie compiles the model in Numba, whatever PyTensor's default: the PyMC function a
+    nutpie decision times (and the callback way runs) is compiled in Numba, the one PyMC's
+    NUTS takes in PyTensor's default, and both give PyMC's logp and gradient."""
+    from synkhronos import compat
+
+    model, dp = env.models["negbin"], env.auto
+    nut, own = crossover.serial_function(dp, "nutpie"), crossover.serial_function(dp, "pymc")
+
+    def linker(serial):
+        return type(internals.serial_call(serial.fn).maker.linker).__name__
+
+    assert linker(nut) == "NumbaLinker"
+    assert own.mode is None and (linker(own) == "NumbaLinker") == (compat.default_linker() == "numba")
+    assert (nut is own) == (compat.default_linker() == "numba")
+    assert crossover.serial_function(dp, "nutpie") is nut   # compiled once
+    logp, dlogp = model.compile_logp(), model.compile_dlogp()
+    for point in _points(model, np.random.default_rng(13), k=2):
+        for serial in (nut, own):
+            lp, g = internals.serial_call(serial.fn)(dp.ravel(point))
+            np.testing.assert_allclose(lp, logp(point), rtol=1e-10)
+            _assert_grad_close(g, dlogp(point))
 
 
 def test_nutpie_compiling_its_own_compiles_nothing_of_pymc(env, caplog, monkeypatch):

@@ -35,9 +35,12 @@ chains' calls then take turns (one interpreter), so it is predicted as
 
     callback:   steps x chains x (serial call + CALLBACK_S)
 
-and taken where it beats pm.sample's own nutpie, whose gradient (in Numba) is predicted
-at PyMC's C call times the rank graph's Numba / C ratio (``numba_ratio``).  Where the
-choice turns on the gradients a draw takes, a short nutpie run counts them (``leapfrogs``).
+and taken where it beats pm.sample's own nutpie.  nutpie compiles the model in Numba, so
+PyMC's function timed (and called back) for it is compiled in Numba too
+(``internals.sampler_mode``; should Numba fail, in PyTensor's default, and nutpie's gradient
+is then predicted at that call times the rank graph's Numba / C ratio, ``numba_ratio``).
+Where the choice turns on the gradients a draw takes, a short nutpie run counts them
+(``leapfrogs``).
 
 A measured decision is kept on disk for the next run of the model (``decision.py``).
 """
@@ -210,7 +213,7 @@ def decide(dp, sampler, chains, cores, draws, tune):
 
 def _measured(dp, sampler, chains, n_cores, ranks, steps):
     """The decision as measured now (see ``decide``)."""
-    serial = serial_function(dp)
+    serial = serial_function(dp, sampler)
     call = internals.serial_call(serial.fn)
     x = typical_x(dp, call)
     serial_s = _timed(lambda: call(x), SERIAL_TRIAL_S)
@@ -242,9 +245,10 @@ def _measured(dp, sampler, chains, n_cores, ranks, steps):
             sampler_compile_s=SAMPLER_COMPILE_S.get(sampler))
     one_s = _timed(lambda: dp.logp_dlogp(x))
     compile_s = 0.0
-    # nutpie's gradient (Numba) costs PyMC's C call times the rank graph's Numba / C ratio,
-    # where both were timed (at 10^5 rows on PyMC 5.28: radon 0.27, robust 0.62).
-    numba = numba_ratio(dp.mode_seconds) if sampler == "nutpie" and not callback else None
+    # nutpie's gradient (Numba) costs PyMC's call, where that is Numba's too; else PyMC's
+    # call times the rank graph's Numba / C ratio, where both were timed.
+    numba = (numba_ratio(dp.mode_seconds)
+             if sampler == "nutpie" and not callback and serial.mode != "NUMBA" else None)
     if numba is not None:
         serial_run, _ = predict(sampler, chains, n_cores, steps, serial_s * numba, 0.0, 0.0)
     # One call at every chain's position saves at most a call's fixed cost per chain beyond
@@ -335,21 +339,32 @@ def numba_ratio(seconds):
 
 @dataclasses.dataclass(frozen=True)
 class Serial:
-    """PyMC's own (logp, dlogp) of a model, compiled as pm.sample's NUTS compiles it, and how
-    long that took (seconds)."""
+    """PyMC's own (logp, dlogp) of a model, compiled as pm.sample's sampler compiles it, in
+    ``mode`` (None: PyTensor's default), and how long that took (seconds)."""
 
     fn: object
     compile_s: float
+    mode: str | None = None
 
 
-def serial_function(dp):
-    """``dp.model``'s ``Serial``: compiled at the first decision, then the same one."""
-    if dp.serial is None:
+def serial_function(dp, sampler="pymc"):
+    """``dp.model``'s ``Serial`` for ``sampler``: compiled in the mode that sampler compiles the
+    model in (``internals.sampler_mode``) at its first decision, then the same one."""
+    mode = internals.sampler_mode(sampler)
+    serial = dp.serials.get(mode)
+    if serial is None:
         t0 = time.perf_counter()
-        fn = internals.serial_logp_dlogp(dp.model)
-        internals.serial_call(fn)(dp.initial_x().astype(dp.dtype))  # Numba compiles at the first call
-        dp.serial = Serial(fn, time.perf_counter() - t0)
-    return dp.serial
+        try:
+            fn = internals.serial_logp_dlogp(dp.model, mode)
+            internals.serial_call(fn)(dp.initial_x().astype(dp.dtype))  # Numba compiles here
+        except Exception as exc:  # noqa: BLE001 - an op Numba cannot compile: PyMC's default
+            if mode is None:
+                raise
+            logger.debug("dp.sample: PyMC's function in %s failed (%r); in the default mode",
+                         mode, exc)
+            return dp.serials.setdefault(mode, serial_function(dp))
+        serial = dp.serials[mode] = Serial(fn, time.perf_counter() - t0, mode)
+    return serial
 
 
 def _timed(call, seconds=TRIAL_S):

@@ -141,15 +141,34 @@ def sample_kwargs(name, chains, kwargs, at_once=True):
     return kwargs
 
 
-def serial_logp_dlogp(model):
+def serial_logp_dlogp(model, mode=None):
     """PyMC's own (logp, dlogp), compiled as ``pm.sample`` compiles its NUTS step's.
+
+    Args:
+        mode: the PyTensor mode it compiles in; None: PyTensor's default, as
+            ``pm.sample``'s NUTS takes it (``sampler_mode``).
 
     Returns:
         The ``ValueGradFunction``; its ``_pytensor_function`` takes a flat vector.
     """
-    f = model.logp_dlogp_function(ravel_inputs=True)
+    f = model.logp_dlogp_function(ravel_inputs=True, **({} if mode is None else {"mode": mode}))
     f.set_extra_values({})
     return f
+
+
+def sampler_mode(sampler):
+    """The PyTensor mode ``sampler`` compiles PyMC's model in, or None for PyTensor's default.
+
+    nutpie compiles the model with Numba whatever PyTensor's default, so
+    where that default is another (PyTensor 2.x: C), PyMC's own function
+    timed for nutpie and run under it on the callback is compiled in Numba
+    too: at 10^5 rows on PyMC 5.28 Numba ran radon's (logp, dlogp) in 320
+    us against C's 628, robust's in 1035 against 2593 (bench/HISTORY.md,
+    2026-12-06).
+    """
+    if sampler == "nutpie" and compat.default_linker() != "numba":
+        return "NUMBA"
+    return None
 
 
 def serial_call(fn):

@@ -81,8 +81,8 @@ class DataParallelModel:
             measured at the first data-parallel evaluation (None before).
         split: ``data_parallel``'s ``split`` (None: measured at the first ``sample``).
         decision: what the last ``sample`` chose (``crossover.Decision``), None before.
-        serial: PyMC's own (logp, dlogp) (``crossover.Serial``), compiled at the first
-            decision; None before.
+        serials: PyMC's own (logp, dlogp) (``crossover.Serial``) by mode, each compiled at
+            the first decision that asks for it.
     """
 
     def __init__(self, model, data, unsplit, name, mode=None, split=None):
@@ -94,7 +94,7 @@ class DataParallelModel:
         self.split = crossover.check_split(split)
         self.decision = None     # what the last sample() chose (crossover.Decision)
         self.decisions = {}      # crossover.decide's, per rows, sampler, chains and cores
-        self.serial = None       # PyMC's own (logp, dlogp), compiled at the first decision
+        self.serials = {}        # mode -> PyMC's own (logp, dlogp), compiled at a decision
         self.typical_x = None    # where the first decision timed its calls (trials.settled)
         self.model = model
         if not model.observed_RVs and not model.potentials:

@@ -58,7 +58,7 @@ def sample(dp, draws, tune, chains, nuts_sampler, random_seed, **kwargs):
         if decision.callback:
             # nutpie's chains call PyMC's compiled function back, as the split's callback,
             # one chain after the other (the function serves one call at a time).
-            serial = crossover.serial_function(dp).fn
+            serial = crossover.serial_function(dp, nuts_sampler).fn
             kwargs = internals.sample_kwargs(nuts_sampler, chains, kwargs, at_once=False)
             with master_cores.released(), internals.driving_serial(dp, serial):
                 return pm.sample(draws, chains=chains, random_seed=random_seed,
@@ -71,7 +71,7 @@ def sample(dp, draws, tune, chains, nuts_sampler, random_seed, **kwargs):
                 return pm.sample(draws, chains=chains, random_seed=random_seed,
                                  nuts_sampler=nuts_sampler, model=dp.model, **kwargs)
             # PyMC's NUTS runs the function the decision compiled (a kept decision: now).
-            with internals.serving(dp.model, crossover.serial_function(dp).fn):
+            with internals.serving(dp.model, crossover.serial_function(dp, nuts_sampler).fn):
                 return pm.sample(draws, chains=chains, random_seed=random_seed,
                                  nuts_sampler=nuts_sampler, model=dp.model, **kwargs)
     if cores is not None:
