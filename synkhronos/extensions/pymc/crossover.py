@@ -81,8 +81,8 @@ nutpie, on the data-parallel callback, does not."""
 BUILD_COMPILES = 3.0
 """Building the ranks' graph, in units of PyMC's own compile of its (logp, dlogp): the master
 compiles it in two modes to keep the faster, the ranks then the one kept (each theirs, at
-once).  On PyMC 5.28 Numba caches none of it, so a gallery model's first split call took
-3-8 s against PyMC's 0.3-0.8 s compile (2026-12-04, bench/pymc_gallery.py --parts e2e)."""
+once).  A gallery model's first split call took 3-8 s on PyMC 5.28 against PyMC's 0.3-0.8 s
+compile in C (2026-12-04, bench/pymc_gallery.py --parts e2e)."""
 
 CALLBACK_S = 20e-6
 """A gradient of nutpie on PyMC's compiled function in this process, beyond the call:

@@ -414,6 +414,31 @@ def _nutpie_module():
     return nutpie, nutpie.compile_pymc_model
 
 
+def _expand_function(model, remaining, values):
+    """(The function of the value variables to ``remaining``, its values at ``values``),
+    compiled as nutpie compiles the model (``sampler_mode``), else in PyTensor's default.
+
+    Where PyTensor's default is C, its first C compile in a process reads the
+    whole compile cache: radon's at 10^5 rows took 0.9 s in C, 0.3-0.4 s in
+    Numba, which calls it as fast (7 and 8 us; PyMC 5.28, a one-off probe,
+    bench/HISTORY.md 2026-12-06).
+    """
+    if not remaining:
+        return None, []
+    mode = sampler_mode("nutpie")
+    if mode is not None:
+        try:
+            with model:
+                fn = pm.pytensorf.compile(model.value_vars, remaining, on_unused_input="ignore",
+                                          mode=mode)
+            return fn, fn(*values)   # Numba compiles at the first call
+        except Exception as exc:  # noqa: BLE001 - an op Numba cannot compile: the default
+            logger.debug("nutpie: the expansion in %s failed (%r); in the default mode", mode, exc)
+    with model:
+        fn = pm.pytensorf.compile(model.value_vars, remaining, on_unused_input="ignore")
+    return fn, fn(*values)
+
+
 def nutpie_model(dp, batcher, var_names=None, initial_points=None, jitter_rvs=None,
                  default_initialization_strategy="support_point", **unused):
     """A nutpie model (``from_pyfunc``) on ``batcher``: ``dp``'s batched (logp, dlogp), or
@@ -425,10 +450,8 @@ def nutpie_model(dp, batcher, var_names=None, initial_points=None, jitter_rvs=No
     remaining = [v for v in model.unobserved_value_vars if v.name not in names]
     if var_names is not None:
         remaining = [v for v in remaining if v.name in set(var_names)]
-    with model:
-        expand_fn = pm.pytensorf.compile(model.value_vars, remaining, on_unused_input="ignore")
     point = model.initial_point()
-    rem_values = expand_fn(*[point[n] for n in names]) if remaining else []
+    expand_fn, rem_values = _expand_function(model, remaining, [point[n] for n in names])
     rem_shapes = [tuple(np.shape(v)) for v in rem_values]
     all_names = names + [v.name for v in remaining]
     all_shapes = shapes + rem_shapes
