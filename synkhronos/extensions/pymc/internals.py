@@ -162,9 +162,8 @@ def sampler_mode(sampler):
     nutpie compiles the model with Numba whatever PyTensor's default, so
     where that default is another (PyTensor 2.x: C), PyMC's own function
     timed for nutpie and run under it on the callback is compiled in Numba
-    too: at 10^5 rows on PyMC 5.28 Numba ran radon's (logp, dlogp) in 320
-    us against C's 628, robust's in 1035 against 2593 (bench/HISTORY.md,
-    2026-12-06).
+    too: radon's call at 10^5 rows on PyMC 5.28 took 391 us in Numba, 726 in
+    C (bench/pymc_gallery.py --parts e2e, 2026-12-06; docs/pymc.md).
     """
     if sampler == "nutpie" and compat.default_linker() != "numba":
         return "NUMBA"
@@ -419,9 +418,9 @@ def _expand_function(model, remaining, values):
     compiled as nutpie compiles the model (``sampler_mode``), else in PyTensor's default.
 
     Where PyTensor's default is C, its first C compile in a process reads the
-    whole compile cache: radon's at 10^5 rows took 0.9 s in C, 0.3-0.4 s in
-    Numba, which calls it as fast (7 and 8 us; PyMC 5.28, a one-off probe,
-    bench/HISTORY.md 2026-12-06).
+    whole compile cache, most of that compile's time, where Numba's reads only
+    what it compiles; the function runs about as fast either way (one-off
+    probes on PyMC 5.28, bench/HISTORY.md 2026-12-06).
     """
     if not remaining:
         return None, []
