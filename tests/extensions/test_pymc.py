@@ -881,6 +881,26 @@ def test_nutpie_times_pymc_function_compiled_as_nutpie_compiles_it(env):
             _assert_grad_close(g, dlogp(point))
 
 
+def test_nutpie_functions_fall_back_to_the_default_mode(env, monkeypatch):
+    """Where nutpie's mode cannot compile PyMC's functions (here a mode PyTensor does not
+    know), the decision's function and each draw's expansion compile in PyTensor's default
+    instead, and give PyMC's values."""
+    model, dp = env.models["radon"], env.dps["radon"]
+    monkeypatch.setattr(internals, "sampler_mode", lambda sampler: "NOT_A_MODE")
+    monkeypatch.setattr(dp, "serials", {})
+    serial = crossover.serial_function(dp, "nutpie")
+    assert serial.mode is None and dp.serials["NOT_A_MODE"] is serial
+    point = model.initial_point()
+    lp, g = internals.serial_call(serial.fn)(dp.ravel(point))
+    np.testing.assert_allclose(lp, model.compile_logp()(point), rtol=1e-10)
+    _assert_grad_close(g, model.compile_dlogp()(point))
+    a = [v for v in model.unobserved_value_vars if v.name == "a"]
+    fn, (values,) = internals._expand_function(model, a, [point[n] for n in dp.value_names])
+    want = point["mu_a"] + np.exp(point["sigma_a_log__"]) * point["z_a"]
+    np.testing.assert_allclose(values, want, rtol=1e-12)
+    np.testing.assert_allclose(fn(*[point[n] for n in dp.value_names])[0], want, rtol=1e-12)
+
+
 def test_nutpie_compiling_its_own_compiles_nothing_of_pymc(env, caplog, monkeypatch):
     """Where the decision (here one kept from an earlier run) is nutpie compiling its own,
     dp.sample runs pm.sample's nutpie and compiles no PyMC function for it: nutpie would

@@ -353,18 +353,24 @@ def serial_function(dp, sampler="pymc"):
     mode = internals.sampler_mode(sampler)
     serial = dp.serials.get(mode)
     if serial is None:
-        t0 = time.perf_counter()
         try:
-            fn = internals.serial_logp_dlogp(dp.model, mode)
-            internals.serial_call(fn)(dp.initial_x().astype(dp.dtype))  # Numba compiles here
+            serial = _compiled_serial(dp, mode)
         except Exception as exc:  # noqa: BLE001 - an op Numba cannot compile: PyMC's default
             if mode is None:
                 raise
             logger.debug("dp.sample: PyMC's function in %s failed (%r); in the default mode",
                          mode, exc)
-            return dp.serials.setdefault(mode, serial_function(dp))
-        serial = dp.serials[mode] = Serial(fn, time.perf_counter() - t0, mode)
+            serial = dp.serials.get(None) or _compiled_serial(dp, None)
+            dp.serials[None] = serial
+        dp.serials[mode] = serial
     return serial
+
+
+def _compiled_serial(dp, mode):
+    t0 = time.perf_counter()
+    fn = internals.serial_logp_dlogp(dp.model, mode)
+    internals.serial_call(fn)(dp.initial_x().astype(dp.dtype))  # Numba compiles here
+    return Serial(fn, time.perf_counter() - t0, mode)
 
 
 def _timed(call, seconds=TRIAL_S):
