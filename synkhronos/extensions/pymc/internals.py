@@ -32,6 +32,11 @@ test-pymc-versions`` on 5.27).  What we rely on:
   (``serial_logp_dlogp()``); where it does not split, ``serving()`` hands
   that very function to pm.sample's NUTS step (its ``trust_input`` set, as
   the step sets it), which then compiles nothing of its own.
+- nutpie compiles the model in Numba whatever PyTensor's default: for it,
+  ``serial_logp_dlogp()`` passes ``mode=`` through ``logp_dlogp_function``
+  to PyTensor, and each draw's expansion goes through
+  ``pm.pytensorf.compile(..., mode=)`` (``sampler_mode()``), each falling
+  back to the default where Numba cannot compile it.
 - PyMC 6 returns ArviZ 1's ``DataTree``, PyMC 5 an ``InferenceData``: what
   ``pm.sample`` returns is returned as it is.
 
