@@ -165,7 +165,7 @@ def clone_replace(output, replace, strict=True):
     return _clone_replace(output, replace=replace, rebuild_strict=strict)
 
 
-def rebuilt(output, replace):
+def rebuilt(output, replace, override=None):
     """``output`` (a variable or a list) rebuilt above ``replace``'s variables for their types.
 
     Each node above a replacement is made again from its new inputs, so its
@@ -175,11 +175,14 @@ def rebuilt(output, replace):
     observed on 1000 rows asserted 1000 rows on a rank's share.  Here such an
     op built from its inputs' types (``SymbolicOp``) is called again instead,
     and a shape assertion above a replacement is dropped: it asserted the old
-    shape.
+    shape.  ``override(node, new_inputs)``, where given, may make a node's new outputs
+    itself (else it returns None).
     """
     from pytensor.tensor.shape import SpecifyShape
 
     def remake(node, new_inputs):
+        if override is not None and (outs := override(node, new_inputs)) is not None:
+            return outs
         if all(a is b for a, b in zip(new_inputs, node.inputs)):
             return node.outputs
         if isinstance(node.op, SpecifyShape):

@@ -24,7 +24,7 @@ from pytensor.graph.basic import Constant
 from pytensor.graph.replace import vectorize_graph
 
 from ... import compat
-from . import terms
+from . import branches, terms
 
 
 def row_inputs(containers):
@@ -50,13 +50,15 @@ def row_dims(model, containers, rows):
     return out
 
 
-def rank_terms(model, plan, inputs, whole_copies, n_total):
+def rank_terms(model, plan, inputs, whole_copies, n_total, by_class=True):
     """Return ``(split_exprs, whole_expr, frac)`` in the model's value variables.
 
     Args:
         inputs: ``row_inputs(plan.split)``.
         whole_copies: {container: variable} for the containers used whole.
         n_total: a float64 scalar variable, the rows of the whole data set.
+        by_class: whether a term whose switches read only rows runs each group of rows on
+            the branches it takes (``branches.by_class``); the master must hold the rows.
     """
     rows = inputs[0].shape[0]
     frac = rows.astype("float64") / n_total
@@ -72,9 +74,12 @@ def rank_terms(model, plan, inputs, whole_copies, n_total):
     # A lifted array's constant has its rows in its static shape: the nodes above it are
     # rebuilt for the rank's rows (containers' shapes already say "any number").
     strict = not any(isinstance(c, terms.Lifted) for c in plan.split)
+    arrays = [c.get_value(borrow=True) for c in plan.split] if by_class else None
+    changeable = [not isinstance(c, terms.Lifted) for c in plan.split]
     split_exprs = []
     for term in plan.split_terms:
         expr = compat.clone_replace(term.graph, replace=replace, strict=strict)
+        expr = branches.by_class(expr, inputs, arrays, changeable)
         split_exprs.append(expr * frac if term.scaled else expr)
     whole = [t.graph for t in plan.whole_terms]
     whole_expr = (compat.clone_replace(pt.add(*whole) if len(whole) > 1 else whole[0],

@@ -58,6 +58,12 @@ def _rank_mode(mode):
     return mode.upper()
 
 
+def _is_jax(mode):
+    """Whether ``mode`` (``_rank_mode``'s) compiles with JAX, whose jit needs every shape fixed
+    (no rows picked by positions found at run time: ``branches``)."""
+    return mode == "JAX" or "jax" in type(getattr(mode, "linker", None)).__name__.lower()
+
+
 
 
 class DataParallelModel:
@@ -142,8 +148,9 @@ class DataParallelModel:
         self._n_total = pytensor.shared(np.float64(self.n_rows), name="n_rows_total")
         inputs = self._inputs = graphs.row_inputs(plan.split)
         n_sym = pt.dscalar("n_total")
-        split_exprs, whole_expr, frac = graphs.rank_terms(model, plan, inputs, self._whole_copies,
-                                                          n_sym)
+        split_exprs, whole_expr, frac = graphs.rank_terms(
+            model, plan, inputs, self._whole_copies, n_sym,
+            by_class=not self._given and not _is_jax(asked))
         logp = graphs.rank_logp(split_exprs, whole_expr, frac, self.dtype)
         logp = compat.clone_replace(logp, replace={n_sym: self._n_total})
         self.rank_logp = logp    # what a rank's graphs are made from (decisions kept are keyed by it)

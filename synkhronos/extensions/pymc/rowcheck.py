@@ -38,7 +38,7 @@ def check_rows(model, plan, value_vars, point_fn, mode, n_points=3):
         return
     inputs = graphs.row_inputs(plan.split)
     n_total = pt.dscalar("n_total")
-    exprs, _, _ = graphs.rank_terms(model, plan, inputs, {}, n_total)
+    exprs, _, _ = graphs.rank_terms(model, plan, inputs, {}, n_total, by_class=False)
     fn = pytensor.function([*value_vars, *inputs, n_total], exprs, mode=mode,
                            on_unused_input="ignore")
     def per_term(lo, hi):
