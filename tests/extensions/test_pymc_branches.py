@@ -21,7 +21,7 @@ from pytensor.tensor.elemwise import Elemwise  # noqa: E402
 
 from synkhronos import compat  # noqa: E402
 from synkhronos.extensions import pymc as synk_pymc  # noqa: E402
-from synkhronos.extensions.pymc import branches, graphs, terms  # noqa: E402
+from synkhronos.extensions.pymc import branches, graphs, modes, terms  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -80,6 +80,7 @@ def test_each_group_of_rows_runs_only_its_branch():
     assert _scalar_ops(expr) & {ps.Erfc, ps.Erfcx}
 
     grouped = branches.by_class(expr, inputs, arrays, [False] * len(inputs))
+    assert branches.picks_rows(grouped) and not branches.picks_rows(expr)
     value_vars = model.value_vars
     args = [*value_vars, *inputs]
     f_whole = pytensor.function(args, [expr, *pytensor.grad(expr, value_vars)],
@@ -106,7 +107,8 @@ def test_too_many_groups_run_whole(monkeypatch):
     assert branches.by_class(expr, inputs, None, [False] * len(inputs)) is expr
 
 
-def test_grouped_model_exact_on_uneven_ranks_and_after_set_data(runtime_keeper, caplog):
+def test_grouped_model_exact_on_uneven_ranks_and_after_set_data(runtime_keeper, caplog,
+                                                                monkeypatch):
     """On 3 ranks (uneven shares), dp.logp and dp.dlogp equal PyMC's; after pm.set_data
     moves the upper bound onto the lower one for some rows at the lower bound (a group of
     rows never seen at set-up, run with the term as PyMC wrote it), they still do."""
@@ -123,7 +125,17 @@ def test_grouped_model_exact_on_uneven_ranks_and_after_set_data(runtime_keeper, 
             np.testing.assert_allclose(dp.dlogp(point), dlogp(point), rtol=1e-9, atol=1e-10)
 
     caplog.set_level(logging.DEBUG, logger=branches.logger.name)
-    with runtime_keeper.distributed(3, lambda: synk_pymc.data_parallel(model, mode="NUMBA")) as dp:
+
+    monkeypatch.setenv(modes.MODES_ENV, "")    # every mode, as a user's process measures
+
+    def build():
+        # A second model measured for its mode: JAX, which cannot pick rows, is left out
+        # (where installed, it is measured for a graph that picks none: test_pymc_jax.py).
+        measured = synk_pymc.data_parallel(_censored()[0], name="measured")
+        assert "NUMBA" in measured.rank_modes and "JAX" not in measured.rank_modes
+        return synk_pymc.data_parallel(model, mode="NUMBA")
+
+    with runtime_keeper.distributed(3, build) as dp:
         # The three groups seen, and a fourth for rows pm.set_data may bring.
         assert "a term run as 4 groups of rows" in caplog.text
         check(dp)

@@ -31,6 +31,7 @@ import pytensor.scalar as ps
 import pytensor.tensor as pt
 from pytensor.graph.basic import Constant
 from pytensor.scalar import Switch
+from pytensor.tensor.basic import Nonzero
 from pytensor.tensor.elemwise import DimShuffle, Elemwise
 from pytensor.tensor.extra_ops import broadcast_shape
 
@@ -135,6 +136,13 @@ def by_class(expr, inputs, arrays, changeable):
     logger.debug("pymc model: a term run as %d groups of rows by %d conditions on the data",
                  len(parts), len(conds))
     return pt.add(*parts)
+
+
+def picks_rows(graph):
+    """Whether ``graph`` picks rows by positions found at run time (a group's ``nonzero``),
+    which JAX's jit cannot compile."""
+    return any(v.owner is not None and isinstance(v.owner.op, Nonzero)
+               for v in compat.ancestors([graph]))
 
 
 def _special_branches(expr, conds):

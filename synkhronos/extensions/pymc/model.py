@@ -23,7 +23,7 @@ import synkhronos as synk
 
 from ... import compat
 from . import calls as calls_mod
-from . import crossover, graphs, internals, modes, rowcheck, selections, terms
+from . import branches, crossover, graphs, internals, modes, rowcheck, selections, terms
 from .batching import Batcher
 
 logger = logging.getLogger(__name__)
@@ -62,8 +62,6 @@ def _is_jax(mode):
     """Whether ``mode`` (``_rank_mode``'s) compiles with JAX, whose jit needs every shape fixed
     (no rows picked by positions found at run time: ``branches``)."""
     return mode == "JAX" or "jax" in type(getattr(mode, "linker", None)).__name__.lower()
-
-
 
 
 class DataParallelModel:
@@ -161,6 +159,8 @@ class DataParallelModel:
         positions = pt.matrix("positions", dtype=self.dtype)
         measured = asked is None and not self._given and synk.layout().n_machines == 1
         names = modes.measurable(MODES) if measured else [DEFAULT_MODE if asked is None else asked]
+        if measured and len(names) > 1 and branches.picks_rows(logp):
+            names = tuple(n for n in names if n != "JAX")   # its jit cannot: not compiled in vain
         rank_modes = {m: internals.pymc_mode(model, base=m) for m in names}
         self.rank_modes = tuple(names)   # the modes its graphs may run in (asked, or measured)
         try:
