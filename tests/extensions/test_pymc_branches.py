@@ -56,7 +56,7 @@ def _split_term(model):
 
 
 def _scalar_ops(var):
-    """The scalar ops of every elementwise node in ``var``'s graph, fused ones included."""
+    """The scalar ops of every elementwise node in ``var``'s graph (as built: none fused)."""
     found = set()
     for v in compat.ancestors([var]):
         if v.owner is not None and isinstance(v.owner.op, Elemwise):
