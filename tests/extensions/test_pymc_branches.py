@@ -133,6 +133,10 @@ def test_grouped_model_exact_on_uneven_ranks_and_after_set_data(runtime_keeper, 
         # (where installed, it is measured for a graph that picks none: test_pymc_jax.py).
         measured = synk_pymc.data_parallel(_censored()[0], name="measured")
         assert "NUMBA" in measured.rank_modes and "JAX" not in measured.rank_modes
+        with monkeypatch.context() as env:   # JAX the one mode named: the default instead
+            env.setenv(modes.MODES_ENV, "JAX")
+            only_jax = synk_pymc.data_parallel(_censored()[0], name="only_jax")
+        assert only_jax.rank_modes == ("NUMBA",)
         return synk_pymc.data_parallel(model, mode="NUMBA")
 
     with runtime_keeper.distributed(3, build) as dp:

@@ -159,8 +159,8 @@ class DataParallelModel:
         positions = pt.matrix("positions", dtype=self.dtype)
         measured = asked is None and not self._given and synk.layout().n_machines == 1
         names = modes.measurable(MODES) if measured else [DEFAULT_MODE if asked is None else asked]
-        if measured and len(names) > 1 and branches.picks_rows(logp):
-            names = tuple(n for n in names if n != "JAX")   # its jit cannot: not compiled in vain
+        if measured and branches.picks_rows(logp):   # JAX's jit cannot: not compiled in vain
+            names = tuple(n for n in names if n != "JAX") or (DEFAULT_MODE,)
         rank_modes = {m: internals.pymc_mode(model, base=m) for m in names}
         self.rank_modes = tuple(names)   # the modes its graphs may run in (asked, or measured)
         try:
