@@ -113,8 +113,10 @@ def by_class(expr, inputs, arrays, changeable):
             does not hold them (then ``expr`` is returned).
         changeable: each input's flag, True where ``pm.set_data`` may change its rows.
     """
+    if arrays is None:
+        return expr
     conds = conditions(expr, inputs)
-    if not conds or arrays is None or not _special_branches(expr, conds):
+    if not conds or not _special_branches(expr, conds):
         return expr
     keys = classes(conds, inputs, arrays)
     read = set().union(*(_leaves(c) for c in conds))
