@@ -14,17 +14,18 @@ sizes (a fixed seed per model: every process makes the same rows).
   covariates imputation of covariates (PyMC's missing-data notebook): the covariates
              have NaNs, modelled and imputed, 500 rows, 2 covariates, 10% missing
 
-Used by ``bench/pymc_gallery.py --parts e2e --more``.
+Used by ``bench/pymc_gallery.py --parts e2e --more`` (with ``--rows``, the models of
+``WITH_ROWS`` made at that many rows).
 """
 
 import numpy as np
 import pymc as pm
 
 
-def poisson():
+def poisson(rows=None):
     """GLM: Poisson regression (fish-like counts: 250 rows, 3 covariates)."""
     rng = np.random.default_rng(4)
-    n = 250
+    n = rows or 250
     X = rng.normal(size=(n, 3))
     y = rng.poisson(np.exp(0.5 + X @ [0.3, -0.2, 0.1]))
     with pm.Model() as m:
@@ -64,10 +65,10 @@ def baseball():
     return m
 
 
-def mixture():
+def mixture(rows=None):
     """Gaussian mixture (Marginalized Gaussian Mixture Model): 1000 rows, 3 components."""
     rng = np.random.default_rng(7)
-    n = 1000
+    n = rows or 1000
     comp = rng.integers(0, 3, n)
     x = rng.normal(np.array([-3., 0., 4.])[comp], 0.8)
     with pm.Model() as m:
@@ -79,14 +80,14 @@ def mixture():
     return m
 
 
-def truncated():
+def truncated(rows=None):
     """Bayesian regression with truncated data: the rows of 700 kept in [-5, 5]."""
     rng = np.random.default_rng(8)
-    n = 700
+    n = 700 if rows is None else 3 * rows     # about 41% are kept
     x = rng.uniform(-10, 10, n)
     y = rng.normal(x * 0.8 + 1.0, 2.0)
     keep = (y > -5) & (y < 5)
-    x, y = x[keep], y[keep]
+    x, y = x[keep][:rows], y[keep][:rows]
     with pm.Model() as m:
         a = pm.Normal("a", 0, 5)
         b = pm.Normal("b", 0, 5)
@@ -95,10 +96,10 @@ def truncated():
     return m
 
 
-def splines():
+def splines(rows=None):
     """Splines (cherry blossoms' shape): 827 rows, 17 basis functions (the basis made here)."""
     rng = np.random.default_rng(9)
-    n, k = 827, 17
+    n, k = rows or 827, 17
     t = np.linspace(0, 1, n)
     knots = np.linspace(0, 1, k)
     B = np.exp(-((t[:, None] - knots[None]) ** 2) / 0.005)
@@ -118,9 +119,9 @@ def _regression(seed, n=500):
     return rng, X, 1.0 + X @ [0.8, -0.4] + rng.normal(0, 0.5, n)
 
 
-def missing():
+def missing(rows=None):
     """Automatic imputation: observed= a NumPy array with NaNs, PyMC imputes them (500 rows)."""
-    rng, X, y = _regression(10)
+    rng, X, y = _regression(10, rows or 500)
     y[rng.random(len(y)) < 0.1] = np.nan
     with pm.Model() as m:
         a = pm.Normal("a", 0, 5)
@@ -130,9 +131,9 @@ def missing():
     return m
 
 
-def covariates():
+def covariates(rows=None):
     """Imputed covariates: X observed with NaNs under a model of its own, y ~ X @ b (500 rows)."""
-    rng, X, y = _regression(11)
+    rng, X, y = _regression(11, rows or 500)
     X[rng.random(X.shape) < 0.1] = np.nan
     with pm.Model() as m:
         mx = pm.Normal("mx", 0, 2, shape=2)
@@ -147,3 +148,7 @@ def covariates():
 
 MODELS = dict(poisson=poisson, rats=rats, baseball=baseball, mixture=mixture,
               truncated=truncated, splines=splines, missing=missing, covariates=covariates)
+
+WITH_ROWS = ("poisson", "mixture", "truncated", "splines", "missing", "covariates")
+"""The models whose data take ``rows=``: made at that many rows (``--more --rows 1e5``), the
+notebook's columns and seed kept; rats and baseball have a parameter a row."""

@@ -37,7 +37,8 @@ The parts, each model in a child process of its own (own memory, a quiet start):
             --e2e-systems nutpie,synk-nutpie: each with nutpie (ratio against nutpie);
             --rows 1e5: every gallery model with rows, its rows bootstrapped to 10^5;
             --more: eight other gallery models as a new user writes them
-            (bench/gallery_more.py), none of them in the tests; --likelihoods: other
+            (bench/gallery_more.py), none of them in the tests (with --rows, the six
+            whose data take a row count, made at that many rows); --likelihoods: other
             notebooks' likelihoods (pymc_gallery.LIKELIHOODS, tested exact only: ordered
             logistic, zero-inflated Poisson, LKJ, stochastic volatility, Dirichlet-multinomial,
             a pm.Potential, a DataFrame).  dp.sample's decision is
@@ -543,7 +544,7 @@ def child_e2e(system, which, chains, draws, tune, rows=0, source="gallery", meas
     with pytensor.config.change_flags(floatX="float64"):
         if source == "more":
             import gallery_more
-            model = gallery_more.MODELS[which]()
+            model = gallery_more.MODELS[which](**({"rows": rows} if rows else {}))
         elif source == "likelihoods":
             model = pymc_gallery.LIKELIHOODS[which]()
         else:
@@ -823,7 +824,7 @@ def main():
         source = "more" if a.more else "likelihoods" if a.likelihoods else "gallery"
         if a.more:
             import gallery_more
-            every = list(gallery_more.MODELS)
+            every = list(gallery_more.WITH_ROWS if rows else gallery_more.MODELS)
         elif a.likelihoods:
             every = list(pymc_gallery.LIKELIHOODS)
         names = every if a.models == ",".join(MODELS) else models
