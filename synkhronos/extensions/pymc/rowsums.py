@@ -25,6 +25,7 @@ import numpy as np
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 from pytensor.graph.rewriting.basic import GraphRewriter
+from pytensor.graph.utils import InconsistencyError
 from pytensor.scalar import get_scalar_type
 from pytensor.tensor.elemwise import Elemwise
 from pytensor.tensor.math import Sum
@@ -89,9 +90,7 @@ def _summed(fgraph, node):
         return None
     if any(o.ndim != 1 or o.dtype != "float64" for o in node.outputs):
         return None
-    if all(i.type.broadcastable[0] for i in node.inputs if i.ndim == 1):
-        return None
-    if any(i.ndim != 1 for i in node.inputs):
+    if any(i.ndim != 1 for i in node.inputs) or all(i.type.broadcastable[0] for i in node.inputs):
         return None
     sums = {}
     for k, out in enumerate(node.outputs):
@@ -122,7 +121,10 @@ class FuseRowSums(GraphRewriter):
                 continue
             totals = RowSums(node.op.scalar_op)(*node.inputs, return_list=True)
             pairs = [(s.outputs[0], totals[k]) for k, nodes in sums.items() for s in nodes]
-            fgraph.replace_all_validate(pairs, reason="synkhronos_row_sums")
+            try:
+                fgraph.replace_all_validate(pairs, reason="synkhronos_row_sums")
+            except InconsistencyError:      # the graph refused it: the loop stays PyTensor's
+                continue
             fused += 1
         if fused:
             logger.debug("rank graph: %d elementwise loop(s) summed over rows in one pass", fused)
@@ -184,10 +186,8 @@ def _loop_source(broadcast, nout):
     lines += [f"    if {a}.shape[0] != n:\n"
               f"        raise ValueError('RowSums: inputs of unequal lengths')" for a in rows[1:]]
     lines += [f"    s{k} = 0.0" for k in range(nout)]
-    lines += ["    for j in range(n):"]
-    outs = ", ".join(f"t{k}" for k in range(nout)) + ("," if nout == 1 else "")
-    lines += [f"        {outs} = core({', '.join(reads)})" if nout > 1
-              else f"        t0 = core({', '.join(reads)})"]
+    lines += ["    for j in range(n):",
+              f"        {', '.join(f't{k}' for k in range(nout))} = core({', '.join(reads)})"]
     lines += [f"        s{k} += t{k}" for k in range(nout)]
     lines += [f"    return {', '.join(f'np.asarray(s{k})' for k in range(nout))}"]
     return "\n".join(lines) + "\n"
