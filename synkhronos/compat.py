@@ -101,7 +101,12 @@ def default_linker():
     """
     from pytensor.compile.mode import get_default_mode
 
-    mode = get_default_mode()
+    return linker_name(get_default_mode())
+
+
+def linker_name(mode):
+    """Return the name of the linker ``mode`` (a PyTensor ``Mode``) compiles with, as
+    ``default_linker`` names them."""
     name = type(mode.linker).__name__
     known = {"NumbaLinker": "numba", "JAXLinker": "jax", "PytorchLinker": "pytorch",
              "MLXLinker": "mlx", "OpWiseCLinker": "c|py", "CLinker": "c",

@@ -31,6 +31,8 @@ from pytensor.tensor.elemwise import Elemwise
 from pytensor.tensor.math import Sum
 from pytensor.tensor.type import TensorType
 
+from ... import compat
+
 logger = logging.getLogger(__name__)
 
 VERSION = 1
@@ -133,7 +135,7 @@ class FuseRowSums(GraphRewriter):
 def with_row_sums(mode):
     """``mode`` with ``FuseRowSums`` where it compiles with Numba and PyTensor does not fuse
     loops and sums itself; else ``mode`` unchanged."""
-    if fuses_itself() or "numba" not in type(mode.linker).__name__.lower():
+    if fuses_itself() or compat.linker_name(mode) != "numba":
         return mode
     if not _register_numba():
         return mode
