@@ -4,8 +4,10 @@ Refusals name the variable (pm.Minibatch, a term combining rows, masks that
 select rows); total_size, a centred term kept whole, an observed time series
 kept whole, and models as their users write them (NumPy arrays as observed
 data, covariates, index arrays and pm.Censored bounds, a likelihood in a
-pm.Potential) are exact on 3 ranks (uneven split) against PyMC's own
-functions; a float32 model stays float32.  Skipped where PyMC is not installed.
+pm.Potential, parts of the likelihood that read NumPy arrays alone, such as
+a Poisson's gammaln(y + 1), computed once in the master) are exact on 3 ranks
+(uneven split) against PyMC's own functions; a float32 model stays float32.
+Skipped where PyMC is not installed.
 """
 
 import types
@@ -16,6 +18,7 @@ import pytest
 pm = pytest.importorskip("pymc", reason="PyMC is not installed (pip install -e '.[pymc]')")
 
 import pytensor  # noqa: E402
+import pytensor.tensor as pt  # noqa: E402
 
 import synkhronos as synk  # noqa: E402
 from helpers import pymc_models  # noqa: E402
@@ -121,6 +124,22 @@ def _potential_model():
         b = pm.Normal("b", 0, 1, shape=2)
         s = pm.HalfNormal("s", 1)
         pm.Potential("lik", pm.logp(pm.Normal.dist(X @ b, s), y).sum())
+    return m
+
+
+def _poisson_model():
+    """A Poisson GLM as its users write it: NumPy counts, a log-exposure offset, and a
+    covariate standardised in the graph, over all rows (its mean and deviation)."""
+    rng = np.random.default_rng(7)
+    x = rng.normal(2.0, 3.0, N_ROWS)
+    exposure = rng.uniform(0.5, 2.0, N_ROWS)
+    y = rng.poisson(exposure * np.exp(0.3 + 0.2 * (x - 2.0) / 3.0))
+    with pm.Model() as m:
+        a = pm.Normal("a", 0, 2)
+        b = pm.Normal("b", 0, 1)
+        xt = pt.as_tensor(x)
+        z = (xt - xt.mean()) / xt.std()
+        pm.Poisson("y_obs", mu=pm.math.exp(a + b * z + pm.math.log(exposure)), observed=y)
     return m
 
 
@@ -247,6 +266,7 @@ AS_WRITTEN = {"missing": (_missing_model, {}),
               "indexed_wrapped": (lambda: _indexed_model(wrapped=True), {}),
               "censored": (_censored_model, {}), "potential": (_potential_model, {}),
               "mixture": (_mixture_model, {}), "truncated": (_truncated_model, {}),
+              "poisson": (_poisson_model, {}),
               "walk_numpy": (lambda: _random_walk_model(numpy=True), {"unsplit": ["walk_data"]})}
 
 
@@ -353,10 +373,16 @@ def test_now_exact_on_uneven_ranks(exact, name):
     split = {"numpy": ["y_obs_array1", "y_obs_data"], "indexed": ["y_obs_array1", "y_obs_data"],
              "indexed_wrapped": ["y", "y_obs_array1"], "potential": ["lik_array1", "lik_array2"],
              "censored": ["y_obs_array1", "y_obs_array2", "y_obs_array3", "y_obs_data"],
-             "schools": ["obs_array1", "obs_data", "row_ids"], "mixture": ["x_data"],
+             # log(sigma), computed once in the master, as PyMC folds it.
+             "schools": ["obs_array1", "obs_data", "obs_folded1", "row_ids"],
+             "mixture": ["x_data"],
              "truncated": ["y_array1", "y_data"],
              "schools_indexed": ["school_idx", "sigma", "y"],
-             "schools_indexed_numpy": ["y_obs_array1", "y_obs_array2", "y_obs_data"],
+             "schools_indexed_numpy": ["y_obs_array1", "y_obs_array2", "y_obs_data",
+                                       "y_obs_folded1"],
+             # gammaln(y + 1), computed once over all rows (PyMC folds the standardised
+             # covariate and the log exposure itself when it builds the graph).
+             "poisson": ["y_obs_array1", "y_obs_array2", "y_obs_data", "y_obs_folded1"],
              # The rows present: the mask moved onto the covariates (and the group index).
              "missing": ["y_obs_observed_array1", "y_obs_observed_data"],
              "missing_indexed": ["y_obs_observed_array1", "y_obs_observed_array2",
@@ -371,6 +397,11 @@ def test_now_exact_on_uneven_ranks(exact, name):
         rows = {"missing": MISSING_PRESENT, "missing_indexed": MISSING_PRESENT}.get(
             name, 8 if name.startswith("schools") else N_ROWS)
         assert dp.n_rows == rows
+    if name == "poisson":   # the ranks compute no part of the data alone: PyMC folds them
+        from synkhronos import compat
+        ops = {type(getattr(v.owner.op, "scalar_op", v.owner.op)).__name__
+               for v in compat.ancestors([dp.rank_logp]) if v.owner is not None}
+        assert "Gammaln" not in ops, ops
 
 
 def test_float32_model_keeps_its_precision(runtime_keeper):

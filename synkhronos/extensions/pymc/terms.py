@@ -27,7 +27,7 @@ from pytensor.tensor.random.type import RandomType
 import synkhronos as synk
 
 from ... import compat
-from . import internals, selections
+from . import folding, internals, selections
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +182,12 @@ def choose(model, terms, data=None, unsplit=None, lift=True, point=None):
     split_terms, whole_terms = [], []
     for term in terms:
         (split_terms if split_set & set(_ancestors(term.graph)) else whole_terms).append(term)
+    if lift:
+        split_terms, folded = folding.fold(split_terms, split, n_rows, Lifted)
+        if folded:   # the arrays read only by the parts folded are no longer split
+            read = {v for term in split_terms for v in _ancestors(term.graph)}
+            split = [c for c in split if not isinstance(c, Lifted) or graph_var(c) in read] + folded
+            split_set = {graph_var(c) for c in split}
     whole = [c for c in by_name.values() if c not in split_set]
     sizes = _row_sizes(split_terms, n_rows, split_set) if lifted else ()
     params = _row_params(model, split_terms, n_rows, point) if lift else ()
