@@ -148,7 +148,8 @@ def fold(split_terms, split, n_rows, lifted_type):
                 len(new), [a.name for a in new])
     out = []
     for term in split_terms:
-        mine = {v: c for v, c in replace.items() if v in set(compat.ancestors([term.graph]))}
+        read = set(compat.ancestors([term.graph]))
+        mine = {v: c for v, c in replace.items() if v in read}
         graph = compat.clone_replace(term.graph, replace=mine, strict=False) if mine else term.graph
         out.append(term._replace(graph=graph))
     return out, new
