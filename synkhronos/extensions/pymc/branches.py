@@ -47,6 +47,13 @@ SPECIAL = tuple(getattr(ps, name) for name in (
 a switch runs one (a Bernoulli's ``log(p)`` against ``log1p(-p)``), the rows are not
 grouped, the gathers would cost what the branch saves."""
 
+COSTLY = SPECIAL + tuple(getattr(ps, name) for name in (
+    "Log", "Log1p", "Log2", "Log10", "Exp", "Exp2", "Expm1", "Pow", "Log1mexp", "Softplus",
+    "Sigmoid", "Sqrt") if hasattr(ps, name))
+"""Scalar ops that cost a row more than a branch or than reading one more array: the special
+functions and libm's.  ``rowsums`` computes a switch's branch only where taken where it runs
+one; ``folding`` computes a part of the data alone once where it runs one."""
+
 MAX_CLASSES = 6
 """The most groups a term is run as: each is a copy of the term to compile (less what its
 rows skip), and the groups' gathers cost a pass over the rows each."""

@@ -24,26 +24,21 @@ import logging
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
-from pytensor import scalar as ps
 from pytensor.graph.basic import Constant
 from pytensor.tensor.elemwise import DimShuffle, Elemwise
 
 from ... import compat
+from . import branches
 
 logger = logging.getLogger(__name__)
 
-# Elementwise ops that cost less a row than reading one more array of the rows.
-_CHEAP_SCALAR = tuple(c for c in (getattr(ps, n, None) for n in (
-    "Add", "Sub", "Mul", "Neg", "Identity", "Cast", "Abs", "Sgn", "Maximum", "Minimum",
-    "EQ", "NEQ", "LT", "GT", "LE", "GE", "Switch", "Second", "AND", "OR", "XOR", "Invert",
-    "TrueDiv", "IntDiv", "Sqr", "IsNan", "IsInf")) if isinstance(c, type))
-_CHEAP_OPS = (DimShuffle,)
-
 
 def _costly(node):
+    """Whether ``node`` costs a row more than reading one more array: a special function or
+    libm's (``branches.COSTLY``), or any op that is not elementwise or a view (a sum)."""
     if isinstance(node.op, Elemwise):
-        return not isinstance(node.op.scalar_op, _CHEAP_SCALAR)
-    return not isinstance(node.op, _CHEAP_OPS)
+        return isinstance(node.op.scalar_op, branches.COSTLY)
+    return not isinstance(node.op, DimShuffle)
 
 
 def _walk(graph, lifted, n_rows):

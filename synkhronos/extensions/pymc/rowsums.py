@@ -23,7 +23,7 @@ Where the condition reads a parameter, rows cannot be grouped beforehand
 ``erfc`` above, by row, and its gradient reads the same values.  So in the
 one loop, each value that switches read in one branch only is computed under
 an ``if`` on their conditions, where it runs an op worth a branch
-(``LAZY_WORTH``): on a truncated regression's 10^5 rows, 3383 us a position
+(``branches.COSTLY``): on a truncated regression's 10^5 rows, 3383 us a position
 against 9144 (one-off probe, bench/HISTORY.md, 2026-12-07).
 """
 
@@ -31,7 +31,6 @@ import hashlib
 import logging
 
 import numpy as np
-import pytensor.scalar as ps
 from pytensor.graph.basic import Apply, Constant
 from pytensor.graph.op import Op
 from pytensor.graph.rewriting.basic import GraphRewriter
@@ -195,13 +194,6 @@ def _register_numba():
     return True
 
 
-LAZY_WORTH = branches.SPECIAL + tuple(getattr(ps, n) for n in (
-    "Log", "Log1p", "Log2", "Log10", "Exp", "Exp2", "Expm1", "Pow", "Log1mexp", "Softplus",
-    "Sigmoid", "Sqrt") if hasattr(ps, n))
-"""Scalar ops worth a branch: where a switch's branch runs none, both are computed, as
-PyTensor does, and the loop keeps no branch (a select, which the compiler may vectorise)."""
-
-
 def _guards(order, outputs):
     """Each variable's guard: the switch conditions (``(cond, taken)`` pairs, all to hold)
     under which a value of ``outputs`` reads it; ``frozenset()`` where always, absent where
@@ -255,12 +247,12 @@ def _ordered(order, guard_of):
 def _lazy_source(fgraph, funcify):
     """The Python source and globals of ``fgraph`` (a Composite's scalar graph) as a function
     that computes each value a switch reads in one branch only where that branch is taken,
-    or None where no such value runs an op worth a branch (``LAZY_WORTH``)."""
+    or None where no such value runs an op worth a branch (``branches.COSTLY``)."""
     order = fgraph.toposort()
     need = _guards(order, fgraph.outputs)
     guard_of = {n: frozenset.intersection(*[need.get(o, frozenset()) for o in n.outputs])
                 for n in order}
-    if not any(g and isinstance(n.op, LAZY_WORTH) for n, g in guard_of.items()):
+    if not any(g and isinstance(n.op, branches.COSTLY) for n, g in guard_of.items()):
         return None
     order = _ordered(order, guard_of)
     if order is None:
