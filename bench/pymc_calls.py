@@ -16,7 +16,9 @@ Four parts, each in child processes of its own (own memory, core pinning):
             hierarchical model.  (The c linker, one C module per graph, cannot compile
             the radon model's vectorised gradient: AdvancedIncSubtensor1 has no C code
             for it.)
-  ratio     dp.logp_dlogp on 2 ranks (``--ratio-rows``, ``--ratio-models logistic,radon``)
+  ratio     dp.logp_dlogp on 2 ranks (``--ratio-rows``, ``--ratio-models logistic,radon``,
+            ``negbin``, ``robust``, or bench/gallery_more.py's ``splines``, ``poisson``,
+            ``truncated``, ``mixture``)
             against PyMC's serial call, the ranks and
             PyMC each in PyTensor's default mode (CVM) and in Numba, rounds alternating.
   chunk     the rank's graph of one position called serially on a chunk's rows (1024 to
@@ -72,6 +74,18 @@ def radon(n):
 
 
 MODELS = {"logistic": logistic, "radon": radon}
+
+
+def made(which, n_rows):
+    """``MODELS[which]`` at ``n_rows`` rows, or a gallery model of bench/pymc_gallery.py
+    (negbin, robust) or bench/gallery_more.py (splines, poisson, truncated, mixture)."""
+    if which in MODELS:
+        return MODELS[which](n_rows)
+    import gallery_more
+    import pymc_gallery
+    if which in pymc_gallery.MODELS:
+        return pymc_gallery.MODELS[which](n_rows)
+    return getattr(gallery_more, which)(rows=n_rows)
 
 
 # -- timing ------------------------------------------------------------------------------------
@@ -390,7 +404,7 @@ def child_ratio(n_rows, calls, modes, which="logistic"):
     import synkhronos as synk
     from synkhronos.extensions import pymc as synk_pymc
 
-    model = MODELS[which](n_rows)
+    model = made(which, n_rows)
     q = flat_point(model)
     synk.fork(2)
     dps = {}
@@ -509,7 +523,9 @@ def main():
     p.add_argument("--mode-rows", type=int, default=10_000)
     p.add_argument("--ratio-rows", type=int, default=10_000)
     p.add_argument("--ratio-modes", default="CVM,NUMBA", help="ratio: any of CVM, NUMBA, JAX")
-    p.add_argument("--ratio-models", default="logistic", help="ratio: logistic and/or radon")
+    p.add_argument("--ratio-models", default="logistic",
+                   help="ratio: logistic, radon, negbin, robust, or bench/gallery_more.py's "
+                        "splines, poisson, truncated, mixture")
     p.add_argument("--child", nargs="+")
     a = p.parse_args()
     if a.child:

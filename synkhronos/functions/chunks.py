@@ -4,8 +4,8 @@ Why: with the rows split once per rank, a call lasts as long as its slowest
 rank, and a rank whose core another program holds runs at half speed or not
 at all until its time slice comes (bench/busy.py: 0.78-0.90x a serial call
 beside one busy process).  Here a call whose outputs are small reductions
-cuts its rows into chunks fixed by the row count (``chunk_rows``; fewer where
-they would be small, pace.py), never by the ranks; every rank, the master
+cuts its rows into chunks fixed by the row count (``chunk_rows``; the count
+timed fastest, pace.py), never by the ranks; every rank, the master
 too, takes the next chunk (a compare-and-swap on a claim word) until none is
 left, and the master combines the chunks' results in chunk order.  So a rank
 on a busy core simply does fewer chunks, and the result has the same bits
@@ -48,7 +48,7 @@ from ..runtime.peers import ALONE
 from ..runtime.run import run_command
 from ..runtime.shmem import SharedArray
 from .outputs import MACHINE_PART_BYTES
-from .pace import MAX_CHUNKS, Pace, chunk_rows
+from .pace import Pace, chunk_rows
 from .spread import chunk_args, in_chunk_order
 
 RANK_BITS = 10      # a chunk flag: the call's seq, then the local rank that finished it
@@ -56,6 +56,7 @@ CLAIM, FAILED, ZERO, FLAGS = 0, 1, 2, 8
 STEAL_MIN_S = 100e-6  # the master runs a late chunk itself after this, or 3 chunks' time (1
 # where another program holds a worker's core: CoreTrade.contended; bench/HISTORY.md 12-05)
 ALIGN = 64
+BOARD_CHUNKS = 16  # a board's fewest chunks: the usual counts fit without a new segment
 
 
 class ChunkPlan(NamedTuple):
@@ -143,7 +144,7 @@ class MasterChunks:
         self.key = None
         self.plan = None
         self.static_next = False   # the next call runs statically first (static_once)
-        self.pace = Pace()          # fewer chunks where they would be small (pace.py)
+        self.pace = Pace()          # the count timed fastest (pace.py)
 
     def fit(self):
         """The ``pace.Fit`` of the latest chunked call, where its chunks were timed, else None."""
@@ -179,12 +180,12 @@ class MasterChunks:
                tuple(np.shape(a) for a in arrays[k:]))
         if key == self.key:
             return (msg if self.plan is None else msg._replace(chunks=self.plan)), None
-        def run(r):
-            return spec.fn(*[a[:r] for a in arrays[:k]], *arrays[k:])
+        def run(lo, hi):
+            return spec.fn(*[a[lo:hi] for a in arrays[:k]], *arrays[k:])
         rt.in_call = True
         try:
-            rows = self.pace.rows(spec.fn, msg.n_rows, rows, key[2:], run)   # fewer: pace.py
-            first = [np.array(r) for r in run(rows)]
+            rows = self.pace.rows(spec.fn, msg.n_rows, rows, key[2:], run)   # pace.py
+            first = [np.array(r) for r in run(0, rows)]
         except Exception:  # noqa: BLE001 - the static split runs it again and reports it
             return msg, None
         finally:
@@ -203,7 +204,7 @@ class MasterChunks:
         n_local = rt.place.n_local
         if self.board is None or not self.board.fits(n_chunks, region_bytes):
             self.close()
-            capacity = max(n_chunks, MAX_CHUNKS)
+            capacity = max(n_chunks, BOARD_CHUNKS)
             seg = SharedArray(rt.segment_name("chunks"), Board.size(capacity, region_bytes, n_local))
             self.board = Board(seg, capacity, n_local)
         board = self.board

@@ -1,23 +1,31 @@
-"""How many chunks a chunked call is cut into: by its rows, and fewer where a chunk's fixed cost shows.
+"""How many chunks a chunked call is cut into: fewer where a chunk's fixed cost shows, more
+where a pass over the rows ran faster in them.
 
 Why: each chunk is a call of the compiled function, and such a call costs a
 fixed time beside its rows: 4-8 us for a radon-style PyMC model's rank graph
 in Numba (its nodes' dispatch and allocations; bench/pymc_calls.py --parts
 chunk), and as long as its whole terms take where those are large (a PyMC
-model's imputed covariates: 1.2 ms).  Cut into the rows' rule's 16 chunks at 10^5 rows, where all its
-rows take 100-200 us, the radon model's call ran 1.10-1.12x PyMC's serial
-call on 2 ranks, against 1.6x in one share a rank (bench/pymc_calls.py
+model's imputed covariates: 1.2 ms).  Cut into the rows' rule's 16 chunks at 10^5 rows, where
+all its rows take 100-200 us, the radon model's call ran 1.10-1.12x PyMC's
+serial call on 2 ranks, against 1.6x in one share a rank (bench/pymc_calls.py
 --parts ratio, bench/RESULTS.md).  Chunks pay where a rank falls behind (its
-core taken by another program) and cost where their fixed time shows.
+core taken by another program) and cost where their fixed time shows.  Yet a
+chunk's rows also cost less where they stay in a core's cache between the
+graph's passes over them, which a line through a call's fixed cost and its
+rows' time cannot see: a splines model's 17-column basis, read by its ``dot``
+and again by the gradient's, kept 4 chunks by that line and ran its call on
+2 ranks 1.4x faster in 32 (bench/RESULTS.md, 2026-12-07).
 
-So the first call of a function at a row count (and inputs' shapes) times
-its chunk 0 as the rows' rule cuts it (``chunks.chunk_rows``) and a
-sixteenth of it, which gives the call's fixed cost and the rows' work
-(``_measured``), and keeps fewer chunks where the fixed cost would be more
-than ``SHARE`` of a chunk's time (``fewest``), but never fewer than the
-machine's cores (or two), so that every core still has a chunk at any
-number of ranks.  The count depends on the graph, its rows and the machine,
-never on the number of ranks, and is kept on disk
+So the first call of a function at a row count (and inputs' shapes) times its
+chunk 0 and a sixteenth of it, which gives the call's fixed cost and the
+rows' work (``_measured``), and takes up to ``BALANCED`` chunks, fewer where
+the fixed cost would be more than ``SHARE`` of a chunk's time (``fewest``),
+but never fewer than the machine's cores (or two), so that every core still
+has a chunk at any number of ranks.  It then times a pass over all the rows
+in each power of two of chunks up to the rows' rule's count (``passes``) and
+keeps that count unless another ran its pass over ``SHARE`` faster: then the
+fastest (``chosen``).  The count depends on the graph, its rows and the
+machine, never on the number of ranks, and is kept on disk
 (``measures.MeasureFile``): so every later call and run cuts those rows the
 same way, at 1, 2 or 4 ranks and on the machines of a cluster led from this
 one, and returns the same bits.  ``SYNK_CHUNK_ROWS`` fixes the rows of a
@@ -29,24 +37,32 @@ import os
 import time
 from typing import NamedTuple
 
+import numpy as np
+
 from .measures import MeasureFile, digest, graph_text
 
 logger = logging.getLogger(__name__)
 
 CHUNK_ROWS_ENV = "SYNK_CHUNK_ROWS"
 MIN_ROWS = 1024     # a chunk's fewest rows: below, a call's fixed cost (10-15 us) shows
-MAX_CHUNKS = 16     # more chunks only add calls (each its fixed cost) once ranks balance
+MAX_CHUNKS = 256    # the rows' rule's most (timed): at 10^6 rows, ~4000 rows a chunk (a core's cache)
+BALANCED = 16       # chunks enough for ranks to balance: more only where a pass ran faster
 
 SHARE = 0.05
-"""The most of a chunk's time that its fixed cost may take where fewer chunks would do."""
+"""The most of a chunk's time that its fixed cost may take where fewer chunks would do; and
+how much slower than the fastest a pass over the rows in the count so found may be and stay."""
+
+PAST = 1.5
+"""A pass this many times the fastest so far ends the timing: more chunks would cost more."""
 
 MACHINERY_S = 1e-6
 """A chunk's cost beside its function's call: its claim, its flag, its results combined."""
 
 LONG_S = 0.01
-"""A chunk that takes this long is timed twice, not three times: its fixed cost cannot show."""
+"""A call or pass that takes this long is timed twice, not three times: noise cannot show."""
 
 KEPT = MeasureFile("synkhronos_chunks.json")
+RULE = "passes"     # in the key on disk: counts kept by an older rule are measured again
 
 
 class Fit(NamedTuple):
@@ -68,7 +84,7 @@ def chunk_rows(n_rows, env=os.environ):
     A power of two of chunks (at most ``MAX_CHUNKS``, each at least ``MIN_ROWS``
     rows), so that 2, 4 or 8 ranks on a quiet machine get equal shares; it
     depends on the rows only, never on the ranks.  The rows' rule: ``Pace``
-    then keeps fewer where these would be small.
+    then keeps fewer where these would be small, or more where those ran faster.
     """
     setting = env.get(CHUNK_ROWS_ENV)
     if setting is not None and setting.strip() != "":
@@ -96,10 +112,58 @@ def fewest(fixed_s, work_s, n, cores):
     fit = 1
     while fit < n and each <= SHARE * (work_s / (fit * 2) + each):
         fit *= 2
+    return min(n, max(fit, fewest_chunks(cores)))
+
+
+def fewest_chunks(cores):
+    """The fewest chunks a call is cut into on a machine of ``cores`` cores: one a core,
+    rounded up to a power of two, and at least 2 (else the static split would do)."""
     floor = 2
     while floor < cores:
         floor *= 2
-    return min(n, max(fit, floor))
+    return floor
+
+
+def chosen(count, seconds):
+    """``count``, unless the pass over the rows in another count of ``seconds`` (chunks ->
+    a pass's seconds) ran over ``SHARE`` faster (or ``count``'s was not timed): then the
+    fastest."""
+    if not seconds:
+        return count
+    fastest = min(seconds, key=seconds.get)
+    mine = seconds.get(count)
+    return count if mine is not None and mine <= (1.0 + SHARE) * seconds[fastest] else fastest
+
+
+def passes(run, n_rows, floor, most):
+    """chunks -> seconds of a pass over all ``n_rows`` rows cut into that many chunks, each
+    a power of two from ``floor`` to ``most``; ``run(lo, hi)`` runs rows ``lo:hi`` and
+    returns the outputs.
+
+    Stops where a pass took over ``PAST`` times the fastest so far: further chunks
+    would only add their fixed costs (a chunk's rows in cache gain less than that).
+    """
+    seconds, n = {}, floor
+    while n <= most:
+        rows = -(-n_rows // n)
+        bounds = [(lo, min(n_rows, lo + rows)) for lo in range(0, n_rows, rows)]
+
+        def one_pass():
+            # Each chunk's results added up as the master combines them: large outputs
+            # (a network's gradient) make more chunks cost more there too.
+            total = None
+            for lo, hi in bounds:
+                out = run(lo, hi)
+                if total is None:
+                    total = [np.array(o) for o in out]
+                else:
+                    for t, o in zip(total, out):
+                        np.add(t, o, out=t, casting="unsafe")
+        seconds[n] = _least(one_pass, 3)
+        if seconds[n] > PAST * min(seconds.values()):
+            break
+        n *= 2
+    return seconds
 
 
 class Pace:
@@ -117,25 +181,31 @@ class Pace:
 
     def rows(self, fn, n_rows, rows, shapes, run):
         """Rows per chunk for a call of ``n_rows`` rows that the rows' rule cuts into
-        chunks of ``rows``: those, or fewer chunks (see the module's docstring).
+        chunks of ``rows``: those or another count (see the module's docstring).
 
         ``fn`` is the compiled PyTensor function, ``shapes`` the inputs' shapes past the
-        rows, ``run(rows)`` runs it on the first ``rows`` rows (chunk 0).
+        rows, ``run(lo, hi)`` runs it on rows ``lo:hi``.
         """
         n = -(-n_rows // rows)
         cores = os.cpu_count() or 1
-        if os.environ.get(CHUNK_ROWS_ENV, "").strip() or n <= fewest(1.0, 0.0, n, cores):
-            return rows   # the rows fixed by the setting, or no fewer chunks to keep
+        floor = fewest_chunks(cores)
+        if os.environ.get(CHUNK_ROWS_ENV, "").strip() or n <= floor:
+            return rows   # the rows fixed by the setting, or no other count to time
         local = (n_rows, shapes)
         count = self.known.get(local)
         if count is None:
             key = self._key(fn, n_rows, shapes)
             fit = _kept(KEPT.get(key) if key is not None else None, n)
             if fit is None:
-                fixed_s, row_s = _measured(run, rows)
-                fit = Fit(fewest(fixed_s, row_s * n_rows, n, cores), fixed_s, row_s)
-                logger.debug("chunks: %d rows a call in %d chunks (a call %.1f us beside its rows, "
-                             "%.2f ns a row)", n_rows, fit.chunks, fixed_s * 1e6, row_s * 1e9)
+                fixed_s, row_s = _measured(lambda r: run(0, r), rows)
+                count = fewest(fixed_s, row_s * n_rows, min(n, BALANCED), cores)
+                seconds = passes(run, n_rows, floor, n)
+                fit = Fit(chosen(count, seconds), fixed_s, row_s)
+                logger.debug("chunks: %d rows a call in %d chunks (%d by its fixed cost; a pass "
+                             "over them: %s us; a call %.1f us beside its rows, %.2f ns a row)",
+                             n_rows, fit.chunks, count,
+                             ", ".join(f"{k} chunks {s * 1e6:.0f}" for k, s in seconds.items()),
+                             fixed_s * 1e6, row_s * 1e9)
                 if key is not None:
                     KEPT.put(key, fit._asdict())
             self.fits[local] = fit
@@ -147,7 +217,7 @@ class Pace:
             self.graph = graph_text(fn.maker.fgraph) or ""
         if not self.graph:
             return None
-        return digest(self.graph, type(fn.maker.linker).__name__, n_rows, shapes)
+        return digest(self.graph, type(fn.maker.linker).__name__, n_rows, shapes, RULE)
 
 
 def _kept(value, n):
@@ -171,17 +241,17 @@ def _measured(run, rows):
     ``LONG_S``: its fixed cost cannot show then); the first call is often slower (the
     inputs' pages faulted in, the function's first run)."""
     few = max(1, rows // 16)
-    whole = _least(run, rows, 3)
-    part = _least(run, few, 3)
+    whole = _least(lambda: run(rows), 3)
+    part = _least(lambda: run(few), 3)
     row_s = max(0.0, (whole - part) / (rows - few))
     return max(0.0, part - row_s * few), row_s
 
 
-def _least(run, rows, calls):
+def _least(call, calls):
     best = None
     for i in range(calls):
         t0 = time.perf_counter()
-        run(rows)
+        call()
         t = time.perf_counter() - t0
         best = t if best is None else min(best, t)
         if i and best >= LONG_S:

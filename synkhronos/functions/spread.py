@@ -4,7 +4,7 @@ Why: a cluster's static split follows the ranks (each machine its ranks'
 rows), so a reduction's bits change with the number of machines and ranks,
 and ``dp.sample`` with a fixed seed drew other draws on 2 machines than on
 one.  Here the rows are cut into the chunks one machine cuts
-(``chunks.chunk_rows``, by the row count, fewer where small: pace.py); global rank ``r`` of
+(``chunks.chunk_rows``, by the row count, the count timed fastest: pace.py); global rank ``r`` of
 ``P`` runs chunks ``[n*r//P, n*(r+1)//P)`` one by one and contributes their
 results, output after output, chunk after chunk; the master combines them in
 chunk order (``in_chunk_order``), as it does on one machine.  The

@@ -27,11 +27,13 @@ N_ROWS = 10_000  # 8 chunks of 1250 rows by the default rule
 @pytest.fixture(autouse=True)
 def _rows_rule(request, monkeypatch, tmp_path):
     """Chunks as the rows' rule cuts them, whatever a chunk costs on this machine (pace.py
-    keeps fewer where a call's fixed cost shows), except in the tests of that; what pace
-    measures goes to a file of the test's own."""
+    keeps fewer where a call's fixed cost shows, more where a pass ran faster in them),
+    except in the tests of that;
+    what pace measures goes to a file of the test's own."""
     monkeypatch.setattr(pace, "KEPT", MeasureFile("chunks.json", str(tmp_path)))
     if "pace" not in request.node.name:
         monkeypatch.setattr(pace, "SHARE", 1.0)
+        monkeypatch.setattr(pace, "passes", lambda *args: {})
 
 
 def _graph():
@@ -235,7 +237,7 @@ def test_chunk_rows_rule_and_setting():
     assert chunks.chunk_rows(1000, {}) == 0                   # too few rows: static split
     assert chunks.chunk_rows(2048, {}) == 1024                # 2 chunks
     assert chunks.chunk_rows(10_000, {}) == 1250              # 8 chunks (a power of two)
-    assert chunks.chunk_rows(10 ** 6, {}) == 62_500           # at most 16
+    assert chunks.chunk_rows(10 ** 6, {}) == 3907             # at most 256 (timed: pace.py)
     assert chunks.chunk_rows(10_000, {"SYNK_CHUNK_ROWS": "0"}) == 0
     assert chunks.chunk_rows(10_000, {"SYNK_CHUNK_ROWS": "3000"}) == 3000
     assert chunks.chunk_rows(5_000, {"SYNK_CHUNK_ROWS": "3000"}) == 0
@@ -250,6 +252,22 @@ def test_a_bad_chunk_setting_is_refused_at_fork(monkeypatch):
     with pytest.raises(ValueError, match="SYNK_CHUNK_ROWS must be a number of rows"):
         synk.fork(2, use_gpu=False)
     assert get_runtime() is None
+
+
+class _Clock:
+    """A clock that only ``run`` moves: a call costs ``fixed`` seconds and ``per_row(rows)``
+    a row, so a test knows what each pass over the rows takes."""
+
+    def __init__(self, fixed, per_row):
+        self.now, self.fixed, self.per_row, self.calls = 0.0, fixed, per_row, []
+
+    def perf_counter(self):
+        return self.now
+
+    def run(self, lo, hi):
+        self.calls.append((lo, hi))
+        self.now += self.fixed + (hi - lo) * self.per_row(hi - lo)
+        return [np.zeros(3)]
 
 
 def test_pace_rule():
@@ -267,6 +285,44 @@ def test_pace_rule():
     assert pace.fewest(5 * us, 450 * us, 8, 2) == 2           # 225 us each: 2.6% fixed
     # A large whole term (1.2 ms a call) beside cheap rows: one chunk a core.
     assert pace.fewest(1200 * us, 500 * us, 16, 2) == 2
+
+
+def test_pace_rule_over_the_rows_passes(monkeypatch):
+    """Where a pass over all the rows ran over pace.SHARE faster in another count than in
+    the one a chunk's fixed cost gives, the fastest is kept; the passes cover every row,
+    from one chunk a core to the rows' rule's count, and stop once they only grow."""
+    assert [pace.fewest_chunks(c) for c in (1, 2, 3, 16, 17)] == [2, 2, 4, 16, 32]
+    assert pace.chosen(4, {2: 1.0, 4: 1.04, 8: 1.2}) == 4       # 4% slower: kept
+    assert pace.chosen(4, {2: 1.0, 4: 1.06, 8: 1.2}) == 2
+    assert pace.chosen(16, {16: 1.0, 32: 0.9}) == 32
+    assert pace.chosen(16, {2: 1.0, 4: 1.6}) == 2               # 16 not timed: past it
+    assert pace.chosen(8, {}) == 8
+    n_rows, us, ns = 100_000, 1e-6, 1e-9
+    # A radon-style graph: 4 us a call beside 120 us of rows.
+    clock = _Clock(4 * us, lambda rows: 1.2 * ns)
+    monkeypatch.setattr(pace, "time", clock)
+    seconds = pace.passes(clock.run, n_rows, 2, 64)
+    assert pace.chosen(2, seconds) == 2
+    # Each pass covers every row once, in order, in chunks of equal rows (the last less).
+    assert clock.calls[:2] == [(0, 50_000), (50_000, 100_000)]
+    # Timing stopped at a pass over pace.PAST times the fastest: 32 chunks (248 us
+    # against 128), so 64 were not timed.
+    assert sorted(seconds) == [2, 4, 8, 16, 32]
+    # Rows that stay in a core's cache between the graph's passes (up to 6,000 rows a
+    # chunk) cost a third: 32 chunks, though a chunk's fixed cost would keep 4.
+    clock = _Clock(3 * us, lambda rows: (2 if rows <= 6000 else 6) * ns)
+    monkeypatch.setattr(pace, "time", clock)
+    seconds = pace.passes(clock.run, n_rows, 2, 64)
+    assert pace.chosen(4, seconds) == 32 and sorted(seconds) == [2, 4, 8, 16, 32, 64]
+    # Costly rows: the passes differ by under 5%, the count stays.
+    clock = _Clock(5 * us, lambda rows: 100 * ns)
+    monkeypatch.setattr(pace, "time", clock)
+    assert pace.chosen(16, pace.passes(clock.run, n_rows, 2, 64)) == 16
+    # A large whole term (1.2 ms a call) beside cheap rows: one chunk a core.
+    clock = _Clock(1200 * us, lambda rows: 5 * ns)
+    monkeypatch.setattr(pace, "time", clock)
+    seconds = pace.passes(clock.run, n_rows, 4, 64)
+    assert pace.chosen(4, seconds) == 4 and sorted(seconds) == [4, 8]
 
 
 def test_pace_reads_only_a_fit_it_could_have_kept():
@@ -288,11 +344,9 @@ def test_pace_reads_only_a_fit_it_could_have_kept():
 
 
 def _one_chunk_a_core():
-    """What pace keeps where a chunk's fixed cost shows: the machine's cores, a power of two."""
-    cores, floor = os.cpu_count() or 1, 2
-    while floor < cores:
-        floor *= 2
-    return min(16, floor)
+    """What pace keeps at 10^5 rows where a chunk's fixed cost shows: the machine's cores, a
+    power of two, at most 16."""
+    return min(pace.BALANCED, pace.fewest_chunks(os.cpu_count() or 1))
 
 
 def _cut_expectation(X, rows):
@@ -308,10 +362,11 @@ def _cut_expectation(X, rows):
 
 
 def test_pace_cheap_chunks_are_fewer_the_same_at_any_rank_count_and_kept(monkeypatch):
-    """A cheap call at 10^5 rows (16 chunks by the rows' rule) is cut into fewer chunks,
-    as many as the machine's cores (a chunk's fixed cost would be most of its time); the
-    count is measured once, kept on disk, and every later run cuts the rows the same way,
-    at any number of ranks: the same bits."""
+    """A cheap call at 10^5 rows is cut into as few chunks as the machine's cores (a
+    chunk's fixed cost would be most of its time; the passes over the rows, which could
+    choose another count, not timed here); the count is measured once, kept on disk, and
+    every later run cuts the rows the same way, at any number of ranks: the same bits."""
+    monkeypatch.setattr(pace, "passes", lambda *args: {})
     X = np.sin(np.arange(100_000.0) * 0.37) * 1e3 + 1e-3
     seen, counts, fits = {}, {}, {}
     for n in (1, 2, 3):
@@ -330,9 +385,10 @@ def test_pace_cheap_chunks_are_fewer_the_same_at_any_rank_count_and_kept(monkeyp
         seen[n] = got[0]
         if n == 1:
             # Kept: the next runs read it and time nothing.
-            def no_timing(run, rows):
+            def no_timing(*args):
                 raise AssertionError("measured again")
             monkeypatch.setattr(pace, "_measured", no_timing)
+            monkeypatch.setattr(pace, "passes", no_timing)
     assert counts[1] == counts[2] == counts[3] == _one_chunk_a_core(), counts
     # What the count was cut by is kept with it: a fixed cost and a row's time.
     assert fits[1].chunks == counts[1] and fits[1].row_s > 0.0 and fits[1].fixed_s >= 0.0
@@ -343,8 +399,10 @@ def test_pace_cheap_chunks_are_fewer_the_same_at_any_rank_count_and_kept(monkeyp
     assert abs(np.frombuffer(seen[1])[0] - X.sum()) < 1e-9 * np.abs(X).sum()
 
 
-def test_pace_costly_chunks_keep_the_rows_rule(forked):
-    """A call whose rows' work hides its fixed cost keeps the rows' 16 chunks."""
+def test_pace_costly_chunks_keep_the_rows_rule(forked, monkeypatch):
+    """A call whose rows' work hides its fixed cost keeps the rows' 16 chunks (where no
+    other count's pass over the rows ran faster: not timed here)."""
+    monkeypatch.setattr(pace, "passes", lambda *args: {})
     forked(2)
     x = pt.dmatrix("x")
     f = synk.function([x], (pt.sum(pt.exp(pt.sin(x)) * pt.cos(x), axis=0), "sum"))
