@@ -19,9 +19,11 @@ pm = pytest.importorskip("pymc", reason="PyMC is not installed (pip install -e '
 
 import pytensor  # noqa: E402
 import pytensor.tensor as pt  # noqa: E402
+from pytensor.graph.basic import Constant  # noqa: E402
 
 import synkhronos as synk  # noqa: E402
 from helpers import pymc_models  # noqa: E402
+from synkhronos import compat  # noqa: E402
 from synkhronos.extensions import pymc as synk_pymc  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -228,7 +230,7 @@ def _missing_covariates_model():
     X[np.random.default_rng(8).random(X.shape) < 0.1] = np.nan
     with pm.Model() as m:
         mx = pm.Normal("mx", 0, 1, shape=2)
-        X_v = pm.Normal("X", mx, 1.0, observed=X)
+        X_v = pm.Normal("X", mx, pm.HalfNormal("sx", 1, shape=2), observed=X)
         b = pm.Normal("b", 0, 1, shape=2)
         pm.Normal("y_obs", mu=X_v @ b, sigma=pm.HalfNormal("s", 1), observed=y)
     return m
@@ -242,6 +244,34 @@ def test_imputed_values_read_by_position_are_refused(exact, monkeypatch):
     with pytest.raises(ValueError, match=r"'y_obs' reads 'X', whose missing values PyMC "
                                          r"imputes.*Give 'X' without missing values"):
         synk_pymc.data_parallel(_missing_covariates_model())
+
+
+def test_observed_cells_read_by_rows_or_left_whole():
+    """An imputed variable's observed cells (a flattened vector) summed elementwise are
+    summed by the variable's rows instead, with the same value; where a column has no
+    observed cell, or the cells are read otherwise than elementwise, the term is left as
+    it is (whole)."""
+    from synkhronos.extensions.pymc import selections
+    mask = np.array([[True, False], [True, True], [False, True], [True, True]])
+    values = np.array([0.5, -1.0, 2.0, 3.0, 1.5, -0.25])          # the 6 cells, row by row
+    column = np.nonzero(mask)[1]
+    mu, sd = pt.dvector("mu"), pt.dvector("sd")
+    cells = (pt.constant(values) - pt.expand_dims(mu, 0)[0, pt.constant(column)]) / sd[column]
+    term = pt.sum(-0.5 * cells ** 2 - pt.log(sd[column]))
+    by_rows = selections.spread(term, mask)
+    assert by_rows is not None
+    arrays = [np.asarray(v.data) for v in compat.ancestors([by_rows])
+              if isinstance(v, Constant) and np.ndim(v.data) == 2]
+    assert arrays and all(a.shape == mask.shape for a in arrays)
+    at = {mu: np.array([0.3, -0.7]), sd: np.array([1.3, 0.6])}
+    z = (values - at[mu][column]) / at[sd][column]
+    expected = np.sum(-0.5 * z ** 2 - np.log(at[sd][column]))
+    np.testing.assert_allclose(by_rows.eval(at), expected, rtol=1e-14)
+    np.testing.assert_allclose(term.eval(at), expected, rtol=1e-14)
+    empty = mask.copy()
+    empty[:, 1] = False                                            # column 1: no cell
+    assert selections.spread(pt.sum(pt.constant(values[:3]) * mu[0]), empty) is None
+    assert selections.spread(pt.sum(pt.cumsum(pt.constant(values))), mask) is None
 
 
 def _two_lengths_model():
@@ -366,8 +396,7 @@ def test_now_exact_on_uneven_ranks(exact, name):
         np.testing.assert_allclose(dp.dlogp(point), dlogp(point), rtol=1e-9, atol=1e-10)
     whole_terms = {"total_size": ["prior"], "centred": ["y_obs", "prior"],
                    "walk": ["walk", "prior"], "walk_numpy": ["walk", "prior"],
-                   "two_lengths": ["y2", "prior"],
-                   "missing_covariates": ["X_observed", "prior"]}.get(name, ["prior"])
+                   "two_lengths": ["y2", "prior"]}.get(name, ["prior"])
     assert [t.name for t in dp._plan.whole_terms] == whole_terms
     # What is split: the NumPy arrays with the rows as well as the containers.
     split = {"numpy": ["y_obs_array1", "y_obs_data"], "indexed": ["y_obs_array1", "y_obs_data"],
@@ -389,16 +418,17 @@ def test_now_exact_on_uneven_ranks(exact, name):
                                  "y_obs_observed_data"],
              "two_lengths": ["y_obs_array1", "y_obs_data"],
              # The joined covariates as a gather: where missing, at which imputed value, the
-             # observed values at their cells.
-             "missing_covariates": ["y_obs_array1", "y_obs_array2", "y_obs_array3",
-                                    "y_obs_data"]}
+             # observed values at their cells; X's observed cells by rows: their values
+             # (a missing cell a copy of its column's first), each cell's column, the mask.
+             "missing_covariates": ["X_observed_array1", "X_observed_array2",
+                                    "X_observed_array3", "y_obs_array1", "y_obs_array2",
+                                    "y_obs_array3", "y_obs_data"]}
     if name in split:
         assert sorted(c.name for c in dp.containers) == split[name]
         rows = {"missing": MISSING_PRESENT, "missing_indexed": MISSING_PRESENT}.get(
             name, 8 if name.startswith("schools") else N_ROWS)
         assert dp.n_rows == rows
     if name == "poisson":   # the ranks compute no part of the data alone: PyMC folds them
-        from synkhronos import compat
         ops = {type(getattr(v.owner.op, "scalar_op", v.owner.op)).__name__
                for v in compat.ancestors([dp.rank_logp]) if v.owner is not None}
         assert "Gammaln" not in ops, ops

@@ -135,6 +135,118 @@ def _gathered(var):
     return out if out.type.dtype == var.type.dtype else None
 
 
+def observed_cells(model, rv):
+    """The mask of the cells ``rv`` (``<name>_observed``, the cells present of a variable with
+    missing values) holds, in the variable's shape, read from PyMC's join; or None."""
+    joined = model.named_vars.get(rv.name[:-len("_observed")]) if rv.name else None
+    v = joined
+    while v is not None and v.owner is not None:
+        node = v.owner
+        if _is_set(node.op) and len(node.inputs) == 3 and isinstance(node.inputs[2], Constant):
+            if node.inputs[1] is rv:
+                mask = np.asarray(node.inputs[2].data)
+                return mask if mask.dtype == bool and mask.ndim > 1 else None
+            v = node.inputs[0]
+        elif type(node.op).__name__ == "ViewOp":
+            v = node.inputs[0]
+        else:
+            return None
+    return None
+
+
+def spread(graph, mask):
+    """``graph``, a term summing a log-density over an imputed variable's observed cells, as
+    the same sum read by the variable's rows; None where it reads the cells otherwise than
+    elementwise.
+
+    PyMC observes the cells present of a variable with missing values and more
+    than one axis as one flattened vector, so the term's arrays (the values,
+    each cell's column as an index) are not the data's rows and it stayed whole
+    on every rank.  Each such array becomes one of the variable's shape: its
+    observed cells in place, each missing cell a copy of the first observed
+    cell of its column (so every value stays in the distribution's support and
+    every parameter it reads is one the observed cells read), and the sum reads
+    the observed cells only, ``sum(switch(mask, logp, 0))``.  Every array then
+    has the data's rows and is split as any other (``terms.lift_rows``).
+    """
+    from pytensor.tensor.math import Sum
+    node = graph.owner
+    if (node is None or not isinstance(node.op, Sum) or mask.ndim < 2 or not mask.any()
+            or node.inputs[0].ndim != 1):
+        return None
+    cells = int(mask.sum())
+    flat = mask.reshape(len(mask), -1)
+    column = np.nonzero(flat)[1]
+    source = np.empty(flat.shape, dtype=np.int64)
+    source[flat] = np.arange(cells)
+    for j in range(flat.shape[1]):
+        present = np.flatnonzero(column == j)
+        if not len(present):
+            return None   # a column with no observed cell: nothing to copy into it
+        source[~flat[:, j], j] = present[0]
+    source = source.reshape(mask.shape)
+    try:
+        body = _Cells(cells, source).grid(node.inputs[0])
+    except _NotCellwise:
+        return None
+    return pt.sum(pt.switch(pt.constant(mask), body, np.zeros((), dtype=body.dtype)))
+
+
+class _NotCellwise(Exception):
+    """A term reads its cells otherwise than elementwise (``spread`` leaves it whole)."""
+
+
+class _Cells:
+    """Variables over the observed cells rebuilt over the variable's shape (``spread``)."""
+
+    def __init__(self, cells, source):
+        self.cells, self.source, self.done = cells, source, {}
+
+    def reads_cells(self, var):
+        return any(isinstance(v, Constant) and np.ndim(v.data) == 1 and len(v.data) == self.cells
+                   for v in compat.ancestors([var]))
+
+    def grid(self, var):
+        if var in self.done:
+            return self.done[var]
+        out = self._grid(var) if self.reads_cells(var) else var
+        self.done[var] = out
+        return out
+
+    def _grid(self, var):
+        from pytensor.raise_op import CheckAndRaise
+        from pytensor.tensor.basic import Alloc, MakeVector
+        from pytensor.tensor.math import All, Any, Max, Min
+        if isinstance(var, Constant):
+            if np.ndim(var.data) != 1:
+                raise _NotCellwise
+            return pt.constant(np.asarray(var.data)[self.source], name=var.name)
+        node = var.owner
+        if node is None or len(node.outputs) != 1:
+            raise _NotCellwise
+        op, inputs = node.op, node.inputs
+        if isinstance(op, Elemwise):
+            return op(*[self.grid(i) for i in inputs])
+        if isinstance(op, compat.indexing_ops()):
+            # theta[0, column]: the parameters read through each cell's column.
+            if self.reads_cells(inputs[0]) or not all(i.ndim <= 1 for i in inputs[1:]):
+                raise _NotCellwise
+            return inputs[0][tuple(self.grid(i) for i in inputs[1:])]
+        if isinstance(op, Alloc) and var.ndim == 1 and inputs[0].ndim == 1:
+            # PyMC's logp broadcast to the value's own shape: the cells already have it.
+            if inputs[0].type.broadcastable[0]:
+                raise _NotCellwise
+            return self.grid(inputs[0])
+        if isinstance(op, CheckAndRaise):
+            return op(self.grid(inputs[0]), *[self.grid(i) for i in inputs[1:]])
+        if isinstance(op, (All, Any, Max, Min)) and var.ndim == 0:
+            # A missing cell repeats an observed one: the same all, any, max or min.
+            return type(op)(axis=None)(self.grid(inputs[0]))
+        if isinstance(op, MakeVector) or type(op).__name__ == "ScalarFromTensor":
+            return op(*[self.grid(i) for i in inputs])
+        raise _NotCellwise
+
+
 def _is_set(op):
     """Whether ``op`` sets (not increments) the cells an index array selects."""
     from pytensor.tensor.subtensor import AdvancedIncSubtensor

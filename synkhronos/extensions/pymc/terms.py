@@ -106,8 +106,13 @@ def model_terms(model):
     select (``selections``): the rows present of a variable with missing values.
     """
     terms = []
+    flattened = selections.flattened(model)
     for rv in model.observed_RVs:
         graph = selections.fold(model.logp(vars=[rv], sum=True))
+        mask = selections.observed_cells(model, rv) if rv.name in flattened else None
+        if mask is not None:   # an imputed variable's observed cells, read by its rows
+            spread = selections.spread(graph, mask)
+            graph = graph if spread is None else spread
         terms.append(Term(rv.name, graph, internals.scales_rows(rv)))
     for pot in model.potentials:
         terms.append(Term(pot.name, selections.fold(model.logp(vars=[pot], sum=True)), False))
