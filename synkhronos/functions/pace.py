@@ -13,8 +13,9 @@ core taken by another program) and cost where their fixed time shows.  Yet a
 chunk's rows also cost less where they stay in a core's cache between the
 graph's passes over them, which a line through a call's fixed cost and its
 rows' time cannot see: a splines model's 17-column basis, read by its ``dot``
-and again by the gradient's, kept 4 chunks by that line and ran its call on
-2 ranks 1.4x faster in 32 (bench/RESULTS.md, 2026-12-07).
+and again by the gradient's, kept 4 chunks by that line, and its call on 2
+ranks ran 1.38x faster in the count its passes chose (bench/RESULTS.md,
+2026-12-07).
 
 So the first call of a function at a row count (and inputs' shapes) times its
 chunk 0 and a sixteenth of it, which gives the call's fixed cost and the

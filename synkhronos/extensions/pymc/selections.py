@@ -200,11 +200,18 @@ class _Cells:
     """Variables over the observed cells rebuilt over the variable's shape (``spread``)."""
 
     def __init__(self, cells, source):
-        self.cells, self.source, self.done = cells, source, {}
+        self.cells, self.source, self.done, self.reads = cells, source, {}, {}
 
     def reads_cells(self, var):
-        return any(isinstance(v, Constant) and np.ndim(v.data) == 1 and len(v.data) == self.cells
-                   for v in compat.ancestors([var]))
+        """Whether ``var`` reads an array over the cells (a constant of their length)."""
+        known = self.reads.get(var)
+        if known is None:
+            if isinstance(var, Constant):
+                known = np.ndim(var.data) == 1 and len(var.data) == self.cells
+            else:
+                known = var.owner is not None and any(map(self.reads_cells, var.owner.inputs))
+            self.reads[var] = known
+        return known
 
     def grid(self, var):
         if var in self.done:
