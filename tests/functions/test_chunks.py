@@ -28,8 +28,7 @@ N_ROWS = 10_000  # 8 chunks of 1250 rows by the default rule
 def _rows_rule(request, monkeypatch, tmp_path):
     """Chunks as the rows' rule cuts them, whatever a chunk costs on this machine (pace.py
     keeps fewer where a call's fixed cost shows, more where a pass ran faster in them),
-    except in the tests of that;
-    what pace measures goes to a file of the test's own."""
+    except in the tests of that; what pace measures goes to a file of the test's own."""
     monkeypatch.setattr(pace, "KEPT", MeasureFile("chunks.json", str(tmp_path)))
     if "pace" not in request.node.name:
         monkeypatch.setattr(pace, "SHARE", 1.0)
