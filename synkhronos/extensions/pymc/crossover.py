@@ -38,8 +38,8 @@ chains' calls then take turns (one interpreter), so it is predicted as
 and taken where it beats pm.sample's own nutpie.  nutpie compiles the model in Numba, so
 PyMC's function timed (and called back) for it is compiled in Numba too
 (``internals.sampler_mode``; should Numba fail, in PyTensor's default, and where that
-default is not Numba too, ``internals.in_numba``, nutpie's gradient is then predicted at
-that call times the rank graph's Numba / C ratio, ``numba_ratio``).
+default is not Numba too, ``in_numba``, nutpie's gradient is then predicted at that call
+times the rank graph's Numba / C ratio, ``numba_ratio``).
 Where the choice turns on the gradients a draw takes, a short nutpie run counts them
 (``leapfrogs``).
 
@@ -56,6 +56,7 @@ import numpy as np
 
 import synkhronos as synk
 
+from ... import compat
 from . import calls as calls_mod
 from . import decision as decision_mod
 from . import internals, trials
@@ -250,8 +251,7 @@ def _measured(dp, sampler, chains, n_cores, ranks, steps):
     # default: mixture at 10^5 rows 3852 us, nutpie's own 3854); else PyMC's call times the
     # rank graph's Numba / C ratio, where both were timed.
     numba = (numba_ratio(dp.mode_seconds)
-             if sampler == "nutpie" and not callback and not internals.in_numba(serial.mode)
-             else None)
+             if sampler == "nutpie" and not callback and not in_numba(serial) else None)
     if numba is not None:
         serial_run, _ = predict(sampler, chains, n_cores, steps, serial_s * numba, 0.0, 0.0)
     # One call at every chain's position saves at most a call's fixed cost per chain beyond
@@ -331,6 +331,12 @@ def leapfrogs(dp, serial):
     finally:
         pymc_log.setLevel(level)
     return float(np.mean(idata.sample_stats["n_steps"]))
+
+
+def in_numba(serial):
+    """Whether ``serial``'s function was compiled with Numba, as nutpie compiles its own: in
+    Numba's mode, or in PyTensor's default where that is Numba (PyTensor 3)."""
+    return compat.linker_name(internals.serial_call(serial.fn).maker) == "numba"
 
 
 def numba_ratio(seconds):

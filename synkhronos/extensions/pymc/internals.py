@@ -175,12 +175,6 @@ def sampler_mode(sampler):
     return None
 
 
-def in_numba(mode):
-    """Whether PyMC's function compiled in ``mode`` (None: PyTensor's default) runs in Numba,
-    as nutpie's own does: in ``"NUMBA"``, or in the default where that is Numba (PyTensor 3)."""
-    return mode == "NUMBA" or (mode is None and compat.default_linker() == "numba")
-
-
 def serial_call(fn):
     """``serial_logp_dlogp``'s function of a flat vector, as PyMC's leapfrog calls it."""
     return fn._pytensor_function

@@ -22,7 +22,10 @@ discrete imputed values (NUTS takes no gradient of them).
 import numpy as np
 import pytensor.tensor as pt
 from pytensor.graph.basic import Constant
+from pytensor.raise_op import CheckAndRaise
+from pytensor.tensor.basic import Alloc, MakeVector, ScalarFromTensor
 from pytensor.tensor.elemwise import DimShuffle, Elemwise
+from pytensor.tensor.math import All, Any, Max, Min, Sum
 
 from ... import compat
 
@@ -169,7 +172,6 @@ def spread(graph, mask):
     the observed cells only, ``sum(switch(mask, logp, 0))``.  Every array then
     has the data's rows and is split as any other (``terms.lift_rows``).
     """
-    from pytensor.tensor.math import Sum
     node = graph.owner
     if (node is None or not isinstance(node.op, Sum) or mask.ndim < 2 or not mask.any()
             or node.inputs[0].ndim != 1):
@@ -221,9 +223,6 @@ class _Cells:
         return out
 
     def _grid(self, var):
-        from pytensor.raise_op import CheckAndRaise
-        from pytensor.tensor.basic import Alloc, MakeVector
-        from pytensor.tensor.math import All, Any, Max, Min
         if isinstance(var, Constant):
             if np.ndim(var.data) != 1:
                 raise _NotCellwise
@@ -249,7 +248,7 @@ class _Cells:
         if isinstance(op, (All, Any, Max, Min)) and var.ndim == 0:
             # A missing cell repeats an observed one: the same all, any, max or min.
             return type(op)(axis=None)(self.grid(inputs[0]))
-        if isinstance(op, MakeVector) or type(op).__name__ == "ScalarFromTensor":
+        if isinstance(op, (MakeVector, ScalarFromTensor)):
             return op(*[self.grid(i) for i in inputs])
         raise _NotCellwise
 
