@@ -18,7 +18,7 @@ Four parts, each in child processes of its own (own memory, core pinning):
             for it.)
   ratio     dp.logp_dlogp on 2 ranks (``--ratio-rows``, ``--ratio-models logistic,radon``,
             ``negbin``, ``robust``, or bench/gallery_more.py's ``splines``, ``poisson``,
-            ``truncated``, ``mixture``)
+            ``truncated``, ``mixture``, ``covariates``, ``missing``)
             against PyMC's serial call, the ranks and
             PyMC each in PyTensor's default mode (CVM) and in Numba, rounds alternating.
   chunk     the rank's graph of one position called serially on a chunk's rows (1024 to
@@ -78,7 +78,8 @@ MODELS = {"logistic": logistic, "radon": radon}
 
 def made(which, n_rows):
     """``MODELS[which]`` at ``n_rows`` rows, or a gallery model of bench/pymc_gallery.py
-    (negbin, robust) or bench/gallery_more.py (splines, poisson, truncated, mixture)."""
+    (negbin, robust) or bench/gallery_more.py (splines, poisson, truncated, mixture,
+    covariates, missing)."""
     if which in MODELS:
         return MODELS[which](n_rows)
     import gallery_more
@@ -432,7 +433,7 @@ def child_chunk(which):
     """Microseconds of the rank's graph on each of ``CHUNK_ROWS`` rows of 10^5, per mode."""
     import numpy as np
     quiet()
-    model = MODELS[which](100_000)
+    model = made(which, 100_000)
     out = {}
     for mode in MODES:
         fns = {}
@@ -524,8 +525,8 @@ def main():
     p.add_argument("--ratio-rows", type=int, default=10_000)
     p.add_argument("--ratio-modes", default="CVM,NUMBA", help="ratio: any of CVM, NUMBA, JAX")
     p.add_argument("--ratio-models", default="logistic",
-                   help="ratio: logistic, radon, negbin, robust, or bench/gallery_more.py's "
-                        "splines, poisson, truncated, mixture")
+                   help="ratio, chunk: logistic, radon, negbin, robust, or bench/gallery_more.py's "
+                        "splines, poisson, truncated, mixture, covariates, missing")
     p.add_argument("--child", nargs="+")
     a = p.parse_args()
     if a.child:

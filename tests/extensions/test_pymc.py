@@ -753,6 +753,40 @@ def test_crossover_takes_a_call_per_chain_where_it_times_cheaper(env, monkeypatc
     dp.decisions.clear()
 
 
+def test_crossover_splits_only_where_a_step_gains_too(env, monkeypatch):
+    """A split slower a step than nutpie's own compiled gradient, predicted to gain over the
+    run only by nutpie's compile (5 s at 10 gradients a draw), is not taken, and the
+    decision's line says why; a split faster a step is."""
+    dp = env.auto
+    monkeypatch.setattr(crossover, "LEAPFROGS", 10)
+    monkeypatch.setattr(crossover, "MANY_COMPILE_S", 0.0)
+    monkeypatch.setattr(crossover, "numba_ratio", lambda seconds: None)
+    monkeypatch.setattr(crossover, "sampling_cores", lambda chains, cores: 2)
+    monkeypatch.setattr(dp._calls, "first_s", 0.0)
+    monkeypatch.setattr(decision_mod, "kept", lambda *args: None)   # measured each time
+    monkeypatch.setattr(decision_mod, "keep", lambda *args: None)
+    for many_s, split in ((1.0e-3, False), (0.6e-3, True)):
+        timed = iter([1e-3, 0.5e-3, many_s])   # PyMC's serial call, one position, two
+
+        def fake_timed(call, seconds=crossover.TRIAL_S):
+            call()
+            return next(timed)
+        monkeypatch.setattr(crossover, "_timed", fake_timed)
+        dp.decisions.clear()
+        d = crossover.decide(dp, "nutpie", 2, 2, 500, 500)
+        steps = 1000 * crossover.LEAPFROGS
+        step = 2 * crossover.DP_NUTPIE_S + many_s
+        own = 1e-3 + crossover.SAMPLER_S["nutpie"]
+        assert not d.callback and d.leapfrogs is None, d
+        assert d.steps_s == pytest.approx((step, own)), d
+        assert d.parallel_run_s == pytest.approx(steps * step), d
+        assert d.serial_run_s == pytest.approx(crossover.SAMPLER_COMPILE_S["nutpie"] + steps * own)
+        assert d.parallel_run_s * crossover.GAIN < d.serial_run_s   # the run alone would split
+        assert d.split is split, d
+        assert ("it gains only on a short run" in d.describe()) is not split, d.describe()
+    dp.decisions.clear()
+
+
 def test_crossover_keeps_a_measured_decision(env, monkeypatch):
     """The next run of the same model (a fresh set-up: nothing in memory) takes the decision
     its first run measured, timing and compiling nothing, and says so; another run's shape

@@ -29,7 +29,6 @@ from synkhronos.extensions import pymc as synk_pymc  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 N_ROWS = 301          # no rank count here divides it
-MISSING_PRESENT = int(np.sum(np.random.default_rng(6).random(N_ROWS) >= 0.1))   # _missing_model's
 
 
 def _points(model, rng, k=2):
@@ -240,10 +239,45 @@ def test_imputed_values_read_by_position_are_refused(exact, monkeypatch):
     """Where the join of observed and imputed values is not made a gather by rows, a rank's
     rows could not pick their imputed values: refused, naming the variable and the fix."""
     from synkhronos.extensions.pymc import selections
-    monkeypatch.setattr(selections, "_gathered", lambda var: None)
+    monkeypatch.setattr(selections, "_gathered", lambda var, joins=None: None)
     with pytest.raises(ValueError, match=r"'y_obs' reads 'X', whose missing values PyMC "
                                          r"imputes.*Give 'X' without missing values"):
         synk_pymc.data_parallel(_missing_covariates_model())
+
+
+def test_imputed_cells_joined_with_their_prior_or_left():
+    """A variable with missing values: its observed cells' term and its imputed values' prior
+    are one term over its cells, by its rows (their sum as PyMC computes it); where the
+    imputed values have a transform (a Jacobian the observed cells have not), their prior
+    stays whole and the observed cells alone are read by rows."""
+    from synkhronos.extensions.pymc import terms
+    rng = np.random.default_rng(3)
+    X = np.abs(_regression()[0]) + 0.1
+    X[rng.random(X.shape) < 0.1] = np.nan
+    for dist, joined in ((pm.Normal, True), (pm.LogNormal, False)):
+        with pm.Model() as m:
+            mu = pm.Normal("mu", 0, 1, shape=2)
+            dist("X", mu, pm.HalfNormal("sx", 1, shape=2), observed=X)
+        found = terms.model_terms(m)
+        total = pytensor.function(m.value_vars, pt.add(*[t.graph for t in found]),
+                                  on_unused_input="ignore")
+        logp = m.compile_logp()
+        for _ in range(3):
+            point = {k: v + rng.normal(0, 0.3, np.shape(v)) for k, v in m.initial_point().items()}
+            np.testing.assert_allclose(total(**point), logp(point), rtol=1e-12)
+        imputed = next(v for v in m.value_vars if v.name.startswith("X_unobserved"))
+        in_prior = imputed in set(compat.ancestors([found[-1].graph]))
+        if joined:
+            assert [t.name for t in found] == ["X", "prior"] and found[0].rows == N_ROWS
+            assert not in_prior
+            # Where present, the observed values, at which imputed value: the parameters of
+            # each column broadcast, not read through each cell's column.
+            grids = [v for v in compat.ancestors([found[0].graph])
+                     if isinstance(v, Constant) and np.shape(v.data) == X.shape]
+            assert sorted(np.asarray(v.data).dtype.kind for v in grids) == ["b", "f", "i"]
+        else:
+            assert [t.name for t in found] == ["X_observed", "prior"] and not found[0].rows
+            assert in_prior
 
 
 def test_observed_cells_read_by_rows_or_left_whole():
@@ -251,14 +285,14 @@ def test_observed_cells_read_by_rows_or_left_whole():
     summed by the variable's rows instead, with the same value; where a column has no
     observed cell, or the cells are read otherwise than elementwise, the term is left as
     it is (whole)."""
-    from synkhronos.extensions.pymc import selections
+    from synkhronos.extensions.pymc import cells
     mask = np.array([[True, False], [True, True], [False, True], [True, True]])
     values = np.array([0.5, -1.0, 2.0, 3.0, 1.5, -0.25])          # the 6 cells, row by row
     column = np.nonzero(mask)[1]
     mu, sd = pt.dvector("mu"), pt.dvector("sd")
-    cells = (pt.constant(values) - pt.expand_dims(mu, 0)[0, pt.constant(column)]) / sd[column]
-    term = pt.sum(-0.5 * cells ** 2 - pt.log(sd[column]))
-    by_rows = selections.spread(term, mask)
+    logps = (pt.constant(values) - pt.expand_dims(mu, 0)[0, pt.constant(column)]) / sd[column]
+    term = pt.sum(-0.5 * logps ** 2 - pt.log(sd[column]))
+    by_rows = cells.spread(term, mask)
     assert by_rows is not None
     arrays = [np.asarray(v.data) for v in compat.ancestors([by_rows])
               if isinstance(v, Constant) and np.ndim(v.data) == 2]
@@ -270,8 +304,8 @@ def test_observed_cells_read_by_rows_or_left_whole():
     np.testing.assert_allclose(term.eval(at), expected, rtol=1e-14)
     empty = mask.copy()
     empty[:, 1] = False                                            # column 1: no cell
-    assert selections.spread(pt.sum(pt.constant(values[:3]) * mu[0]), empty) is None
-    assert selections.spread(pt.sum(pt.cumsum(pt.constant(values))), mask) is None
+    assert cells.spread(pt.sum(pt.constant(values[:3]) * mu[0]), empty) is None
+    assert cells.spread(pt.sum(pt.cumsum(pt.constant(values))), mask) is None
 
 
 def _two_lengths_model():
@@ -398,6 +432,12 @@ def test_now_exact_on_uneven_ranks(exact, name):
                    "walk": ["walk", "prior"], "walk_numpy": ["walk", "prior"],
                    "two_lengths": ["y2", "prior"]}.get(name, ["prior"])
     assert [t.name for t in dp._plan.whole_terms] == whole_terms
+    joined = {"missing": ["y_obs"], "missing_indexed": ["y_obs"],
+              "missing_covariates": ["X", "y_obs"]}
+    if name in joined:   # the imputed values' prior is in the variable's split term
+        assert [t.name for t in dp._plan.split_terms] == joined[name]
+        imputed = {v for v in model.value_vars if v.name.endswith("_unobserved")}
+        assert imputed and not imputed & set(compat.ancestors([dp._plan.whole_terms[0].graph]))
     # What is split: the NumPy arrays with the rows as well as the containers.
     split = {"numpy": ["y_obs_array1", "y_obs_data"], "indexed": ["y_obs_array1", "y_obs_data"],
              "indexed_wrapped": ["y", "y_obs_array1"], "potential": ["lik_array1", "lik_array2"],
@@ -412,21 +452,22 @@ def test_now_exact_on_uneven_ranks(exact, name):
              # gammaln(y + 1), computed once over all rows (PyMC folds the standardised
              # covariate and the log exposure itself when it builds the graph).
              "poisson": ["y_obs_array1", "y_obs_array2", "y_obs_data", "y_obs_folded1"],
-             # The rows present: the mask moved onto the covariates (and the group index).
-             "missing": ["y_obs_observed_array1", "y_obs_observed_data"],
-             "missing_indexed": ["y_obs_observed_array1", "y_obs_observed_array2",
-                                 "y_obs_observed_data"],
+             # y's observed rows and its imputed values as one term over every row (each
+             # array a term reads: the present rows' and the missing rows' in place): the
+             # covariates, y's values where present, where y is missing, at which imputed
+             # value (and the group index).
+             "missing": ["y_obs_array1", "y_obs_array2", "y_obs_array3", "y_obs_array4"],
+             "missing_indexed": ["y_obs_array1", "y_obs_array2", "y_obs_array3",
+                                 "y_obs_array4", "y_obs_array5"],
              "two_lengths": ["y_obs_array1", "y_obs_data"],
-             # The joined covariates as a gather: where missing, at which imputed value, the
-             # observed values at their cells; X's observed cells by rows: their values
-             # (a missing cell a copy of its column's first), each cell's column, the mask.
-             "missing_covariates": ["X_observed_array1", "X_observed_array2",
-                                    "X_observed_array3", "y_obs_array1", "y_obs_array2",
-                                    "y_obs_array3", "y_obs_data"]}
+             # X's observed cells and its imputed values' prior as one term by rows, on the
+             # joined covariates the likelihood of y reads too (one gather): where present,
+             # the observed values at their cells, at which imputed value (the parameters
+             # of each column broadcast, not read through each cell's column).
+             "missing_covariates": ["X_array1", "X_array2", "X_array3", "y_obs_data"]}
     if name in split:
         assert sorted(c.name for c in dp.containers) == split[name]
-        rows = {"missing": MISSING_PRESENT, "missing_indexed": MISSING_PRESENT}.get(
-            name, 8 if name.startswith("schools") else N_ROWS)
+        rows = 8 if name.startswith("schools") else N_ROWS
         assert dp.n_rows == rows
     if name == "poisson":   # the ranks compute no part of the data alone: PyMC folds them
         ops = {type(getattr(v.owner.op, "scalar_op", v.owner.op)).__name__

@@ -171,11 +171,20 @@ def predict(sampler, chains, cores, steps, serial_s, compile_s, round_s):
     (``SAMPLER_COMPILE_S``); ``round_s`` the data-parallel call (or calls) at
     every chain's position; see the module docstring.
     """
-    own = SAMPLER_S.get(sampler, SAMPLER_S["pymc"])
     compile_s += SAMPLER_COMPILE_S.get(sampler, 0.0)
-    serial = compile_s + steps * math.ceil(chains / cores) * (serial_s + own)
-    extra = DP_NUTPIE_S if sampler == "nutpie" else own
-    return serial, steps * (chains * extra + round_s)
+    serial = compile_s + steps * math.ceil(chains / cores) * (serial_s + own_s(sampler))
+    return serial, steps * steps_s(sampler, chains, round_s)
+
+
+def own_s(sampler):
+    """A sampler's own work a gradient beyond the call (``SAMPLER_S``)."""
+    return SAMPLER_S.get(sampler, SAMPLER_S["pymc"])
+
+
+def steps_s(sampler, chains, round_s):
+    """A step of every chain, data-parallel: the call (or calls) ``round_s`` and each chain's
+    sampler's work beside it (``predict``'s data-parallel side, a step)."""
+    return chains * (DP_NUTPIE_S if sampler == "nutpie" else own_s(sampler)) + round_s
 
 
 def decide(dp, sampler, chains, cores, draws, tune):
@@ -258,13 +267,14 @@ def _measured(dp, sampler, chains, n_cores, ranks, steps):
     # the first: it runs every position's rows (at 10^5 rows the graphs at 2 positions never
     # took less than 2 calls at one: bench/HISTORY.md, 2026-12-05).
     fixed_s = call_fixed_s(dp.chunk_fit, one_s, ranks)
-    _, fastest = predict(sampler, chains, n_cores, steps, serial_s, compile_s,
-                         chains * one_s - (chains - 1) * fixed_s)
+    round_s = chains * one_s - (chains - 1) * fixed_s
+    _, fastest = predict(sampler, chains, n_cores, steps, serial_s, compile_s, round_s)
     many_s, parallel_run, separate = None, fastest, False
     many_cost = max(MANY_COMPILE_S, MANY_BUILDS * (dp.first_call_s or 0.0))
     if chains > 1 and steps * (chains - 1) * fixed_s < many_cost:
         separate = True   # a call each: the many-position graphs would not pay their compile
-        _, parallel_run = predict(sampler, chains, n_cores, steps, serial_s, compile_s, chains * one_s)
+        round_s = chains * one_s
+        _, parallel_run = predict(sampler, chains, n_cores, steps, serial_s, compile_s, round_s)
     elif chains > 1 and fastest * GAIN < serial_run:
         # Positions near the start, apart as chains' are; the first calls choose between
         # the vectorised graph and the loop (calls.Calls), the timing sees the one kept.
@@ -275,12 +285,19 @@ def _measured(dp, sampler, chains, n_cores, ranks, steps):
         separate = chains * one_s < many_s   # logistic, 10^5 rows: 3.1 ms against 2 x 1.2
         round_s = min(many_s, chains * one_s)
         _, parallel_run = predict(sampler, chains, n_cores, steps, serial_s, compile_s, round_s)
-    split = parallel_run * GAIN < serial_run
+    # A split slower a gradient gains only on a short run, by what the serial way compiles
+    # (nutpie's own compile); runs take LEAPFROGS gradients a draw at the least, often many
+    # more (docs/pymc.md), so it must gain a gradient too.
+    serial_step = (chains * (serial_s + CALLBACK_S) if callback else
+                   math.ceil(chains / n_cores) * (serial_s * (numba or 1.0) + own_s(sampler)))
+    parallel_step = steps_s(sampler, chains, round_s)
+    split = parallel_run * GAIN < serial_run and parallel_step < serial_step
     return Decision(split, "measured", sampler, chains, n_cores, ranks, serial_s,
                     serial.compile_s, one_s, many_s, serial_run, parallel_run, separate,
                     callback=callback, numba_ratio=numba, leapfrogs=per_draw,
                     fixed_s=fixed_s if fixed_s < one_s else None,
-                    sampler_compile_s=SAMPLER_COMPILE_S.get(sampler))
+                    sampler_compile_s=SAMPLER_COMPILE_S.get(sampler),
+                    steps_s=(parallel_step, serial_step))
 
 
 def typical_x(dp, call):

@@ -47,7 +47,9 @@ class Decision:
     the call's fixed cost (``call_fixed_s``), where its chunks were timed.
     ``kept``: read from disk, as an earlier run of this model measured it.
     ``sampler_compile_s``: what pm.sample's sampler compiles of its own
-    (``crossover.SAMPLER_COMPILE_S``), where anything.
+    (``crossover.SAMPLER_COMPILE_S``), where anything.  ``steps_s``: a step of
+    every chain (data-parallel, the other way), where timed: a split slower a
+    step is not taken, whatever the run's prediction.
     """
 
     split: bool
@@ -70,6 +72,7 @@ class Decision:
     fixed_s: float = None
     kept: bool = False
     sampler_compile_s: float = None
+    steps_s: tuple = None
 
     def describe(self):
         """One line: what was chosen and why."""
@@ -103,6 +106,9 @@ class Decision:
                    f"against {self.serial_run_s:.1f} s for {other}")
         if self.split:
             return f"dp.sample: splitting the rows gains ({figures})"
+        if self.steps_s is not None and self.steps_s[0] >= self.steps_s[1]:
+            figures += (f"; a step of every chain {self.steps_s[0] * 1e6:.0f} us data-parallel "
+                        f"against {self.steps_s[1] * 1e6:.0f} us: it gains only on a short run")
         how = ("nutpie on PyMC's compiled (logp, dlogp)" if self.callback
                else "as pm.sample does")
         return (f"dp.sample: splitting the rows would not gain ({figures}); sampling {how}, "
@@ -130,7 +136,7 @@ def where(dp, key):
     if not text:
         return None
     shapes = [tuple(np.shape(c.get_value(borrow=True))) for c in (*dp.containers, *dp.whole)]
-    return digest("pymc decision", "timed at a settled position", text, shapes, key,
+    return digest("pymc decision", "timed at a settled position, a step too", text, shapes, key,
                   dp.rank_modes, synk.__version__, pymc.__version__)
 
 

@@ -27,7 +27,7 @@ from pytensor.tensor.random.type import RandomType
 import synkhronos as synk
 
 from ... import compat
-from . import folding, internals, selections
+from . import cells, folding, internals, selections
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ class Term(NamedTuple):
     name: str          # the observed variable's or potential's name, or "prior"
     graph: object      # its scalar graph, in the model's value variables
     scaled: bool       # PyMC scales it by total_size / (its rows): exact over ranks only rescaled
+    rows: int = 0      # where written over an imputed variable's cells: that variable's rows
 
 
 class Lifted:
@@ -100,24 +101,38 @@ def containers_of(model):
 
 
 def model_terms(model):
-    """Every term of the model's log-density, as ``Term`` s (the priors as one term).
+    """Every term of the log-density, as ``Term`` s (the priors as one term).
 
     A likelihood's constant row selections are moved onto the arrays they
     select (``selections``): the rows present of a variable with missing values.
+    A variable with missing values has its observed cells' term and its imputed
+    values' prior written as one term over its cells, by its rows (``cells``).
     """
-    terms = []
+    terms, imputed = [], {name: rv for rv, name in selections.imputed(model).items()}
     flattened = selections.flattened(model)
+    joined, joins = set(), {}
     for rv in model.observed_RVs:
-        graph = selections.fold(model.logp(vars=[rv], sum=True))
-        mask = selections.observed_cells(model, rv) if rv.name in flattened else None
-        if mask is not None:   # an imputed variable's observed cells, read by its rows
-            spread = selections.spread(graph, mask)
+        graph = selections.fold(model.logp(vars=[rv], sum=True), joins)
+        name = rv.name[:-len("_observed")] if rv.name.endswith("_observed") else None
+        missing = imputed.get(name)
+        mask = cells.mask_of(model, rv, name) if missing is not None else None
+        both = None if mask is None else cells.joined(
+            graph, selections.fold(model.logp(vars=[missing], sum=True), joins), mask,
+            model.rvs_to_values[missing], joins)
+        if both is not None:     # one term over the variable's cells, read by its rows
+            joined.add(missing)
+            terms.append(Term(name, both, internals.scales_rows(rv), len(mask)))
+            continue
+        if mask is not None and rv.name in flattened:   # the observed cells, by rows
+            spread = cells.spread(graph, mask)
             graph = graph if spread is None else spread
         terms.append(Term(rv.name, graph, internals.scales_rows(rv)))
     for pot in model.potentials:
-        terms.append(Term(pot.name, selections.fold(model.logp(vars=[pot], sum=True)), False))
-    if model.free_RVs:
-        terms.append(Term("prior", model.logp(vars=list(model.free_RVs), sum=True), False))
+        terms.append(Term(pot.name, selections.fold(model.logp(vars=[pot], sum=True), joins),
+                          False))
+    priors = [rv for rv in model.free_RVs if rv not in joined]
+    if priors:
+        terms.append(Term("prior", model.logp(vars=priors, sum=True), False))
     return terms
 
 
@@ -318,18 +333,19 @@ def _observed_rows(model, by_name, terms, lift):
     """
     lengths, arrays, numpy_observed = set(), {}, []
     containers = set(by_name.values())
+    joined = {t.name + "_observed": t.rows for t in terms if t.rows}
     for rv in model.observed_RVs:
         value = model.rvs_to_values[rv]
         mine = [c for c in _ancestors(value) if c in containers]
         if mine:
             lengths.update(n for n in (_rows(c) for c in mine) if n is not None)
         elif lift and isinstance(value, Constant) and np.ndim(value.data) >= 1:
-            arrays[rv.name] = len(value.data)
+            arrays[rv.name] = joined.get(rv.name, len(value.data))
         else:
             numpy_observed.append(rv.name)
     if arrays and not lengths:
         # An imputed array's observed cells, flattened, are not rows where others are.
-        flattened = selections.flattened(model)
+        flattened = selections.flattened(model) - set(joined)
         rows = {k: n for k, n in arrays.items() if k not in flattened}
         lengths = {max((rows or arrays).values())}
         whole = sorted(name for name, n in arrays.items() if n not in lengths)
