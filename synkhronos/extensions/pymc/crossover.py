@@ -24,7 +24,9 @@ row at best) plus ``CALL_S``, and building it (``BUILD_COMPILES`` times
 PyMC's own compile: the master compiles the rank's graph in each mode to
 keep the faster, ``modes``, then the ranks theirs); where even that would
 not gain, nothing is built for the ranks.  Splitting is kept where it is
-predicted ``GAIN`` times faster; else ``dp.sample`` runs ``pm.sample``
+predicted ``GAIN`` times faster and a step of every chain is faster split
+(a split slower a step wins only a short run, by what the other way compiles:
+runs take ``LEAPFROGS`` gradients a draw at the least); else ``dp.sample`` runs ``pm.sample``
 itself with this process's cores released (the ranks sleep meanwhile), and
 says so in one log line.  Left out: pm.sample's chains slowing each other.
 
@@ -44,6 +46,8 @@ Where the choice turns on the gradients a draw takes, a short nutpie run counts 
 (``leapfrogs``).
 
 A measured decision is kept on disk for the next run of the model (``decision.py``).
+The module is over 400 lines with one job, this decision: each constant it rests on
+carries the measurement it came from.
 """
 
 import dataclasses
