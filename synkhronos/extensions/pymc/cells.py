@@ -49,6 +49,25 @@ def mask_of(model, rv, name):
     return None
 
 
+def own_term(model, rv, graph, imputed, joins):
+    """``(name, graph, rows, imputed variable)`` of observed variable ``rv``'s term (``graph``,
+    its folded logp): where ``rv`` holds the cells present of a variable with missing values
+    (``imputed``: {name: its imputed values' variable}), that variable's two terms as one
+    (``joined``, its name and rows), else its observed cells by rows (``spread``) or as they
+    were (``rv``'s name, no rows, no imputed variable)."""
+    name = rv.name[:-len("_observed")] if rv.name.endswith("_observed") else None
+    missing = imputed.get(name)
+    mask = mask_of(model, rv, name) if missing is not None else None
+    if mask is None:
+        return rv.name, graph, 0, None
+    both = joined(graph, selections.fold(model.logp(vars=[missing], sum=True), joins), mask,
+                  model.rvs_to_values[missing], joins)
+    if both is not None:
+        return name, both, len(mask), missing
+    by_rows = spread(graph, mask)
+    return rv.name, graph if by_rows is None else by_rows, 0, None
+
+
 def _body(term):
     """The vector a term sums (PyMC's ``sum(logp)``), or None."""
     node = term.owner

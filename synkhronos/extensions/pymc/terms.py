@@ -108,25 +108,13 @@ def model_terms(model):
     A variable with missing values has its observed cells' term and its imputed
     values' prior written as one term over its cells, by its rows (``cells``).
     """
-    terms, imputed = [], {name: rv for rv, name in selections.imputed(model).items()}
-    flattened = selections.flattened(model)
-    joined, joins = set(), {}
+    terms, joined, joins = [], set(), {}
+    imputed = {name: rv for rv, name in selections.imputed(model).items()}
     for rv in model.observed_RVs:
         graph = selections.fold(model.logp(vars=[rv], sum=True), joins)
-        name = rv.name[:-len("_observed")] if rv.name.endswith("_observed") else None
-        missing = imputed.get(name)
-        mask = cells.mask_of(model, rv, name) if missing is not None else None
-        both = None if mask is None else cells.joined(
-            graph, selections.fold(model.logp(vars=[missing], sum=True), joins), mask,
-            model.rvs_to_values[missing], joins)
-        if both is not None:     # one term over the variable's cells, read by its rows
-            joined.add(missing)
-            terms.append(Term(name, both, internals.scales_rows(rv), len(mask)))
-            continue
-        if mask is not None and rv.name in flattened:   # the observed cells, by rows
-            spread = cells.spread(graph, mask)
-            graph = graph if spread is None else spread
-        terms.append(Term(rv.name, graph, internals.scales_rows(rv)))
+        name, graph, rows, missing = cells.own_term(model, rv, graph, imputed, joins)
+        joined.add(missing)
+        terms.append(Term(name, graph, internals.scales_rows(rv), rows))
     for pot in model.potentials:
         terms.append(Term(pot.name, selections.fold(model.logp(vars=[pot], sum=True), joins),
                           False))
