@@ -164,8 +164,7 @@ class _Join:
         if isinstance(a, Constant) and isinstance(b, Constant):
             return self._constants(a, b)
         if b is self.value and isinstance(a, Constant):
-            present = np.asarray(a.data)
-            self._placed(present, None)    # the observed values fit their cells
+            present = self._fitted(np.asarray(a.data))
             return selections.switched(self.mask, present, self.value, self.joins)
         node_a, node_b = a.owner, b.owner
         if (node_a is None or node_b is None or node_a.op != node_b.op
@@ -196,17 +195,21 @@ class _Join:
             return a
         raise _NotCellwise
 
-    def _placed(self, present, missing):
-        """An array of the variable's shape: ``present`` at the cells present, ``missing``
-        (or zeros) at the others."""
-        if (len(present) != self.n_in or (present.ndim > 1 and self.mask.ndim > 1)
-                or (missing is not None and (missing.shape[1:] != present.shape[1:]
-                                             or missing.dtype != present.dtype))):
+    def _fitted(self, present):
+        """``present``, an array over the cells present, or ``_NotCellwise``."""
+        if len(present) != self.n_in or (present.ndim > 1 and self.mask.ndim > 1):
             raise _NotCellwise
-        out = np.zeros(self.mask.shape + present.shape[1:], dtype=present.dtype)
+        return present
+
+    def _placed(self, present, missing):
+        """An array of the variable's shape: ``present`` at the cells present, ``missing`` at
+        the others."""
+        self._fitted(present)
+        if missing.shape[1:] != present.shape[1:] or missing.dtype != present.dtype:
+            raise _NotCellwise
+        out = np.empty(self.mask.shape + present.shape[1:], dtype=present.dtype)
         out[self.mask] = present
-        if missing is not None:
-            out[~self.mask] = missing
+        out[~self.mask] = missing
         return out
 
 

@@ -24,9 +24,8 @@ row at best) plus ``CALL_S``, and building it (``BUILD_COMPILES`` times
 PyMC's own compile: the master compiles the rank's graph in each mode to
 keep the faster, ``modes``, then the ranks theirs); where even that would
 not gain, nothing is built for the ranks.  Splitting is kept where it is
-predicted ``GAIN`` times faster and a step of every chain is faster split
-(a split slower a step wins only a short run, by what the other way compiles:
-runs take ``LEAPFROGS`` gradients a draw at the least); else ``dp.sample`` runs ``pm.sample``
+predicted ``GAIN`` times faster and a step of every chain faster too (slower a step, it
+wins only a short run, by what the other way compiles); else ``dp.sample`` runs ``pm.sample``
 itself with this process's cores released (the ranks sleep meanwhile), and
 says so in one log line.  Left out: pm.sample's chains slowing each other.
 
@@ -46,8 +45,6 @@ Where the choice turns on the gradients a draw takes, a short nutpie run counts 
 (``leapfrogs``).
 
 A measured decision is kept on disk for the next run of the model (``decision.py``).
-The module is over 400 lines with one job, this decision: each constant it rests on
-carries the measurement it came from.
 """
 
 import dataclasses
@@ -175,20 +172,11 @@ def predict(sampler, chains, cores, steps, serial_s, compile_s, round_s):
     (``SAMPLER_COMPILE_S``); ``round_s`` the data-parallel call (or calls) at
     every chain's position; see the module docstring.
     """
+    own = SAMPLER_S.get(sampler, SAMPLER_S["pymc"])
     compile_s += SAMPLER_COMPILE_S.get(sampler, 0.0)
-    serial = compile_s + steps * math.ceil(chains / cores) * (serial_s + own_s(sampler))
-    return serial, steps * steps_s(sampler, chains, round_s)
-
-
-def own_s(sampler):
-    """A sampler's own work a gradient beyond the call (``SAMPLER_S``)."""
-    return SAMPLER_S.get(sampler, SAMPLER_S["pymc"])
-
-
-def steps_s(sampler, chains, round_s):
-    """A step of every chain, data-parallel: the call (or calls) ``round_s`` and each chain's
-    sampler's work beside it (``predict``'s data-parallel side, a step)."""
-    return chains * (DP_NUTPIE_S if sampler == "nutpie" else own_s(sampler)) + round_s
+    serial = compile_s + steps * math.ceil(chains / cores) * (serial_s + own)
+    extra = DP_NUTPIE_S if sampler == "nutpie" else own
+    return serial, steps * (chains * extra + round_s)
 
 
 def decide(dp, sampler, chains, cores, draws, tune):
@@ -271,14 +259,13 @@ def _measured(dp, sampler, chains, n_cores, ranks, steps):
     # the first: it runs every position's rows (at 10^5 rows the graphs at 2 positions never
     # took less than 2 calls at one: bench/HISTORY.md, 2026-12-05).
     fixed_s = call_fixed_s(dp.chunk_fit, one_s, ranks)
-    round_s = chains * one_s - (chains - 1) * fixed_s
-    _, fastest = predict(sampler, chains, n_cores, steps, serial_s, compile_s, round_s)
+    _, fastest = predict(sampler, chains, n_cores, steps, serial_s, compile_s,
+                         chains * one_s - (chains - 1) * fixed_s)
     many_s, parallel_run, separate = None, fastest, False
     many_cost = max(MANY_COMPILE_S, MANY_BUILDS * (dp.first_call_s or 0.0))
     if chains > 1 and steps * (chains - 1) * fixed_s < many_cost:
         separate = True   # a call each: the many-position graphs would not pay their compile
-        round_s = chains * one_s
-        _, parallel_run = predict(sampler, chains, n_cores, steps, serial_s, compile_s, round_s)
+        _, parallel_run = predict(sampler, chains, n_cores, steps, serial_s, compile_s, chains * one_s)
     elif chains > 1 and fastest * GAIN < serial_run:
         # Positions near the start, apart as chains' are; the first calls choose between
         # the vectorised graph and the loop (calls.Calls), the timing sees the one kept.
@@ -289,19 +276,18 @@ def _measured(dp, sampler, chains, n_cores, ranks, steps):
         separate = chains * one_s < many_s   # logistic, 10^5 rows: 3.1 ms against 2 x 1.2
         round_s = min(many_s, chains * one_s)
         _, parallel_run = predict(sampler, chains, n_cores, steps, serial_s, compile_s, round_s)
-    # A split slower a gradient gains only on a short run, by what the serial way compiles
-    # (nutpie's own compile); runs take LEAPFROGS gradients a draw at the least, often many
-    # more (docs/pymc.md), so it must gain a gradient too.
-    serial_step = (chains * (serial_s + CALLBACK_S) if callback else
-                   math.ceil(chains / n_cores) * (serial_s * (numba or 1.0) + own_s(sampler)))
-    parallel_step = steps_s(sampler, chains, round_s)
-    split = parallel_run * GAIN < serial_run and parallel_step < serial_step
+    # A split slower a step gains only on a short run, by what the serial way compiles
+    # (nutpie's own); runs take LEAPFROGS gradients a draw at the least, often many more
+    # (docs/pymc.md), so it must gain a step too: each run less what it compiles.
+    compiled = 0.0 if callback else SAMPLER_COMPILE_S.get(sampler, 0.0)
+    step_s = (parallel_run / max(steps, 1), (serial_run - compiled) / max(steps, 1))
+    split = parallel_run * GAIN < serial_run and step_s[0] < step_s[1]
     return Decision(split, "measured", sampler, chains, n_cores, ranks, serial_s,
                     serial.compile_s, one_s, many_s, serial_run, parallel_run, separate,
                     callback=callback, numba_ratio=numba, leapfrogs=per_draw,
                     fixed_s=fixed_s if fixed_s < one_s else None,
                     sampler_compile_s=SAMPLER_COMPILE_S.get(sampler),
-                    steps_s=(parallel_step, serial_step))
+                    steps_s=step_s)
 
 
 def typical_x(dp, call):
