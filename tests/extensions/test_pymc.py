@@ -392,6 +392,41 @@ def test_the_other_modes_are_measured_by_a_child_on_the_ranks_cores(tmp_path, mo
     assert len(compiled) == 3 and len(os.listdir("/proc/self/fd")) == fds
 
 
+def test_a_trial_waits_for_each_output_not_each_element():
+    """``trials.done`` makes a function's outputs NumPy arrays (JAX returns before it has
+    computed them): each output of a list once, and a function's one output (the joined
+    graph's vector of logp and gradient) once as a whole, never element by element (10^4
+    elements cost a call ten times the imputed values' graph itself)."""
+    import pytensor
+    import pytensor.tensor as pt
+
+    from synkhronos.extensions.pymc import trials
+
+    class Output:
+        def __init__(self):
+            self.asked = 0
+
+        def __array__(self, dtype=None, copy=None):
+            self.asked += 1
+            return np.zeros(3)
+
+        def __iter__(self):
+            raise AssertionError("an output walked element by element")
+
+    one, many = Output(), [Output(), Output()]
+    trials.done(one)
+    trials.done(many)
+    assert one.asked == 1 and [o.asked for o in many] == [1, 1]
+
+    class Walked(np.ndarray):
+        def __iter__(self):
+            raise AssertionError("an output walked element by element")
+
+    x = pt.dvector("x")
+    fn = pytensor.function([x], pt.concatenate([x.sum()[None], 2 * x]), mode="FAST_COMPILE")
+    assert trials.trial(lambda a: fn(a).view(Walked), [np.ones(10_000)], 0.0) > 0
+
+
 def test_the_master_compiles_the_modes_the_child_has_not_begun(tmp_path, monkeypatch, aside_cores):
     """Once its own mode is compiled, the master takes the modes the child has not begun
     (trials.Claims), never JAX (started in the master it would hang the workers forked
@@ -706,11 +741,11 @@ def test_crossover_samples_a_small_model_as_pm_sample_does(env, caplog, monkeypa
         monkeypatch.setitem(crossover.SAMPLER_S, "pymc", 0.0)
         # The measured decision above may have timed the many-position graphs (on a slow
         # or cold machine): what this run does to them is compared with what it found.
-        kept = dict(dp._calls._batch_wins)
+        kept = dict(dp._calls._ways)
         dp.sample(10, **{**kw, "tune": 10})
         assert dp.decision.separate is True, dp.decision
         # Neither many-position graph ran in this run: no trial of them, nothing new kept.
-        assert not dp._calls._trials and dp._calls._batch_wins == kept
+        assert not dp._calls._trials and dp._calls._ways == kept
         # Their compile is taken as MANY_BUILDS first calls where that is more than the
         # fixed floor: with no floor, a first call of 1000 s still keeps the chains apart.
         monkeypatch.setattr(crossover, "MANY_COMPILE_S", 0.0)
@@ -720,7 +755,7 @@ def test_crossover_samples_a_small_model_as_pm_sample_does(env, caplog, monkeypa
         dp.sample(10, **{**kw, "tune": 10})
         assert dp.decision.kept is False, dp.decision
         assert dp.decision.separate is True, dp.decision
-        assert not dp._calls._trials and dp._calls._batch_wins == kept
+        assert not dp._calls._trials and dp._calls._ways == kept
         dp.split = False   # the branch the measured decision took, without measuring
         assert crossover.decide(dp, "pymc", 2, None, 30, 30) == crossover.Decision(
             False, "asked", "pymc", 2, crossover.sampling_cores(2, None), 2)
@@ -1017,14 +1052,14 @@ def test_results_outlive_the_next_call(env):
     np.testing.assert_allclose(many1[0], [logp(p1), logp(p2)], rtol=1e-10)
 
 
-def test_many_positions_vectorised_or_in_a_loop_equal_pymc(env):
-    """k positions run in one call, vectorised or in a loop of the one-position graph, whichever is faster on
-    the model (tried at the first calls): both give PyMC's values."""
+def test_many_positions_vectorised_in_a_loop_or_each_equal_pymc(env):
+    """k positions run in one call, vectorised or in a loop of the one-position graph, or in a call
+    each, whichever is faster on the model (tried at the first calls): every way gives PyMC's values."""
     model, dp = env.models["radon"], env.dps["radon"]
     logp, dlogp = model.compile_logp(), model.compile_dlogp()
     points = _points(model, np.random.default_rng(14), k=2)
     P = np.stack([dp.ravel(p) for p in points])
-    dp._calls._batch_wins.pop(2, None)
+    dp._calls._ways.pop(2, None)
 
     def check():
         logps, grads = dp.logp_dlogp_many(P)
@@ -1032,13 +1067,13 @@ def test_many_positions_vectorised_or_in_a_loop_equal_pymc(env):
             np.testing.assert_allclose(lp, logp(point), rtol=1e-10)
             _assert_grad_close(g, dlogp(point))
 
-    for _ in range(2 * synk_pymc.calls.TRIALS):
+    for _ in range(len(synk_pymc.calls.WAYS) * synk_pymc.calls.TRIALS):
         check()
-    assert 2 in dp._calls._batch_wins
-    for wins in (True, False):
-        dp._calls._batch_wins[2] = wins
+    assert dp._calls._ways[2] in synk_pymc.calls.WAYS and 2 not in dp._calls._trials
+    for way in synk_pymc.calls.WAYS:
+        dp._calls._ways[2] = way
         check()
-    dp._calls._batch_wins.pop(2)
+    dp._calls._ways.pop(2)
 
 
 def test_data_split_and_kept_whole(env):

@@ -14,7 +14,7 @@ imports it, so ``import synkhronos.extensions`` does not load it.
 Modules by job: ``terms`` (which terms read which rows; what is refused),
 ``rowcheck`` (each split term adds up over rows), ``graphs`` (the graph each
 rank runs, batched over positions), ``model`` (DataParallelModel), ``calls``
-(its calls at one or many positions, vectorised or in a loop), ``batching``
+(its calls at one or many positions, vectorised, in a loop or one by one), ``batching``
 (every chain's request in one call), ``crossover`` (whether splitting gains
 over pm.sample), ``sampling`` and ``internals`` (what PyMC and nutpie need,
 in one place).

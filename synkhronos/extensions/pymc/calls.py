@@ -1,9 +1,12 @@
 """A DataParallelModel's data-parallel functions and calls: at one position, or at many,
-vectorised or in a loop, in the mode measured fastest.
+vectorised, in a loop or one call each, in the mode measured fastest.
 
 Several positions (the chains') go in one call, either through the graph
-vectorised over them or through a loop of the one-position graph: whichever
-this model runs faster at that k, measured on its first calls.  Each
+vectorised over them or through a loop of the one-position graph, or in a
+call each: whichever this model runs faster at that k, measured on its
+first calls (the imputed values at 10^5 rows, their gradient 10^4 numbers a
+position: 676 us for 2 positions in a loop, 817 vectorised, 2 x 260 a
+call each; bench/HISTORY.md, 2026-12-07).  Each
 function is built (rewritten and compiled) at its first call, not in
 ``data_parallel()`` and ``distribute()``: ``dp.sample`` may find that
 splitting would not gain (``crossover``), only several chains at once call
@@ -26,8 +29,9 @@ from . import graphs
 
 logger = logging.getLogger(__name__)
 
-# Runs of each way to evaluate k positions (vectorised, one by one) before keeping one.
+# Runs of each way to evaluate k positions (vectorised, a loop, a call each) before keeping one.
 TRIALS = 6
+WAYS = ("vectorised", "loop", "each")
 
 
 def register(inputs, position, positions, logp, value_vars, shapes, pregrad, modes, name):
@@ -106,8 +110,8 @@ class Calls:
         """The rows are ``data`` now (a scatter): forget prepared arguments and measurements."""
         self.data = data
         self._args = {}          # k -> (the call's arguments, the array to write)
-        self._batch_wins = {}    # k -> whether the vectorised graph beats the loop
-        self._trials = {}        # k -> ([vectorised s], [loop s]) until known
+        self._ways = {}          # k -> the way kept at k positions (one of WAYS)
+        self._trials = {}        # k -> {way: [seconds]} until known
 
     def _call_args(self, k):
         """The arguments of a call at ``k`` positions and the array the positions go into.
@@ -147,25 +151,34 @@ class Calls:
         return out[0], out[1:]
 
     def many(self, positions):
-        """(logps, grads) at ``positions`` (k vectors or a k x size matrix), in one call.
+        """(logps, grads) at ``positions`` (k vectors or a k x size matrix).
 
-        The graph vectorised over the k positions, or a loop of the
-        one-position graph, whichever this model runs faster at k: vectorising
-        a model's gradient can cost several times more per position than
-        PyMC's own graph (the radon model's indexing, 4-6x), and batching
-        must never cost more than running the chains one by one.  The first
-        calls at each k try both.
+        One call of the graph vectorised over the k positions, or of a loop
+        of the one-position graph, or a call at each position, whichever
+        this model runs faster at k: vectorising a model's gradient can cost
+        several times more per position than PyMC's own graph (the radon
+        model's indexing, 4-6x), a loop's positions add up their gradients'
+        outputs in every chunk, and batching must never cost more than
+        running the chains one by one.  The first calls at each k try every way.
         """
         k = len(positions)
         if k == 1 or self.separate:
-            out = [self.one(x) for x in positions]
-            return np.array([lp for lp, _ in out]), np.stack([g for _, g in out])
+            return self._each(positions)
         if not self._built:
             self._first()
-        wins = self._batch_wins.get(k)
-        if wins is not None:
-            return self._many(self.fn if wins else self.fn_loop, positions)
+        way = self._ways.get(k)
+        if way is not None:
+            return self._run(way, positions)
         return self._trial(k, positions)
+
+    def _each(self, positions):
+        out = [self.one(x) for x in positions]
+        return np.array([lp for lp, _ in out]), np.stack([g for _, g in out])
+
+    def _run(self, way, positions):
+        if way == "each":
+            return self._each(positions)
+        return self._many(self.fn if way == "vectorised" else self.fn_loop, positions)
 
     def _many(self, fn, positions):
         """One call of ``fn`` (vectorised or the loop) at k positions."""
@@ -181,17 +194,18 @@ class Calls:
         return both[:, 0], both[:, 1:]
 
     def _trial(self, k, positions):
-        """Evaluate by the way tried less so far; once each has run ``TRIALS`` times, keep
-        the faster (the first run of each left out: it compiles and faults pages in)."""
-        vec, loop = self._trials.setdefault(k, ([], []))
-        times, fn = (vec, self.fn) if len(vec) <= len(loop) else (loop, self.fn_loop)
+        """Evaluate by the way tried least so far; once each has run ``TRIALS`` times, keep
+        the fastest (the first run of each left out: it compiles and faults pages in)."""
+        times = self._trials.setdefault(k, {way: [] for way in WAYS})
+        way = min(WAYS, key=lambda w: len(times[w]))
         t0 = time.perf_counter()
-        out = self._many(fn, positions)
-        times.append(time.perf_counter() - t0)
-        if len(vec) >= TRIALS and len(loop) >= TRIALS:
-            wins = self._batch_wins[k] = min(vec[1:]) <= min(loop[1:])
+        out = self._run(way, positions)
+        times[way].append(time.perf_counter() - t0)
+        if all(len(t) >= TRIALS for t in times.values()):
+            best = {w: min(t[1:]) for w, t in times.items()}
+            self._ways[k] = min(WAYS, key=best.get)
             del self._trials[k]
-            logger.debug("pymc model: %d positions a call %s (%.1f us vectorised, %.1f us in "
-                         "a loop)", k, "vectorised" if wins else "in a loop",
-                         min(vec[1:]) * 1e6, min(loop[1:]) * 1e6)
+            logger.debug("pymc model: %d positions %s (%s)", k,
+                         "a call each" if self._ways[k] == "each" else f"a call {self._ways[k]}",
+                         ", ".join(f"{w} {s * 1e6:.1f} us" for w, s in best.items()))
         return out

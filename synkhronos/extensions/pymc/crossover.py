@@ -267,10 +267,10 @@ def _measured(dp, sampler, chains, n_cores, ranks, steps):
         separate = True   # a call each: the many-position graphs would not pay their compile
         _, parallel_run = predict(sampler, chains, n_cores, steps, serial_s, compile_s, chains * one_s)
     elif chains > 1 and fastest * GAIN < serial_run:
-        # Positions near the start, apart as chains' are; the first calls choose between
-        # the vectorised graph and the loop (calls.Calls), the timing sees the one kept.
+        # Positions near the start, apart as chains' are; the first calls choose a way
+        # (vectorised, a loop, a call each: calls.Calls), the timing sees the one kept.
         P = x + 0.01 * np.arange(chains, dtype=dp.dtype)[:, None]
-        for _ in range(2 * calls_mod.TRIALS + 1):
+        for _ in range(len(calls_mod.WAYS) * calls_mod.TRIALS + 1):
             dp.logp_dlogp_many(P)
         many_s = _timed(lambda: dp.logp_dlogp_many(P))
         separate = chains * one_s < many_s   # logistic, 10^5 rows: 3.1 ms against 2 x 1.2

@@ -136,8 +136,8 @@ def where(dp, key):
     if not text:
         return None
     shapes = [tuple(np.shape(c.get_value(borrow=True))) for c in (*dp.containers, *dp.whole)]
-    return digest("pymc decision", "timed at a settled position, a step too", text, shapes, key,
-                  dp.rank_modes, synk.__version__, pymc.__version__)
+    return digest("pymc decision", "timed at a settled position, a step too, modes timed whole",
+                  text, shapes, key, dp.rank_modes, synk.__version__, pymc.__version__)
 
 
 def read(value, sampler, chains, cores, ranks):

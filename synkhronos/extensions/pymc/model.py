@@ -1,6 +1,6 @@
 """DataParallelModel: a PyMC log-density and its gradient, summed over ranks, many positions a call.
 
-The calls themselves (one position, or many vectorised or in a loop) are
+The calls themselves (one position, or many vectorised, in a loop or one by one) are
 ``calls.Calls``'s job; this module builds the graphs, places the rows and
 offers the PyMC-facing surface (evaluations, scatter, ravel and unravel,
 find_map, sample).  Over 400 lines: one job, the object a PyMC user holds.  What could
@@ -332,7 +332,8 @@ class DataParallelModel:
                 "still hold the old rows. Call dp.scatter() to send the new ones")
 
     def logp_dlogp_many(self, positions):
-        """Return ``(logps, grads)`` at many positions (a k x size matrix) with one call.
+        """Return ``(logps, grads)`` at many positions (a k x size matrix), in one call where
+        that measured faster than a call at each.
 
         Each row of the result equals ``model.compile_logp()`` /
         ``model.compile_dlogp()`` at that position on the whole data set.

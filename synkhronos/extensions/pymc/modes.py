@@ -233,14 +233,15 @@ def _key(output, args, modes):
     """What a measurement depends on, hashed: the graph as PyTensor prints it (its
     operations and types, not the rows' values), the arguments' shapes and types, the
     modes, the rule (timed near the mode: the decision's position or ``settle``'s, one
-    key for both, so that a run reading a kept decision reads the modes it measured), the
-    libraries that compile it and the CPU that runs it (``measures.digest``); None where
-    the graph cannot be printed."""
+    key for both, so that a run reading a kept decision reads the modes it measured; each
+    output waited for as a whole, ``trials.done``: a kept figure from before counted
+    walking the gradient), the libraries that compile it and the CPU that runs it
+    (``measures.digest``); None where the graph cannot be printed."""
     graph = graph_text(output)
     if graph is None:
         return None
     return digest(graph, [(np.shape(a), str(np.asarray(a).dtype)) for a in args],
-                  sorted(str(m) for m in modes), "timed near the mode")
+                  sorted(str(m) for m in modes), "timed near the mode, outputs whole")
 
 
 def _cached(key):
