@@ -64,6 +64,12 @@ def _scalar_ops(var):
     return found
 
 
+def _with_gradients(exprs, value_vars, inputs):
+    """Each of ``exprs`` and its gradient, compiled as a function of the position and the rows."""
+    return [pytensor.function([*value_vars, *inputs], [e, *pytensor.grad(e, value_vars)],
+                              on_unused_input="ignore") for e in exprs]
+
+
 def test_each_group_of_rows_runs_only_its_branch():
     """Three groups (below, inside and above the bounds), the inside one without the
     normal's CDF (no erfc, no erfcx), and their sum equal to the term on any rows."""
@@ -82,11 +88,7 @@ def test_each_group_of_rows_runs_only_its_branch():
     grouped = branches.by_class(expr, inputs, arrays, [False] * len(inputs))
     assert branches.picks_rows(grouped) and not branches.picks_rows(expr)
     value_vars = model.value_vars
-    args = [*value_vars, *inputs]
-    f_whole = pytensor.function(args, [expr, *pytensor.grad(expr, value_vars)],
-                                on_unused_input="ignore")
-    f_grouped = pytensor.function(args, [grouped, *pytensor.grad(grouped, value_vars)],
-                                  on_unused_input="ignore")
+    f_whole, f_grouped = _with_gradients([expr, grouped], value_vars, inputs)
     rng = np.random.default_rng(0)
     for take in (np.arange(N_ROWS), rng.permutation(N_ROWS)[:97], np.flatnonzero(np.abs(y) < 1),
                  np.arange(0)):
@@ -97,6 +99,37 @@ def test_each_group_of_rows_runs_only_its_branch():
             got = f_grouped(*point, *rows)
             for w, g in zip(want, got):
                 np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_rows_put_in_order_run_each_group_as_a_slice():
+    """Where the rows never change, they are put in their groups' order once and each group
+    is a slice of any contiguous range of them (no row picked by position): the sum equals the
+    term on the same rows, chunk by chunk, with each group's own branch only."""
+    model, _, y = _censored()
+    expr, inputs, arrays, plan = _split_term(model)
+    grouped, order = branches.by_sorted_class(expr, inputs, arrays)
+    assert sorted(order) == list(range(N_ROWS))
+    assert branches.picks_rows(grouped)
+    assert not any(isinstance(v.owner.op, pt.basic.Nonzero) for v in compat.ancestors([grouped])
+                   if v.owner is not None)
+    conds = branches.conditions(expr, inputs)
+    codes = [tuple(bool(c) for c in row) for row in
+             branches._values(conds, inputs, [a[order] for a in arrays]).T]
+    assert codes == sorted(codes, key=lambda k: sum(b << j for j, b in enumerate(k)))
+    value_vars = model.value_vars
+    f_whole, f_sorted = _with_gradients([expr, grouped], value_vars, inputs)
+    rng = np.random.default_rng(1)
+    ordered = [a[order] for a in arrays]
+    for lo, hi in ((0, N_ROWS), (0, 37), (37, 250), (250, N_ROWS), (5, 5)):
+        rows = [a[lo:hi] for a in ordered]
+        point = [rng.normal(size=v.type.shape or ()) for v in value_vars]
+        for w, g in zip(f_whole(*point, *rows), f_sorted(*point, *rows)):
+            np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+    # A term whose switches read a pm.Data container's rows is not put in order.
+    model, *_ = _censored(upper_data=True)
+    expr, inputs, arrays, plan = _split_term(model)
+    split, _, _ = graphs.rank_terms(model, plan, inputs, {}, pt.dscalar("n"), sort=True)
+    assert all(getattr(c, "_rows", None) is None for c in plan.split)
 
 
 def test_too_many_groups_run_whole(monkeypatch):

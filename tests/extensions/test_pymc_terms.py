@@ -25,6 +25,7 @@ import synkhronos as synk  # noqa: E402
 from helpers import pymc_models  # noqa: E402
 from synkhronos import compat  # noqa: E402
 from synkhronos.extensions import pymc as synk_pymc  # noqa: E402
+from synkhronos.extensions.pymc import branches  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -438,6 +439,13 @@ def test_now_exact_on_uneven_ranks(exact, name):
         assert [t.name for t in dp._plan.split_terms] == joined[name]
         imputed = {v for v in model.value_vars if v.name.endswith("_unobserved")}
         assert imputed and not imputed & set(compat.ancestors([dp._plan.whole_terms[0].graph]))
+    if name in ("missing", "missing_indexed"):
+        # Every array a NumPy one: the rows put in the groups' order (the missing first),
+        # each group a slice, nothing picked by position.
+        masks = [c.get_value(borrow=True) for c in dp.containers if c.dtype == "bool"]
+        assert len(masks) == 1 and not masks[0][0] and masks[0][-1]
+        assert np.all(np.diff(masks[0].astype(int)) >= 0)
+        assert branches.picks_rows(dp.rank_logp)
     # What is split: the NumPy arrays with the rows as well as the containers.
     split = {"numpy": ["y_obs_array1", "y_obs_data"], "indexed": ["y_obs_array1", "y_obs_data"],
              "indexed_wrapped": ["y", "y_obs_array1"], "potential": ["lik_array1", "lik_array2"],

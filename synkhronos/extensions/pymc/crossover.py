@@ -45,6 +45,8 @@ Where the choice turns on the gradients a draw takes, a short nutpie run counts 
 (``leapfrogs``).
 
 A measured decision is kept on disk for the next run of the model (``decision.py``).
+Over 400 lines: one job, the prediction, a third of it its constants, each with the
+measurement it rests on.
 """
 
 import dataclasses
@@ -129,7 +131,14 @@ make 500 calls in 3-13 ms)."""
 
 LEAPFROGS = 10
 """Gradient evaluations a draw takes, for the prediction: NUTS's trees of depth 3-4, as
-tuned models take (tests/extensions/test_pymc.py counts n_steps per draw)."""
+tuned models take (tests/extensions/test_pymc.py counts n_steps per draw), up to
+``LEAPFROG_SIZE`` numbers a position (``draw_steps``)."""
+
+LEAPFROG_SIZE = 100
+"""Above this many numbers a position a draw takes ``(size / LEAPFROG_SIZE) ** (1/4)`` times
+``LEAPFROGS``: NUTS's step shrinks as the size to the -1/4 (Beskos et al., 2013), its paths
+take as many more steps.  The missing values at 10^5 rows (9965 numbers) took 31 a draw (the
+rule: 32), 45-52 tuning (nutpie, PyMC 6.4; bench/HISTORY.md, 2026-12-07)."""
 
 MAX_LEAPFROGS = 1023
 """The most a draw takes: NUTS's trees at their default greatest depth, 10."""
@@ -201,7 +210,7 @@ def decide(dp, sampler, chains, cores, draws, tune):
     if layout.n_machines > 1 or dp.given:
         # The rows are on other machines (or given as synk.Data): only the ranks hold them.
         return Decision(True, "cluster", sampler, chains, n_cores, ranks)
-    steps = (draws + (1000 if tune is None else tune)) * LEAPFROGS
+    steps = int(round((draws + (1000 if tune is None else tune)) * draw_steps(dp.size)))
     key = (dp.n_rows, sampler, chains, n_cores, ranks, steps)
     known = dp.decisions.get(key)
     if known is None:
@@ -222,13 +231,13 @@ def _measured(dp, sampler, chains, n_cores, ranks, steps):
     serial_s = _timed(lambda: call(x), SERIAL_TRIAL_S)
     per_draw = None
     if sampler == "nutpie":
-        draws_all = steps // LEAPFROGS
+        draws_all = int(round(steps / draw_steps(dp.size)))
         turns = callback_turns(draws_all, chains, n_cores, serial_s)
-        if (turns is not None and LEAPFROGS < turns < MAX_LEAPFROGS
+        if (turns is not None and draw_steps(dp.size) < turns < MAX_LEAPFROGS
                 and TRIAL_TUNE + TRIAL_DRAWS <= TRIAL_SHARE * chains * draws_all):
             # Which way wins turns on the gradients a draw takes: count them.
             per_draw = leapfrogs(dp, serial)
-            steps = int(round(draws_all * (per_draw or LEAPFROGS)))
+            steps = int(round(draws_all * (per_draw or draw_steps(dp.size))))
     # The one pm.sample would run (internals.serving): nothing for it to compile again.
     serial_run, at_best = predict(sampler, chains, n_cores, steps, serial_s, 0.0,
                                   CALL_S + serial_s / (ranks * RANK_GRAPH_GAIN))
@@ -288,6 +297,11 @@ def _measured(dp, sampler, chains, n_cores, ranks, steps):
                     fixed_s=fixed_s if fixed_s < one_s else None,
                     sampler_compile_s=SAMPLER_COMPILE_S.get(sampler),
                     steps_s=step_s)
+
+
+def draw_steps(size):
+    """Gradients a draw of ``size`` numbers a position is predicted to take (``LEAPFROG_SIZE``)."""
+    return LEAPFROGS * max(1.0, size / LEAPFROG_SIZE) ** 0.25
 
 
 def typical_x(dp, call):

@@ -50,7 +50,7 @@ def row_dims(model, containers, rows):
     return out
 
 
-def rank_terms(model, plan, inputs, whole_copies, n_total, by_class=True):
+def rank_terms(model, plan, inputs, whole_copies, n_total, by_class=True, sort=False):
     """Return ``(split_exprs, whole_expr, frac)`` in the model's value variables.
 
     Args:
@@ -59,6 +59,9 @@ def rank_terms(model, plan, inputs, whole_copies, n_total, by_class=True):
         n_total: a float64 scalar variable, the rows of the whole data set.
         by_class: whether a term whose switches read only rows runs each group of rows on
             the branches it takes (``branches.by_class``); the master must hold the rows.
+        sort: whether, where every split array is a ``Lifted`` one, the first such term
+            may have the rows put in its groups' order, each group then a slice
+            (``branches.by_sorted_class``; every ``Lifted`` is ``put_in_order``).
     """
     rows = inputs[0].shape[0]
     frac = rows.astype("float64") / n_total
@@ -76,10 +79,19 @@ def rank_terms(model, plan, inputs, whole_copies, n_total, by_class=True):
     strict = not any(isinstance(c, terms.Lifted) for c in plan.split)
     arrays = [c.get_value(borrow=True) for c in plan.split] if by_class else None
     changeable = [not isinstance(c, terms.Lifted) for c in plan.split]
+    sort = sort and by_class and all(isinstance(c, terms.Lifted) for c in plan.split)
     split_exprs = []
     for term in plan.split_terms:
         expr = compat.clone_replace(term.graph, replace=replace, strict=strict)
-        expr = branches.by_class(expr, inputs, arrays, changeable)
+        order = None
+        if sort:
+            expr, order = branches.by_sorted_class(expr, inputs, arrays)
+        if order is None:
+            expr = branches.by_class(expr, inputs, arrays, changeable)
+        else:   # the rows in this term's groups' order; the terms after pick theirs
+            sort = False
+            for c in plan.split:
+                c.put_in_order(order)
         split_exprs.append(expr * frac if term.scaled else expr)
     whole = [t.graph for t in plan.whole_terms]
     whole_expr = (compat.clone_replace(pt.add(*whole) if len(whole) > 1 else whole[0],

@@ -148,7 +148,8 @@ class DataParallelModel:
         n_sym = pt.dscalar("n_total")
         split_exprs, whole_expr, frac = graphs.rank_terms(
             model, plan, inputs, self._whole_copies, n_sym,
-            by_class=not self._given and not _is_jax(asked))
+            by_class=not self._given and not _is_jax(asked),
+            sort=synk.layout().n_machines == 1)   # a chunked call then balances the ranks
         logp = graphs.rank_logp(split_exprs, whole_expr, frac, self.dtype)
         logp = compat.clone_replace(logp, replace={n_sym: self._n_total})
         self.rank_logp = logp    # what a rank's graphs are made from (decisions kept are keyed by it)

@@ -46,12 +46,11 @@ class Term(NamedTuple):
 class Lifted:
     """A NumPy array of the model's graph with one row per observation, split as a container is.
 
-    The model holds it as a constant of its graph (``observed=`` a NumPy
-    array, a covariate, an index array, a ``pm.Censored`` bound); the ranks
-    get its rows.  It offers what the rest of the extension reads of a
-    ``pm.Data`` container: ``name``, ``type``, ``dtype``, ``ndim`` and
-    ``get_value``; it never changes (``pm.set_data`` cannot reach it).
-    """
+    The model holds it as a constant of its graph (``observed=`` a NumPy array, a covariate,
+    an index array, a ``pm.Censored`` bound); the ranks get its rows, in an order of their
+    own where put in one.  It offers what the rest of the extension reads of a ``pm.Data``
+    container (``name``, ``type``, ``dtype``, ``ndim``, ``get_value``); ``pm.set_data``
+    cannot reach it."""
 
     def __init__(self, constant, name, dims_of=None):
         self.constant = constant
@@ -60,10 +59,15 @@ class Lifted:
         self.type = constant.type
         self.dtype = constant.dtype
         self.ndim = constant.ndim
+        self._rows = None                # the rows in the ranks' order, where put in one
 
     def get_value(self, borrow=False):
-        data = self.constant.data
+        data = self.constant.data if self._rows is None else self._rows   # put_in_order's
         return data if borrow else data.copy()
+
+    def put_in_order(self, order):
+        """The ranks get the rows in ``order``; the model's constant stays as it is."""
+        self._rows = np.ascontiguousarray(self.get_value(borrow=True)[order])
 
     def __repr__(self):
         return f"Lifted({self.name!r}, shape={self.constant.data.shape})"
@@ -103,10 +107,9 @@ def containers_of(model):
 def model_terms(model):
     """Every term of the log-density, as ``Term`` s (the priors as one term).
 
-    A likelihood's constant row selections are moved onto the arrays they
-    select (``selections``): the rows present of a variable with missing values.
-    A variable with missing values has its observed cells' term and its imputed
-    values' prior written as one term over its cells, by its rows (``cells``).
+    A likelihood's constant row selections are moved onto the arrays they select
+    (``selections``): the rows present of a variable with missing values, whose observed
+    cells' term and imputed values' prior are one term over its cells, by rows (``cells``).
     """
     terms, joined, joins = [], set(), {}
     imputed = {name: rv for rv, name in selections.imputed(model).items()}
@@ -376,8 +379,7 @@ def refuse_numpy_rows(model, plan):
             if (not isinstance(var, Constant) or getattr(var.type, "ndim", 0) < 1
                     or var in lifted):
                 continue
-            shape = np.shape(var.data)
-            kind = np.asarray(var.data).dtype
+            shape, kind = np.shape(var.data), np.asarray(var.data).dtype
             selects = kind.kind in "biu"
             if not shape or shape[0] not in (select_rows if selects else {plan.n_rows}):
                 continue
