@@ -25,7 +25,7 @@ import synkhronos as synk  # noqa: E402
 from helpers import pymc_models  # noqa: E402
 from synkhronos import compat  # noqa: E402
 from synkhronos.extensions import pymc as synk_pymc  # noqa: E402
-from synkhronos.extensions.pymc import branches  # noqa: E402
+from synkhronos.extensions.pymc import branches, graphs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -234,6 +234,33 @@ def _missing_covariates_model():
         b = pm.Normal("b", 0, 1, shape=2)
         pm.Normal("y_obs", mu=X_v @ b, sigma=pm.HalfNormal("s", 1), observed=y)
     return m
+
+
+def test_a_product_of_few_columns_written_out_as_their_sum():
+    """A rows-by-columns matrix times a parameter vector (``pm.math.dot`` and ``@``) becomes
+    the sum of its columns, with the same value and gradient; more than ``MAX_COLUMNS``
+    columns, or a matrix of no rows, stay a product."""
+    import pytensor
+    import pytensor.tensor as pt
+
+    rng = np.random.default_rng(5)
+    for k, dot in ((2, pt.dot), (5, pt.matmul), (graphs.MAX_COLUMNS + 1, pt.dot)):
+        X, b = pt.matrix("X", shape=(None, k)), pt.vector("b", shape=(k,))
+        expr = pt.sum(pt.exp(-0.5 * dot(X, b)))
+        out = graphs.unrolled_products(expr, [X])
+        ops = {type(getattr(n.op, "core_op", n.op)).__name__
+               for n in pytensor.graph.basic.io_toposort([X, b], [out])}
+        if k > graphs.MAX_COLUMNS:
+            assert out is expr
+            continue
+        assert not ops & {"Dot", "Matmul"}, ops
+        fns = [pytensor.function([X, b], [e, pytensor.grad(e, b)]) for e in (expr, out)]
+        Xv, bv = rng.normal(size=(40, k)), rng.normal(size=k)
+        for want, got in zip(fns[0](Xv, bv), fns[1](Xv, bv)):
+            np.testing.assert_allclose(got, want, rtol=1e-12)
+    W = pt.matrix("W", shape=(3, 2))   # no rows: a parameter matrix times a parameter vector
+    expr = pt.sum(pt.dot(W, pt.vector("b", shape=(2,))))
+    assert graphs.unrolled_products(expr, [X]) is expr
 
 
 def test_imputed_values_read_by_position_are_refused(exact, monkeypatch):

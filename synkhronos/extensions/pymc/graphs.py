@@ -50,6 +50,37 @@ def row_dims(model, containers, rows):
     return out
 
 
+MAX_COLUMNS = 8
+"""The most columns a rows-by-columns matrix times a parameter vector is written out for
+(``unrolled_products``); wider ones (covtype's 55) stay one BLAS call."""
+
+
+def unrolled_products(expr, inputs):
+    """``expr`` with each product of a matrix over the rows and a vector of at most
+    ``MAX_COLUMNS`` parameters (``X @ b``, ``pm.math.dot(X, b)``) written as the sum of its
+    columns (``X[:, 0] * b[0] + ...``): elementwise, so it fuses into the loop over the rows
+    with the rest of the term, and so does its gradient, where a product is a BLAS call
+    and its gradient a transposed one, each a pass of its own.  At 50,000 rows a Normal
+    regression's (logp, dlogp) in Numba on PyTensor 2 with ``rowsums``: 274 -> 47 us with 2
+    columns, 710 -> 111 with 5; on PyTensor 3 79 -> 78 with 2 (one-off, bench/HISTORY.md,
+    2026-12-07)."""
+    rows = set(inputs)
+
+    def written_out(node, new):
+        core = getattr(node.op, "core_op", node.op)
+        if type(core).__name__ not in ("Dot", "Matmul") or len(new) != 2:
+            return None
+        m, w = new
+        k = w.type.shape[0] if w.ndim == 2 and w.type.shape[1:] == (1,) else None
+        if (m.ndim != 2 or k is None or not 0 < k <= MAX_COLUMNS
+                or not set(compat.ancestors([m])) & rows or set(compat.ancestors([w])) & rows):
+            return None
+        total = pt.add(*[m[:, j] * w[j, 0] for j in range(k)]) if k > 1 else m[:, 0] * w[0, 0]
+        out = node.outputs[0]
+        return [total[:, None].astype(out.dtype)]
+    return compat.rebuilt(expr, {}, override=written_out)
+
+
 def rank_terms(model, plan, inputs, whole_copies, n_total, by_class=True, sort=False):
     """Return ``(split_exprs, whole_expr, frac)`` in the model's value variables.
 
@@ -82,7 +113,8 @@ def rank_terms(model, plan, inputs, whole_copies, n_total, by_class=True, sort=F
     sort = sort and by_class and all(isinstance(c, terms.Lifted) for c in plan.split)
     split_exprs = []
     for term in plan.split_terms:
-        expr = compat.clone_replace(term.graph, replace=replace, strict=strict)
+        expr = unrolled_products(compat.clone_replace(term.graph, replace=replace, strict=strict),
+                                 inputs)
         order = None
         if sort:
             expr, order = branches.by_sorted_class(expr, inputs, arrays)
