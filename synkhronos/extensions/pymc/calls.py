@@ -4,9 +4,10 @@ vectorised, in a loop or one call each, in the mode measured fastest.
 Several positions (the chains') go in one call, either through the graph
 vectorised over them or through a loop of the one-position graph, or in a
 call each: whichever this model runs faster at that k, measured on its
-first calls (the imputed values at 10^5 rows, their gradient 10^4 numbers a
-position: 676 us for 2 positions in a loop, 817 vectorised, 2 x 260 a
-call each; bench/HISTORY.md, 2026-12-07).  Each
+first calls.  ``crossover`` compares a call each with the others where it
+decides; with ``split=True``, or in a cluster, nothing else does (the
+missing values at 10^5 rows, 2 positions: vectorised 329 us, a loop 318, a
+call each 356; bench/HISTORY.md, 2026-12-07).  Each
 function is built (rewritten and compiled) at its first call, not in
 ``data_parallel()`` and ``distribute()``: ``dp.sample`` may find that
 splitting would not gain (``crossover``), only several chains at once call
