@@ -149,8 +149,7 @@ def by_class(expr, inputs, arrays, changeable):
     if len(keys) > MAX_CLASSES:
         logger.debug("pymc model: %d groups of rows by their branches, run whole", len(keys))
         return expr
-    key = pt.add(*[pt.cast(c, "int64") * (1 << j) for j, c in enumerate(conds)]) \
-        if len(conds) > 1 else pt.cast(conds[0], "int64")
+    key = _key(conds, "int64")
     codes = [sum(1 << j for j, b in enumerate(k) if b) for k in keys]
     parts = [_on_rows(expr, inputs, pt.eq(key, code).nonzero()[0], dict(zip(conds, k)))
              for code, k in zip(codes, keys)]
@@ -183,9 +182,7 @@ def by_sorted_class(expr, inputs, arrays):
     if not 1 < len(present) <= MAX_CLASSES:
         return expr, None
     dtype = "int8" if len(conds) < 7 else "int64"
-    bits = [pt.cast(c, dtype) * np.array(1 << j, dtype=dtype) for j, c in enumerate(conds)]
-    key = pt.add(*bits) if len(bits) > 1 else bits[0]
-    bounds = searchsorted(key, present.astype(dtype))
+    bounds = searchsorted(_key(conds, dtype), present.astype(dtype))
     rows = inputs[0].shape[0]
     parts = []
     for g, code in enumerate(present):
@@ -195,6 +192,12 @@ def by_sorted_class(expr, inputs, arrays):
     logger.debug("pymc model: a term run as %d slices of rows put in order by %d conditions on "
                  "the data", len(parts), len(conds))
     return pt.add(*parts), np.argsort(codes, kind="stable")
+
+
+def _key(conds, dtype):
+    """Each row's group: bit ``j`` its value of ``conds[j]``, in ``dtype``."""
+    bits = [pt.cast(c, dtype) * np.array(1 << j, dtype=dtype) for j, c in enumerate(conds)]
+    return pt.add(*bits) if len(bits) > 1 else bits[0]
 
 
 def picks_rows(graph):
