@@ -43,7 +43,8 @@ The parts, each model in a child process of its own (own memory, a quiet start):
             logistic, zero-inflated Poisson, LKJ, stochastic volatility, Dirichlet-multinomial,
             a pm.Potential, a DataFrame).  dp.sample's decision is
             kept on disk (pymc/decision.py): a run after the first of a model takes it, as
-            a user's second run does; --measure-decisions measures it in every run.
+            a user's second run does; --measure-decisions measures it (and the rank
+            graph's modes) in every run, as a user's first run does.
   compile   seconds nutpie compiles each gallery model in a fresh process, and PyMC its
             (logp, dlogp): what crossover.SAMPLER_COMPILE_S stands for.
   crossover what dp.sample decides for each gallery model with rows, bootstrapped to
@@ -563,13 +564,15 @@ def child_e2e(system, which, chains, draws, tune, rows=0, source="gallery", meas
         from synkhronos.extensions import pymc as synk_pymc
         from synkhronos.extensions.pymc import crossover
         decide, spent = crossover.decide, []
-        if measure:   # a file of this run's own: no earlier run's decision read
+        if measure:   # files of this run's own: no earlier run's decision or modes read
             import tempfile
 
             from synkhronos.functions.measures import MeasureFile
             from synkhronos.extensions.pymc import decision as decision_mod
+            from synkhronos.extensions.pymc import modes as modes_mod
             aside = tempfile.TemporaryDirectory()   # removed when this child ends
             decision_mod.KEPT = MeasureFile("decisions.json", aside.name)
+            modes_mod.KEPT = MeasureFile("modes.json", aside.name)
 
         def timed_decide(*args, **kwargs):   # what deciding costs, within dp.sample
             t = time.perf_counter()
@@ -700,7 +703,7 @@ def _e2e(models, chains, systems, draws, tune, rounds, rows=0, source="gallery",
           f"{draws} draws after {tune} tuning steps, median of {rounds} rounds; "
           f"{'rows bootstrapped to %d' % rows if rows else 'the gallery sizes'}"
           f"{SOURCES[source]}"
-          f"{'; every decision measured' if measure else ''})\n")
+          f"{'; every decision and mode measured' if measure else ''})\n")
     for s in systems:
         print(f"- {s}: {E2E_WHAT[s]}")
     rated = [s for s in systems if s.startswith("synk")]
@@ -747,8 +750,9 @@ def main():
     p.add_argument("--likelihoods", action="store_true",
                    help="e2e: other notebooks' likelihoods (pymc_gallery.LIKELIHOODS)")
     p.add_argument("--measure-decisions", action="store_true",
-                   help="e2e: every dp.sample measures its decision (by default a run after "
-                        "the first of a model takes the one kept on disk, as a user's does)")
+                   help="e2e: every dp.sample measures its decision and the rank graph's "
+                        "modes (by default a run after the first of a model takes those kept "
+                        "on disk, as a user's does)")
     p.add_argument("--child", nargs="+")
     a = p.parse_args()
     if a.child:

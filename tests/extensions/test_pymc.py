@@ -590,27 +590,40 @@ def test_settled_climbs_to_the_mode_and_keeps_the_best_finite_position():
     np.testing.assert_allclose(out, np.linalg.lstsq(A, b, rcond=None)[0], atol=1e-3)
 
 
-def test_the_modes_are_timed_near_the_mode(tmp_path, monkeypatch, aside_cores):
-    """With settle, the modes are timed (by the master and by the child aside) at the
-    rank's log-density's mode, not at the initial point given; without, where given."""
-    import pytensor.tensor as pt
-    from pytensor.compile.mode import Mode
+def _positions_logged(monkeypatch, log):
+    """``trials.trial`` writes, for each timing, its process and position to ``log``."""
+    from synkhronos.extensions.pymc import trials
 
-    from synkhronos.extensions.pymc import modes, trials
-
-    had, cores = aside_cores
-    log = tmp_path / "where.log"
-    real_trial, master = trials.trial, os.getpid()
-    _slow_master_compile(monkeypatch)
+    real_trial = trials.trial
 
     def logged(fn, args, seconds):
         with open(log, "a") as f:
             f.write(f"{os.getpid()} {' '.join(map(repr, np.asarray(args[-1]).tolist()))}\n")
         return real_trial(fn, args, seconds)
     monkeypatch.setattr(trials, "trial", logged)
+
+
+def _joined_normal():
+    """``(X, p, [logp, *dlogp])`` of a normal's rows ``X`` at ``p``: ``graphs.joined``'s layout."""
+    import pytensor.tensor as pt
+
     X, p = pt.matrix("X", dtype="float64"), pt.vector("p", dtype="float64")
     lp = -0.5 * ((X - p) ** 2).sum()
-    out = pt.concatenate([lp[None], pytensor.grad(lp, p)])   # graphs.joined's layout
+    return X, p, pt.concatenate([lp[None], pytensor.grad(lp, p)])
+
+
+def test_the_modes_are_timed_near_the_mode(tmp_path, monkeypatch, aside_cores):
+    """With settle, the modes are timed (by the master and by the child aside) at the
+    rank's log-density's mode, not at the initial point given; without, where given."""
+    from pytensor.compile.mode import Mode
+
+    from synkhronos.extensions.pymc import modes
+
+    had, cores = aside_cores
+    log, master = tmp_path / "where.log", os.getpid()
+    _slow_master_compile(monkeypatch)
+    _positions_logged(monkeypatch, log)
+    X, p, out = _joined_normal()
     rows = np.random.default_rng(0).normal(loc=[1.0, -2.0, 0.5], size=(400, 3))
     ways = {"PY": Mode(linker="py", optimizer=None), "CVM": "CVM"}
     for settle, expected in ((True, rows[:200].mean(axis=0)), (False, np.ones(3))):
@@ -634,6 +647,60 @@ def test_the_modes_are_timed_near_the_mode(tmp_path, monkeypatch, aside_cores):
     finally:
         os.sched_setaffinity(0, had)
     assert not log.exists()
+
+
+def test_the_modes_begun_early_compile_aside_until_finished_or_cancelled(tmp_path, monkeypatch,
+                                                                         aside_cores):
+    """``modes.begin`` starts the child compiling the other modes on the ranks' cores at once
+    (``crossover.decide`` begins it before compiling PyMC's function): while the master does
+    something else the child compiles its mode, and ``finish`` times every mode at the
+    position it is given; ``cancel`` stops the child, leaving no process or pipe behind."""
+    from pytensor.compile.mode import Mode
+
+    from synkhronos.extensions.pymc import modes, trials
+
+    had, cores = aside_cores
+    log, master = tmp_path / "where.log", os.getpid()
+    _positions_logged(monkeypatch, log)
+    X, p, out = _joined_normal()
+    rows = np.random.default_rng(0).normal(size=(400, 3))
+    ways = {"PY": Mode(linker="py", optimizer=None), "CVM": "CVM"}
+    fds = len(os.listdir("/proc/self/fd"))
+    at = np.array([0.5, -1.0, 2.0])
+    os.sched_setaffinity(0, cores[:1])          # as fork() pins the master
+    try:
+        measuring = modes.begin([X], p, out, [rows], np.ones(3), 2, ways)
+        child = measuring.helper.pid
+        deadline = time.monotonic() + 60
+        # The master busy with its own work (PyMC's function, in a decision): the child
+        # has taken the other mode, so the master finds none left to compile.
+        while measuring.helper.claims._taken[0] != trials.Claims.CHILD:
+            assert time.monotonic() < deadline, "the child never took its mode"
+            time.sleep(0.05)
+        assert measuring.helper.claims.take(trials.Claims.MASTER) is None
+        best, seconds = measuring.finish(at)
+    finally:
+        os.sched_setaffinity(0, had)
+    assert set(seconds) == {"PY", "CVM"} and all(s > 0 for s in seconds.values())
+    where = [line.split(" ") for line in log.read_text().split("\n")[:-1]]
+    assert {pid for pid, *_ in where} == {str(master), str(child)}, where
+    for _, *x in where:
+        np.testing.assert_array_equal(np.array(x, dtype=float), at)
+    assert not os.path.exists(f"/proc/{child}")          # ended and reaped
+    assert len(os.listdir("/proc/self/fd")) == fds
+    # Given up (nothing evaluated after all): the child is stopped, nothing left open.
+    (tmp_path / "modes.json").unlink()
+    os.sched_setaffinity(0, cores[:1])
+    try:
+        measuring = modes.begin([X], p, out, [rows], np.ones(3), 2, ways)
+    finally:
+        os.sched_setaffinity(0, had)
+    child = measuring.helper.pid
+    measuring.cancel()
+    measuring.cancel()
+    assert not os.path.exists(f"/proc/{child}")
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert not (tmp_path / "modes.json").exists()        # nothing measured, nothing kept
 
 
 def test_mode_is_checked_before_anything_is_built(env):
@@ -684,6 +751,12 @@ def test_crossover_rule():
     assert crossover.callback_turns(1000, 1, 1, 100e-6) == pytest.approx(312.5)
 
 
+def _children():
+    """This process's child processes' pids (Linux)."""
+    with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
+        return {int(pid) for pid in f.read().split()}
+
+
 def test_crossover_samples_a_small_model_as_pm_sample_does(env, caplog, monkeypatch, tmp_path):
     """301 rows on 2 ranks over a long run: the call's fixed cost outweighs the rows, so
     dp.sample runs pm.sample itself (its chains on the cores the master had before fork),
@@ -710,6 +783,7 @@ def test_crossover_samples_a_small_model_as_pm_sample_does(env, caplog, monkeypa
     pinned = os.sched_getaffinity(0)
     kw = dict(tune=30, chains=2, random_seed=7, progressbar=False, nuts_sampler="pymc",
               compute_convergence_checks=False)
+    workers = _children()
     with caplog.at_level(logging.WARNING, logger="synkhronos"):
         idata = dp.sample(30, **kw)
     assert dp.decision.split is False and dp.decision.reason == "measured", dp.decision
@@ -725,6 +799,9 @@ def test_crossover_samples_a_small_model_as_pm_sample_does(env, caplog, monkeypa
     assert len(said) == 1 and "split=True" in said[0], caplog.records
     assert dp.batcher.calls == 0
     assert os.sched_getaffinity(0) == pinned
+    # The modes' child, begun with the decision, was stopped with nothing built.
+    assert dp._measuring is None and not dp.built
+    assert _children() == workers
     monkeypatch.setattr(type(model), "logp_dlogp_function", own)
     with model:
         ref = pm.sample(30, cores=1, **kw)

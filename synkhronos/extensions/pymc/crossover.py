@@ -217,7 +217,13 @@ def decide(dp, sampler, chains, cores, draws, tune):
         where = decision_mod.where(dp, key)
         known = decision_mod.kept(where, sampler, chains, n_cores, ranks)
         if known is None:
-            known = _measured(dp, sampler, chains, n_cores, ranks, steps)
+            # The ranks' graph's modes compile aside (on the ranks' cores, idle now) while
+            # PyMC's function compiles here; stopped where nothing is evaluated after all.
+            dp.begin_measuring()
+            try:
+                known = _measured(dp, sampler, chains, n_cores, ranks, steps)
+            finally:
+                dp.end_measuring()
             decision_mod.keep(where, known)
         dp.decisions[key] = known
     return known

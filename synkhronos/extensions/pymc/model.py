@@ -171,15 +171,21 @@ class DataParallelModel:
             raise synk.SynkStateError(f"data_parallel() must come after synk.fork() and "
                                       f"before synk.distribute() ({exc})") from None
 
-        def fastest():
+        def begin():
             one = graphs.joined(logp, value_vars, self._shapes, position,
                                 pregrad=internals.rewrite_pregrad)
             rows = [d.data for d in self._data]
+            return modes.begin(inputs, position, one, rows, self.initial_x().astype(self.dtype),
+                               synk.layout().n_parallel, rank_modes)
+
+        def fastest():
+            measuring, self._measuring = self._measuring or begin(), None
             # Timed where the sampler's draws go: the decision's position, else near the mode.
             given = self.typical_x is not None
-            x = self.typical_x if given else self.initial_x()
-            return modes.fastest(inputs, position, one, rows, x.astype(self.dtype),
-                                 synk.layout().n_parallel, rank_modes, settle=not given)
+            return measuring.finish(self.typical_x.astype(self.dtype) if given else None,
+                                    settle=not given)
+        self._begin = begin if measured else None
+        self._measuring = None       # the modes' measuring, begun early (begin_measuring)
         self._data = None
         self._scattered = False      # scatter() done once (the first evaluation does it)
         self._seen = {}
@@ -204,6 +210,19 @@ class DataParallelModel:
     def built(self):
         """Whether the ranks' graph was built (a data-parallel evaluation ran)."""
         return self._calls.built
+
+    def begin_measuring(self):
+        """Start measuring the ranks' graph's modes, where its first evaluation would: the
+        child compiling the other modes aside starts now (``modes.Measuring``), and that
+        evaluation finishes it.  ``end_measuring`` stops it where nothing is evaluated."""
+        if self._begin is not None and self._measuring is None and self._calls.mode is None:
+            self._measuring = self._begin()
+
+    def end_measuring(self):
+        """Stop a measuring begun early and not finished (nothing evaluated after all)."""
+        measuring, self._measuring = self._measuring, None
+        if measuring is not None:
+            measuring.cancel()
 
     @property
     def mode(self):

@@ -95,7 +95,7 @@ def measurable(names):
 
 def fastest(inputs, position, output, arrays, x, n_parts, modes, settle=False):
     """The name of the fastest of ``modes`` for ``output`` on a rank's rows (the first, unless
-    another wins clearly: ``CLEAR_WIN``), and each one's seconds.
+    another wins clearly: ``CLEAR_WIN``), and each one's seconds: ``begin(...).finish()``.
 
     Args:
         inputs: the graph's row inputs, ``arrays`` their values (every row).
@@ -107,79 +107,120 @@ def fastest(inputs, position, output, arrays, x, n_parts, modes, settle=False):
             initial point: the modes are timed at a position near the mode instead
             (``trials.settled``, climbing on the first mode's graph on a rank's rows).
     """
+    return begin(inputs, position, output, arrays, x, n_parts, modes).finish(settle=settle)
+
+
+def begin(inputs, position, output, arrays, x, n_parts, modes):
+    """A ``Measuring`` of ``modes`` for ``output`` (``fastest``'s arguments): the child that
+    compiles the other modes on the ranks' cores starts now, where anything is measured."""
     rows = max(1, -(-len(arrays[0]) // n_parts))
-    # The position in memory shared with the child measuring aside: moved (settle) after
-    # the fork, before the child's first turn.
+    # The position in memory shared with the child measuring aside: moved (finish's x, or
+    # settle) after the fork, before the child's first turn.
     shared = np.frombuffer(mmap.mmap(-1, max(1, np.asarray(x).nbytes)), dtype=np.asarray(x).dtype,
                            count=np.size(x)).reshape(np.shape(x))
     shared[...] = x
     args = [np.asarray(a[:rows]) for a in arrays] + [shared]
     key = _key(output, args, modes)
     known = _cached(key) if key is not None else None
-    if known is not None:
-        best, seconds = known
-        logger.info("pymc model: the ranks' graph runs in %s (%s on %d rows, measured by an "
-                    "earlier run: %s)", best, ", ".join(f"{m} {s * 1e6:.0f} us"
-                                                        for m, s in seconds.items()),
-                    rows, cache_path())
-        return best, seconds
-    # JAX started here (an earlier model's ranks run in it): a forked child would hang in it.
-    aside = {n: m for n, m in list(modes.items())[1:] if n != "JAX" or not jax_initialised()}
-    helper = trials.measure_aside(inputs, position, output, aside, args)
-    first = next(iter(modes))
-    fns, compile_s, failed = {}, {}, set()
-    try:
-        (fns[first], compile_s[first]), in_object_mode = _compiled_first(
-            inputs, position, output, modes[first], args)
-        if settle:
-            shared[...] = trials.settled(_split(fns[first], args[:-1], shared.dtype), shared)
-        # Timed while the child may still compile beside it: slower, if anything.
-        alone = (trials.trial(fns[first], args, TIME_FIRST_S)
-                 if SMALL_S > 0 and len(modes) > 1 and not in_object_mode else math.inf)
-        if alone < SMALL_S:
-            trials.stop(helper)
-            logger.info("pymc model: the ranks' graph runs in %s (%.1f us on %d rows, less "
-                        "than the %.0f us where another mode could matter: no other measured)",
-                        first, alone * 1e6, rows, SMALL_S * 1e6)
-            if key is not None:
-                _store(key, first, {first: alone})
-            return first, {first: alone}
-        # Then what the child has not begun (never JAX: see trials.Claims).
-        while helper is not None and (name := helper.claims.take(trials.Claims.MASTER)):
-            built = trials.compiled(inputs, position, output, modes[name], args, optional=True)
-            if built is None:
-                failed.add(name)
-            else:
-                fns[name], compile_s[name] = built
-    except BaseException:
+    helper = None
+    if known is None:
+        # JAX started here (an earlier model's ranks run in it): a forked child would hang in it.
+        aside = {n: m for n, m in list(modes.items())[1:] if n != "JAX" or not jax_initialised()}
+        helper = trials.measure_aside(inputs, position, output, aside, args)
+    return Measuring(inputs, position, output, modes, rows, shared, args, key, known, helper)
+
+
+class Measuring:
+    """The modes of a rank's graph being measured: begun (``begin``: the child compiling the
+    other modes aside, on the ranks' cores), then finished in the master (``finish``) or
+    given up (``cancel``).
+
+    Begun early, the child compiles while the master does something else of its own:
+    ``crossover.decide`` begins it before compiling PyMC's function (a core's work for
+    0.7-3.4 s at 10^5 rows: bench/HISTORY.md, 2026-12-07), so that the modes
+    are compiled by then, not after it.
+    """
+
+    def __init__(self, inputs, position, output, modes, rows, shared, args, key, known, helper):
+        self.inputs, self.position, self.output, self.modes = inputs, position, output, modes
+        self.rows, self.shared, self.args, self.key = rows, shared, args, key
+        self.known, self.helper = known, helper
+
+    def cancel(self):
+        """Stop the child measuring aside, where any (nothing is measured)."""
+        helper, self.helper = self.helper, None
         trials.stop(helper)
-        raise
-    seconds, by_child = trials.turns(helper, fns, args) if helper is not None else ({}, {})
-    for name, (s, c) in by_child.items():
-        seconds[name], compile_s[name] = s, c
-    for name in failed:
-        seconds[name], compile_s[name] = math.inf, math.nan
-    late = {}
-    for name, mode in modes.items():
-        if name not in seconds and name not in fns:  # no child, or it failed: here, then
-            built = trials.compiled(inputs, position, output, mode, args, optional=True)
-            if built is None:
-                seconds[name], compile_s[name] = math.inf, math.nan
-            else:
-                late[name], compile_s[name] = built
-    if late or helper is None:   # the master's modes, all of them, in turns among themselves
-        seconds.update(trials.turns(None, {**fns, **late}, args)[0])
-    for name in modes:
-        logger.debug("pymc model: the ranks' graph in %s: %.1f us on %d rows (compiled in "
-                     "%.2f s)", name, seconds[name] * 1e6, rows, compile_s[name])
-    # A mode that did not compile is no candidate (nor kept as one).
-    seconds = {name: seconds[name] for name in modes if math.isfinite(seconds[name])}
-    best = kept(seconds)
-    logger.info("pymc model: the ranks' graph runs in %s (%s on %d rows)", best,
-                ", ".join(f"{m} {s * 1e6:.0f} us" for m, s in seconds.items()), rows)
-    if key is not None:
-        _store(key, best, seconds)
-    return best, seconds
+
+    def finish(self, x=None, settle=False):
+        """The fastest mode's name and each mode's seconds (see ``fastest``), timed at ``x``
+        where given, else at ``begin``'s position (``settle``: near the mode from there)."""
+        if self.known is not None:
+            best, seconds = self.known
+            logger.info("pymc model: the ranks' graph runs in %s (%s on %d rows, measured by "
+                        "an earlier run: %s)", best, ", ".join(f"{m} {s * 1e6:.0f} us"
+                                                               for m, s in seconds.items()),
+                        self.rows, cache_path())
+            return best, seconds
+        if x is not None:
+            self.shared[...] = x
+        helper, self.helper = self.helper, None
+        inputs, position, output, modes, args = (self.inputs, self.position, self.output,
+                                                 self.modes, self.args)
+        first = next(iter(modes))
+        fns, compile_s, failed = {}, {}, set()
+        try:
+            (fns[first], compile_s[first]), in_object_mode = _compiled_first(
+                inputs, position, output, modes[first], args)
+            if settle:
+                self.shared[...] = trials.settled(_split(fns[first], args[:-1], self.shared.dtype),
+                                                  self.shared)
+            # Timed while the child may still compile beside it: slower, if anything.
+            alone = (trials.trial(fns[first], args, TIME_FIRST_S)
+                     if SMALL_S > 0 and len(modes) > 1 and not in_object_mode else math.inf)
+            if alone < SMALL_S:
+                trials.stop(helper)
+                logger.info("pymc model: the ranks' graph runs in %s (%.1f us on %d rows, less "
+                            "than the %.0f us where another mode could matter: no other "
+                            "measured)", first, alone * 1e6, self.rows, SMALL_S * 1e6)
+                if self.key is not None:
+                    _store(self.key, first, {first: alone})
+                return first, {first: alone}
+            # Then what the child has not begun (never JAX: see trials.Claims).
+            while helper is not None and (name := helper.claims.take(trials.Claims.MASTER)):
+                built = trials.compiled(inputs, position, output, modes[name], args, optional=True)
+                if built is None:
+                    failed.add(name)
+                else:
+                    fns[name], compile_s[name] = built
+        except BaseException:
+            trials.stop(helper)
+            raise
+        seconds, by_child = trials.turns(helper, fns, args) if helper is not None else ({}, {})
+        for name, (s, c) in by_child.items():
+            seconds[name], compile_s[name] = s, c
+        for name in failed:
+            seconds[name], compile_s[name] = math.inf, math.nan
+        late = {}
+        for name, mode in modes.items():
+            if name not in seconds and name not in fns:  # no child, or it failed: here, then
+                built = trials.compiled(inputs, position, output, mode, args, optional=True)
+                if built is None:
+                    seconds[name], compile_s[name] = math.inf, math.nan
+                else:
+                    late[name], compile_s[name] = built
+        if late or helper is None:   # the master's modes, all of them, in turns among themselves
+            seconds.update(trials.turns(None, {**fns, **late}, args)[0])
+        for name in modes:
+            logger.debug("pymc model: the ranks' graph in %s: %.1f us on %d rows (compiled in "
+                         "%.2f s)", name, seconds[name] * 1e6, self.rows, compile_s[name])
+        # A mode that did not compile is no candidate (nor kept as one).
+        seconds = {name: seconds[name] for name in modes if math.isfinite(seconds[name])}
+        best = kept(seconds)
+        logger.info("pymc model: the ranks' graph runs in %s (%s on %d rows)", best,
+                    ", ".join(f"{m} {s * 1e6:.0f} us" for m, s in seconds.items()), self.rows)
+        if self.key is not None:
+            _store(self.key, best, seconds)
+        return best, seconds
 
 
 OBJECT_MODE = "Numba will use object mode"
