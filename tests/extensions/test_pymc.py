@@ -28,6 +28,7 @@ from helpers import pymc_models  # noqa: E402
 from synkhronos.extensions import pymc as synk_pymc  # noqa: E402
 from synkhronos.extensions.pymc import crossover  # noqa: E402
 from synkhronos.extensions.pymc import decision as decision_mod  # noqa: E402
+from synkhronos.extensions.pymc import draws  # noqa: E402
 from synkhronos.extensions.pymc import internals  # noqa: E402
 
 # PyMC graphs compile to C on PyTensor 2.x: a cold cache makes the first build slow.
@@ -766,7 +767,7 @@ def test_crossover_samples_a_small_model_as_pm_sample_does(env, caplog, monkeypa
     import logging
     import os
 
-    monkeypatch.setattr(crossover, "LEAPFROGS", 10_000)
+    monkeypatch.setattr(draws, "LEAPFROGS", 10_000)
     # PyMC's own work a step as a slow machine's (1 ms): whatever this machine times PyMC's
     # call at (a loaded one, over 88 us, would make 60 us of it worth a split at best).
     monkeypatch.setitem(crossover.SAMPLER_S, "pymc", 1e-3)
@@ -814,7 +815,7 @@ def test_crossover_samples_a_small_model_as_pm_sample_does(env, caplog, monkeypa
         # A short run: a call per chain, no many-position graph compiled for it.  With
         # no sampler work of its own a split could gain at best: the decision times a call.
         dp.split = None
-        monkeypatch.setattr(crossover, "LEAPFROGS", 10)
+        monkeypatch.setattr(draws, "LEAPFROGS", 10)
         monkeypatch.setitem(crossover.SAMPLER_S, "pymc", 0.0)
         # The measured decision above may have timed the many-position graphs (on a slow
         # or cold machine): what this run does to them is compared with what it found.
@@ -852,12 +853,12 @@ def test_crossover_takes_a_call_per_chain_where_it_times_cheaper(env, monkeypatc
         call()
         return next(timed)
     monkeypatch.setattr(crossover, "_timed", fake_timed)
-    monkeypatch.setattr(crossover, "LEAPFROGS", 10)
+    monkeypatch.setattr(draws, "LEAPFROGS", 10)
     monkeypatch.setattr(crossover, "MANY_COMPILE_S", 0.0)
     monkeypatch.setattr(dp._calls, "first_s", 0.0)
     dp.decisions.clear()
     d = crossover.decide(dp, "pymc", 2, 2, 30, 30)
-    steps, own = 60 * crossover.LEAPFROGS, crossover.SAMPLER_S["pymc"]
+    steps, own = 60 * draws.LEAPFROGS, crossover.SAMPLER_S["pymc"]
     assert d.parallel_many_s == pytest.approx(many_us * 1e-6), d
     assert d.separate is (many_us > 2000.0), d
     assert d.parallel_run_s == pytest.approx(steps * (2 * own + min(many_us * 1e-6, 2e-3)))
@@ -869,13 +870,12 @@ def test_a_draw_takes_more_gradients_where_a_position_has_many_numbers():
     """The prediction's gradients a draw: ``LEAPFROGS`` up to ``LEAPFROG_SIZE`` numbers a
     position, then growing as the size to the 1/4 (NUTS's step shrinks so): for the missing
     values' 9965 numbers within 10% of the 31 a draw nutpie took (bench/HISTORY.md)."""
-    from synkhronos.extensions.pymc import crossover
 
-    assert crossover.draw_steps(1) == crossover.draw_steps(crossover.LEAPFROG_SIZE) \
-        == crossover.LEAPFROGS
-    assert abs(crossover.draw_steps(9965) - 31) < 3.1
+    assert draws.draw_steps(1) == draws.draw_steps(draws.LEAPFROG_SIZE) \
+        == draws.LEAPFROGS
+    assert abs(draws.draw_steps(9965) - 31) < 3.1
     sizes = [10, 200, 10_000, 10**6]
-    assert [crossover.draw_steps(n) for n in sizes] == sorted(crossover.draw_steps(n) for n in sizes)
+    assert [draws.draw_steps(n) for n in sizes] == sorted(draws.draw_steps(n) for n in sizes)
 
 
 def test_crossover_splits_only_where_a_step_gains_too(env, monkeypatch):
@@ -883,7 +883,7 @@ def test_crossover_splits_only_where_a_step_gains_too(env, monkeypatch):
     run only by nutpie's compile (5 s at 10 gradients a draw), is not taken, and the
     decision's line says why; a split faster a step is."""
     dp = env.auto
-    monkeypatch.setattr(crossover, "LEAPFROGS", 10)
+    monkeypatch.setattr(draws, "LEAPFROGS", 10)
     monkeypatch.setattr(crossover, "MANY_COMPILE_S", 0.0)
     monkeypatch.setattr(crossover, "numba_ratio", lambda seconds: None)
     monkeypatch.setattr(crossover, "sampling_cores", lambda chains, cores: 2)
@@ -899,7 +899,7 @@ def test_crossover_splits_only_where_a_step_gains_too(env, monkeypatch):
         monkeypatch.setattr(crossover, "_timed", fake_timed)
         dp.decisions.clear()
         d = crossover.decide(dp, "nutpie", 2, 2, 500, 500)
-        steps = 1000 * crossover.LEAPFROGS
+        steps = 1000 * draws.LEAPFROGS
         step = 2 * crossover.DP_NUTPIE_S + many_s
         own = 1e-3 + crossover.SAMPLER_S["nutpie"]
         assert not d.callback and d.leapfrogs is None, d
@@ -960,7 +960,7 @@ def test_crossover_keeps_chains_apart_where_a_call_is_mostly_rows(env, monkeypat
     fit = Fit(2, 5e-6, 1e-8) if fitted else None
     monkeypatch.setattr(type(dp), "chunk_fit", property(lambda self: fit))
     monkeypatch.setattr(crossover, "_timed", fake_timed)
-    monkeypatch.setattr(crossover, "LEAPFROGS", 100)   # 6000 steps: 6 s of calls per chain
+    monkeypatch.setattr(draws, "LEAPFROGS", 100)   # 6000 steps: 6 s of calls per chain
     monkeypatch.setattr(dp._calls, "first_s", 0.0)
     dp.decisions.clear()
     try:
@@ -1097,13 +1097,13 @@ def test_nutpie_way_turns_on_the_gradients_a_draw_takes(env, monkeypatch):
     pytest.importorskip("nutpie")
     dp = env.auto
     counted = []
-    own_count = crossover.leapfrogs
+    own_count = draws.leapfrogs
 
     def counting(*args):
         counted.append(own_count(*args))
         return counted[-1]
 
-    monkeypatch.setattr(crossover, "leapfrogs", counting)
+    monkeypatch.setattr(draws, "leapfrogs", counting)
     monkeypatch.setattr(crossover, "DP_NUTPIE_S", 1e-3)   # no split: the two other ways
     try:
         monkeypatch.setattr(crossover, "callback_turns", lambda *a: 50.0)

@@ -15,8 +15,8 @@ sampler's draws go (``typical_x``), and predicts the rest of the run both ways:
     dp.sample:  steps x (chains x the sampler's own work + the call(s) at every chain's position)
 
 where ``cores`` is what pm.sample would run chains on (``min(chains,
-cores=, the machine's CPUs)``) and ``steps`` is ``(tune + draws) x
-LEAPFROGS``.  PyMC's own (logp, dlogp), compiled here to time it, is the
+cores=, the machine's CPUs)``) and ``steps`` is ``(tune + draws) x`` the
+gradients a draw takes (``draws.draw_steps``).  PyMC's own (logp, dlogp), compiled here to time it, is the
 one pm.sample then runs (``internals.serving``): spent either way, as is
 what data_parallel() did.  The data-parallel call is first predicted, not
 built: the rows split over the ranks (``RANK_GRAPH_GAIN`` times faster per
@@ -42,18 +42,15 @@ PyMC's function timed (and called back) for it is compiled in Numba too
 default is not Numba too, ``in_numba``, nutpie's gradient is then predicted at that call
 times the rank graph's Numba / C ratio, ``numba_ratio``).
 Where the choice turns on the gradients a draw takes, a short nutpie run counts them
-(``leapfrogs``).
+(``draws.leapfrogs``).
 
 A measured decision is kept on disk for the next run of the model (``decision.py``).
-Over 400 lines: one job, the prediction, a third of it its constants, each with the
-measurement it rests on.
 """
 
 import dataclasses
 import logging
 import math
 import time
-import warnings
 
 import numpy as np
 
@@ -62,9 +59,10 @@ import synkhronos as synk
 from ... import compat
 from . import calls as calls_mod
 from . import decision as decision_mod
+from . import draws as draws_mod
 from . import internals, trials
 from .decision import Decision
-from .master_cores import released, unpinned_cores
+from .master_cores import unpinned_cores
 
 logger = logging.getLogger(__name__)
 
@@ -129,31 +127,6 @@ SERIAL_TRIAL_S = 0.02
 part, so the spread is the machine's alone (the 5-25 us calls of the gallery's models
 make 500 calls in 3-13 ms)."""
 
-LEAPFROGS = 10
-"""Gradient evaluations a draw takes, for the prediction: NUTS's trees of depth 3-4, as
-tuned models take (tests/extensions/test_pymc.py counts n_steps per draw), up to
-``LEAPFROG_SIZE`` numbers a position (``draw_steps``)."""
-
-LEAPFROG_SIZE = 100
-"""Above this many numbers a position a draw takes ``(size / LEAPFROG_SIZE) ** (1/4)`` times
-``LEAPFROGS``: NUTS's step shrinks as the size to the -1/4 (Beskos et al., 2013), its paths
-take as many more steps.  The missing values at 10^5 rows (9965 numbers) took 31 a draw (the
-rule: 32), 45-52 tuning (nutpie, PyMC 6.4; bench/HISTORY.md, 2026-12-07)."""
-
-MAX_LEAPFROGS = 1023
-"""The most a draw takes: NUTS's trees at their default greatest depth, 10."""
-
-TRIAL_TUNE, TRIAL_DRAWS = 30, 20
-"""nutpie's short run on PyMC's compiled function in this process (the callback way) that
-counts the gradients a draw takes (``leapfrogs``), where the choice between that way and
-nutpie's own compile turns on the count: the draws after a short tuning.  It costs
-``(TRIAL_TUNE + TRIAL_DRAWS) / (chains x (tune + draws))`` of the callback way's run, so it
-runs only where that is at most ``TRIAL_SHARE``.  bench/gallery_more.py's splines counted
-117 on PyMC 5.28 (nutpie's own compile chosen) and 79 on 6.4 (docs/pymc.md)."""
-
-TRIAL_SHARE = 0.05
-
-
 def check_split(split):
     """``split`` as ``data_parallel`` takes it: True, False or None."""
     if split is not None and not isinstance(split, bool):
@@ -210,7 +183,7 @@ def decide(dp, sampler, chains, cores, draws, tune):
     if layout.n_machines > 1 or dp.given:
         # The rows are on other machines (or given as synk.Data): only the ranks hold them.
         return Decision(True, "cluster", sampler, chains, n_cores, ranks)
-    steps = int(round((draws + (1000 if tune is None else tune)) * draw_steps(dp.size)))
+    steps = int(round((draws + (1000 if tune is None else tune)) * draws_mod.draw_steps(dp.size)))
     key = (dp.n_rows, sampler, chains, n_cores, ranks, steps)
     known = dp.decisions.get(key)
     if known is None:
@@ -237,13 +210,13 @@ def _measured(dp, sampler, chains, n_cores, ranks, steps):
     serial_s = _timed(lambda: call(x), SERIAL_TRIAL_S)
     per_draw = None
     if sampler == "nutpie":
-        draws_all = int(round(steps / draw_steps(dp.size)))
+        draws_all = int(round(steps / draws_mod.draw_steps(dp.size)))
         turns = callback_turns(draws_all, chains, n_cores, serial_s)
-        if (turns is not None and draw_steps(dp.size) < turns < MAX_LEAPFROGS
-                and TRIAL_TUNE + TRIAL_DRAWS <= TRIAL_SHARE * chains * draws_all):
+        if (turns is not None and draws_mod.draw_steps(dp.size) < turns < draws_mod.MAX_LEAPFROGS
+                and draws_mod.counted_in(chains * draws_all)):
             # Which way wins turns on the gradients a draw takes: count them.
-            per_draw = leapfrogs(dp, serial)
-            steps = int(round(draws_all * (per_draw or draw_steps(dp.size))))
+            per_draw = draws_mod.leapfrogs(dp, serial)
+            steps = int(round(draws_all * (per_draw or draws_mod.draw_steps(dp.size))))
     # The one pm.sample would run (internals.serving): nothing for it to compile again.
     serial_run, at_best = predict(sampler, chains, n_cores, steps, serial_s, 0.0,
                                   CALL_S + serial_s / (ranks * RANK_GRAPH_GAIN))
@@ -292,7 +265,7 @@ def _measured(dp, sampler, chains, n_cores, ranks, steps):
         round_s = min(many_s, chains * one_s)
         _, parallel_run = predict(sampler, chains, n_cores, steps, serial_s, compile_s, round_s)
     # A split slower a step gains only on a short run, by what the serial way compiles
-    # (nutpie's own); runs take LEAPFROGS gradients a draw at the least, often many more
+    # (nutpie's own); runs take draws.LEAPFROGS gradients a draw at the least, often many more
     # (docs/pymc.md), so it must gain a step too: each run less what it compiles.
     compiled = 0.0 if callback else SAMPLER_COMPILE_S.get(sampler, 0.0)
     step_s = (parallel_run / max(steps, 1), (serial_run - compiled) / max(steps, 1))
@@ -303,11 +276,6 @@ def _measured(dp, sampler, chains, n_cores, ranks, steps):
                     fixed_s=fixed_s if fixed_s < one_s else None,
                     sampler_compile_s=SAMPLER_COMPILE_S.get(sampler),
                     steps_s=step_s)
-
-
-def draw_steps(size):
-    """Gradients a draw of ``size`` numbers a position is predicted to take (``LEAPFROG_SIZE``)."""
-    return LEAPFROGS * max(1.0, size / LEAPFROG_SIZE) ** 0.25
 
 
 def typical_x(dp, call):
@@ -335,29 +303,6 @@ def callback_turns(draws, chains, cores, serial_s):
     per_step = draws * (chains * (serial_s + CALLBACK_S)
                         - math.ceil(chains / cores) * (serial_s + own))
     return SAMPLER_COMPILE_S["nutpie"] / per_step if per_step > 0 else None
-
-
-def leapfrogs(dp, serial):
-    """Gradients a draw takes: the mean over a short nutpie run on ``serial`` (the callback
-    way, ``TRIAL_TUNE`` tuning steps then ``TRIAL_DRAWS`` draws), its output kept quiet."""
-    import pymc as pm
-
-    kwargs = internals.sample_kwargs("nutpie", 1, {"tune": TRIAL_TUNE}, at_once=False)
-    pymc_log = logging.getLogger("pymc")
-    level = pymc_log.level
-    pymc_log.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings(), released(), internals.driving_serial(dp, serial.fn):
-            warnings.simplefilter("ignore")
-            idata = pm.sample(TRIAL_DRAWS, chains=1, random_seed=0, nuts_sampler="nutpie",
-                              model=dp.model, progressbar=False,
-                              compute_convergence_checks=False, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - the run itself reports what nutpie cannot do
-        logger.debug("dp.sample: counting nutpie's gradients a draw failed: %r", exc)
-        return None
-    finally:
-        pymc_log.setLevel(level)
-    return float(np.mean(idata.sample_stats["n_steps"]))
 
 
 def in_numba(serial):

@@ -42,8 +42,8 @@ class Decision:
     dlogp) in this process instead of nutpie compiling its own
     (``serial_run_s`` is that way's).  ``numba_ratio``: with nutpie, its
     Numba gradient predicted at this ratio of PyMC's C call (``numba_ratio()``).
-    ``leapfrogs``: the gradients a draw takes, where counted (``leapfrogs()``;
-    else ``LEAPFROGS`` is assumed).  ``fixed_s``: what of ``parallel_s`` is
+    ``leapfrogs``: the gradients a draw takes, where counted (``draws.leapfrogs``;
+    else ``draws.draw_steps`` is assumed).  ``fixed_s``: what of ``parallel_s`` is
     the call's fixed cost (``call_fixed_s``), where its chunks were timed.
     ``kept``: read from disk, as an earlier run of this model measured it.
     ``sampler_compile_s``: what pm.sample's sampler compiles of its own
