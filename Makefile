@@ -131,7 +131,7 @@ PYMC_ONLY := tests/extensions/test_pymc_internals.py tests/extensions/test_pymc.
 	tests/extensions/test_pymc_gallery.py \
 	tests/extensions/test_pymc_terms.py tests/extensions/test_pymc_batching.py \
 	tests/extensions/test_pymc_jax.py tests/extensions/test_pymc_branches.py \
-	tests/extensions/test_pymc_rowsums.py
+	tests/extensions/test_pymc_rowsums.py tests/extensions/test_pymc_scalars.py
 PYMC_TESTS := tests/test_compat.py tests/test_floatx.py $(PYMC_ONLY)
 # On PyMC 5 in make test: its internals, the sampling tests, the gallery's models and
 # other notebooks' likelihoods as written (accepted and exact), and the ranks in JAX
@@ -142,7 +142,7 @@ PYMC5_TESTS ?= tests/test_compat.py tests/test_floatx.py tests/extensions/test_p
 	tests/extensions/test_pymc.py "tests/extensions/test_pymc_gallery.py::test_as_written_and_exact" \
 	"tests/extensions/test_pymc_gallery.py::test_other_likelihoods_as_written_and_exact" \
 	tests/extensions/test_pymc_jax.py tests/extensions/test_pymc_branches.py \
-	tests/extensions/test_pymc_rowsums.py
+	tests/extensions/test_pymc_rowsums.py tests/extensions/test_pymc_scalars.py
 # The same draws on 1-4 ranks (four runtimes in a subprocess) run on PyMC 6 only.
 PYMC5_DESELECT ?= --deselect tests/extensions/test_pymc.py::test_the_same_draws_on_any_number_of_ranks
 test-pymc: $(PYMC_STAMP)

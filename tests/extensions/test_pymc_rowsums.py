@@ -155,30 +155,3 @@ def test_only_numba_under_pytensor_2_is_rewritten():
     got = rowsums.with_row_sums(numba)
     assert (got is numba) == rowsums.fuses_itself()
     assert isinstance(got, Mode)
-
-
-def test_student_t_model_equals_pymc():
-    """A robust regression's (logp, dlogp) in the rank's Numba mode equals PyMC's own, at
-    several positions; under PyTensor 2 through one RowSums."""
-    rng = np.random.default_rng(11)
-    x = rng.normal(size=5000)
-    y = 1 + 2 * x + rng.standard_t(3, size=5000)
-    with pm.Model() as model:
-        a = pm.Normal("a", 0, 5)
-        b = pm.Normal("b", 0, 5)
-        sigma = pm.HalfNormal("sigma", 2)
-        nu = pm.Gamma("nu", 2, 0.1)
-        pm.StudentT("y", nu=nu, mu=a + b * x, sigma=sigma, observed=y)
-    # PyMC's own in Numba too: its C function differs from its Numba one from the ninth digit.
-    numba = internals.pymc_mode(model, base="NUMBA")
-    ours = model.logp_dlogp_function(ravel_inputs=True, mode=rowsums.with_row_sums(numba))
-    theirs = model.logp_dlogp_function(ravel_inputs=True, mode=numba)
-    ours.set_extra_values({})
-    theirs.set_extra_values({})
-    fused = _nodes(ours._pytensor_function, rowsums.RowSums)
-    assert len(fused) == (0 if rowsums.fuses_itself() else 1)
-    for shift in (0.0, 0.5, -1.3):
-        q = np.array([1.0, 2.0, 0.1, 1.5]) + shift
-        (lp, g), (lp0, g0) = ours._pytensor_function(q), theirs._pytensor_function(q)
-        assert lp == pytest.approx(lp0, rel=1e-12)
-        np.testing.assert_allclose(g, g0, rtol=1e-11)
