@@ -273,7 +273,7 @@ def _rank_fns(model, mode):
     import pytensor
     import pytensor.tensor as pt
 
-    from synkhronos.extensions.pymc import graphs, internals, rowsums, scalars, terms
+    from synkhronos.extensions.pymc import graphs, internals, modes, terms
 
     plan = terms.choose(model, terms.model_terms(model))
     inputs = graphs.row_inputs(plan.split)
@@ -283,7 +283,7 @@ def _rank_fns(model, mode):
     logp = graphs.rank_logp(split, whole, frac, "float64")
     point = model.initial_point()
     shapes = [np.shape(point[v.name]) for v in model.value_vars]
-    pmode = scalars.in_numba(rowsums.with_row_sums(internals.pymc_mode(model, base=mode)))
+    pmode = modes.rank_mode(model, mode)
     q, P = pt.dvector("q"), pt.dmatrix("P")
     one = graphs.joined(logp, model.value_vars, shapes, q, pregrad=internals.rewrite_pregrad)
     logps, grads = graphs.batched(logp, model.value_vars, shapes, P,

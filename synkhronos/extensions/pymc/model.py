@@ -23,7 +23,7 @@ import synkhronos as synk
 
 from ... import compat
 from . import calls as calls_mod
-from . import branches, crossover, graphs, internals, modes, rowcheck, rowsums, scalars, selections, terms
+from . import branches, crossover, graphs, internals, modes, rowcheck, selections, terms
 from .batching import Batcher
 
 logger = logging.getLogger(__name__)
@@ -162,8 +162,7 @@ class DataParallelModel:
         names = modes.measurable(MODES) if measured else [DEFAULT_MODE if asked is None else asked]
         if measured and branches.picks_rows(logp):   # JAX's jit cannot: not compiled in vain
             names = tuple(n for n in names if n != "JAX") or (DEFAULT_MODE,)
-        rank_modes = {m: scalars.in_numba(rowsums.with_row_sums(internals.pymc_mode(model, base=m)))
-                      for m in names}
+        rank_modes = {m: modes.rank_mode(model, m) for m in names}
         self.rank_modes = tuple(names)   # the modes its graphs may run in (asked, or measured)
         try:
             ways = calls_mod.register(inputs, position, positions, logp, value_vars,

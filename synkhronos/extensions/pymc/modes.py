@@ -46,7 +46,7 @@ import numpy as np
 
 from ...functions.measures import MeasureFile, digest, graph_text
 from ...runtime.devices import jax_initialised
-from . import trials
+from . import internals, rowsums, scalars, trials
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,14 @@ def measurable(names):
                        "or started before the workers were forked): the ranks run in NUMBA",
                        MODES_ENV)
     return usable or ("NUMBA",)
+
+
+def rank_mode(model, name):
+    """The PyTensor mode a rank's graph of ``model`` compiles in for mode ``name`` ("NUMBA",
+    "CVM", "JAX"): PyMC's own (``internals.pymc_mode``), in Numba with a loop over rows and
+    its sums in one pass under PyTensor 2 (``rowsums``) and the C library's ``log1p`` and
+    kin as vectorised loops (``scalars``)."""
+    return scalars.in_numba(rowsums.with_row_sums(internals.pymc_mode(model, base=name)))
 
 
 def fastest(inputs, position, output, arrays, x, n_parts, modes, settle=False):
