@@ -13,7 +13,7 @@ import weakref
 # The commands the ranks serve: importing their modules registers the handlers
 # (runtime/commands.py), before the workers fork and inherit the table.  Also registering:
 # control (GROW_MESSAGE), cluster.layout (LAYOUT, through cluster.rendezvous), this module (QUIT).
-from .functions import distribute, overlap, rank_call  # noqa: F401
+from .functions import aside, distribute, overlap, rank_call  # noqa: F401
 from .variables import checkpoint, collectives, rank_values, reductions  # noqa: F401
 from .inputs import mappings  # noqa: F401
 from .runtime import profiling  # noqa: F401

@@ -74,6 +74,14 @@ class Deferred:
             self.__dict__["_fn"] = fn
         return fn
 
+    def adopt(self, fn):
+        """Take ``fn``, compiled elsewhere of the same graph in the same mode, as the build."""
+        if self._fn is None:
+            fn.name = self.name
+            for k, v in self._attrs.items():
+                setattr(fn, k, v)
+            self.__dict__["_fn"] = fn
+
     def __setattr__(self, name, value):
         if self._fn is None:
             self._attrs[name] = value

@@ -22,6 +22,7 @@ class Command(enum.IntEnum):
     DATA_FREE = 3
     DISTRIBUTE = 4
     CALL = 5
+    BUILD = 6           # functions built at their first call, built ahead of it
     BROADCAST = 10
     SCATTER = 11
     GATHER = 12

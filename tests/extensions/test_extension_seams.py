@@ -92,6 +92,13 @@ SEAMS = {
             "and distribute(): dp.sample may not split at all, only several chains call the "
             "graphs at many positions, and only the mode measured fastest is built on the "
             "ranks; no public synk.function argument defers a build",
+        "synkhronos.functions.aside.build_while":
+            "the workers build the first mode's graph while the master measures the modes "
+            "(its own compile of that graph), where their cores would idle: no public call "
+            "builds a function without calling it",
+        "synkhronos.functions.aside.adopt":
+            "the master runs the function it compiled and timed for the mode kept, not "
+            "compiling the same graph again at the first call",
         "synkhronos.functions.deferred.Lazy":
             "the graphs at many positions (vectorised, a Scan) are themselves made at their "
             "first call, in each process: 0.1-0.3 s a graph in data_parallel() otherwise",

@@ -236,3 +236,45 @@ def test_total_size_is_found():
     assert internals.scales_rows(scaled)
     assert not internals.scales_rows(plain) and not internals.scales_rows(cols)
     assert [v.name for v in model.observed_RVs] == ["scaled", "plain", "cols"]
+
+
+def test_the_worker_builds_the_first_mode_while_the_master_measures(forked, tmp_path,
+                                                                       monkeypatch):
+    """Measured afresh (nothing kept), the worker builds the first mode's one-position
+    function while the master measures the modes (calls.measured, aside.build_while), and
+    the master runs the function it measured for the mode kept (aside.adopt); logp and dlogp
+    equal PyMC's.  A model whose mode an earlier one measured builds nothing ahead."""
+    import synkhronos as synk
+    from synkhronos.extensions import pymc as synk_pymc
+    from synkhronos.extensions.pymc import calls, modes
+    from synkhronos.functions.measures import MeasureFile
+
+    monkeypatch.setattr(modes, "KEPT", MeasureFile("modes.json", str(tmp_path)))
+    monkeypatch.setattr(modes, "SMALL_S", 1.0)   # the first mode kept: known which
+    ahead, adopted = [], []
+    real_build, real_adopt = calls.build_while, calls.adopt
+
+    def build(fns, local):
+        ahead.append([f.name for f in fns])
+        return real_build(fns, local)
+
+    def adopt(function, fn):
+        adopted.append((function, fn))
+        real_adopt(function, fn)
+    monkeypatch.setattr(calls, "build_while", build)
+    monkeypatch.setattr(calls, "adopt", adopt)
+    model = _model()
+    forked(2)
+    with pytensor.config.change_flags(floatX="float64"):
+        dps = [synk_pymc.data_parallel(model, name=name) for name in ("first", "again")]
+    synk.distribute()
+    point = model.initial_point()
+    logp, dlogp = model.compile_logp(), model.compile_dlogp()
+    for dp in dps:
+        lp, g = dp.logp_dlogp(point)
+        np.testing.assert_allclose(lp, logp(point), rtol=1e-10)
+        np.testing.assert_allclose(g, dlogp(point), rtol=1e-9, atol=1e-12)
+        assert dp.mode == dp.rank_modes[0], (dp.mode, dp.rank_modes)
+    assert ahead == [["first"]]
+    (function, fn), = adopted
+    assert function.name == "first" and function.spec.fn is fn

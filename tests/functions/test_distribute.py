@@ -300,6 +300,63 @@ def test_where_each_rank_has_a_core_the_master_builds_with_the_ranks(forked, rng
     assert len(_BUILT_AT) == 1
 
 
+def _squares_noted(x, where):
+    """The outputs of the next test's lazy function: each process notes its build in the
+    folder ``where`` (picklable)."""
+    with open(os.path.join(where, f"built-{get_runtime().place.rank}"), "a") as f:
+        f.write("built\n")
+    return [(x ** 2).sum(axis=0)]
+
+
+@pytest.mark.parametrize("over", [False, True], ids=["a-core-each", "more-ranks-than-cores"])
+def test_the_workers_build_ahead_while_the_master_works(forked, rng, tmp_path, over):
+    """aside.build_while: each worker builds a function built at its first call while the
+    master runs its own part, which sees them build; aside.adopt: the master runs a function
+    it compiled itself; the first call then builds nothing again.  The master's own error is
+    raised as it was, and the run goes on.  With more ranks than cores the master's part runs
+    alone (the ranks load the master's code at the first call instead)."""
+    import time
+
+    from synkhronos.functions import aside
+    from synkhronos.functions.build import function_at_first_call
+    from synkhronos.functions.deferred import Deferred, Lazy
+
+    n = len(os.sched_getaffinity(0)) + 1 if over else 2
+    forked(n)
+    x = pt.dmatrix("x")
+    f, g = (function_at_first_call([x], outputs=[(pt.dvector(), "sum")], name=name,
+                                   lazy=Lazy(_squares_noted, (x, str(tmp_path / name)), [x]))
+            for name in ("f", "g"))
+    (tmp_path / "f").mkdir()
+    (tmp_path / "g").mkdir()
+    synk.distribute()
+    worker = tmp_path / "f" / "built-1"
+
+    def local():
+        end = time.monotonic() + 60
+        while not over and not worker.exists() and time.monotonic() < end:
+            time.sleep(0.01)
+        return worker.exists()
+
+    seq = get_runtime().control.seq
+    assert aside.build_while([f], local) is not over
+    assert get_runtime().control.seq == seq + (not over)      # one command, or none
+    mine = pytensor.function([x], _squares_noted(x, str(tmp_path / "f")))
+    aside.adopt(f, mine)
+    data = rng.standard_normal((2 * n + 1, 3))
+    np.testing.assert_allclose(f(synk.data(data))[0], (data ** 2).sum(0), rtol=1e-12)
+    assert f.spec.fn is mine and mine.name == "f"
+    built = sorted(p.name for p in (tmp_path / "f").iterdir())
+    assert built == [f"built-{r}" for r in range(n)]
+    assert all((tmp_path / "f" / b).read_text() == "built\n" for b in built)   # once each
+
+    with pytest.raises(KeyError, match="mine"):
+        aside.build_while([g], lambda: {}["mine"])
+    assert type(g.spec.fn) is Deferred
+    np.testing.assert_allclose(g(synk.data(data))[0], (data ** 2).sum(0), rtol=1e-12)
+    assert all((tmp_path / "g" / b).read_text() == "built\n" for b in built)
+
+
 def _cubes(x, s):
     """The outputs of test_outputs_made_at_the_first_call's lazy function (picklable)."""
     return [((x ** 3) * s).sum(axis=0)]

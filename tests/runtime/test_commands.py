@@ -32,7 +32,7 @@ def test_each_command_declares_how_it_travels():
     final = {c for c, s in COMMANDS.items() if s.final}
     assert collected == {Command.CALL, Command.OVERLAP_STEP, Command.PROFILE,
                          Command.GET_VALUE, Command.GET_SHAPES, Command.DATA_PRODUCE}
-    assert local == {Command.GROW_MESSAGE, Command.LAYOUT, Command.DATA_MAP}
+    assert local == {Command.GROW_MESSAGE, Command.LAYOUT, Command.DATA_MAP, Command.BUILD}
     assert on_node == {Command.DATA_ALLOC, Command.DATA_FREE, Command.DATA_SYNC,
                        Command.DATA_PRODUCE, Command.DATA_SEND}
     assert final == {Command.QUIT}

@@ -172,8 +172,10 @@ class DataParallelModel:
                                       f"before synk.distribute() ({exc})") from None
 
         def begin():
-            one = graphs.joined(logp, value_vars, self._shapes, position,
-                                pregrad=internals.rewrite_pregrad)
+            # A list, as the one-position function's outputs: the master keeps the function
+            # measured for the mode kept (calls.measured).
+            one = [graphs.joined(logp, value_vars, self._shapes, position,
+                                 pregrad=internals.rewrite_pregrad)]
             rows = [d.data for d in self._data]
             return modes.begin(inputs, position, one, rows, self.initial_x().astype(self.dtype),
                                synk.layout().n_parallel, rank_modes)
@@ -182,8 +184,9 @@ class DataParallelModel:
             measuring, self._measuring = self._measuring or begin(), None
             # Timed where the sampler's draws go: the decision's position, else near the mode.
             given = self.typical_x is not None
-            return measuring.finish(self.typical_x.astype(self.dtype) if given else None,
-                                    settle=not given)
+            return calls_mod.measured(ways, measuring,
+                                      self.typical_x.astype(self.dtype) if given else None,
+                                      settle=not given)
         self._begin = begin if measured else None
         self._measuring = None       # the modes' measuring, begun early (begin_measuring)
         self._data = None

@@ -153,6 +153,7 @@ class Measuring:
         self.inputs, self.position, self.output, self.modes = inputs, position, output, modes
         self.rows, self.shared, self.args, self.key = rows, shared, args, key
         self.known, self.helper = known, helper
+        self.compiled = {}   # mode -> the function the master compiled and timed (finish)
 
     def cancel(self):
         """Stop the child measuring aside, where any (nothing is measured)."""
@@ -192,6 +193,7 @@ class Measuring:
                             "measured)", first, alone * 1e6, self.rows, SMALL_S * 1e6)
                 if self.key is not None:
                     _store(self.key, first, {first: alone})
+                self.compiled = fns
                 return first, {first: alone}
             # Then what the child has not begun (never JAX: see trials.Claims).
             while helper is not None and (name := helper.claims.take(trials.Claims.MASTER)):
@@ -216,8 +218,9 @@ class Measuring:
                     seconds[name], compile_s[name] = math.inf, math.nan
                 else:
                     late[name], compile_s[name] = built
+        self.compiled = {**fns, **late}
         if late or helper is None:   # the master's modes, all of them, in turns among themselves
-            seconds.update(trials.turns(None, {**fns, **late}, args)[0])
+            seconds.update(trials.turns(None, self.compiled, args)[0])
         for name in modes:
             logger.debug("pymc model: the ranks' graph in %s: %.1f us on %d rows (compiled in "
                          "%.2f s)", name, seconds[name] * 1e6, self.rows, compile_s[name])
