@@ -310,6 +310,44 @@ def test_a_small_graph_keeps_its_first_mode(tmp_path, monkeypatch, aside_cores):
     assert set(seconds) == {"CVM", "PY"} and best == "CVM", seconds
 
 
+def test_a_short_run_measures_no_other_mode(tmp_path, monkeypatch, aside_cores):
+    """Where the run's calls are known (dp.sample's), a first mode whose calls would take less
+    than modes.SMALL_RUN_S over the run keeps that mode, the others not measured, and nothing
+    is kept on disk: a run of unknown length then measures every mode."""
+    import pytensor.tensor as pt
+    from pytensor.compile.mode import Mode
+
+    from synkhronos.extensions.pymc import modes, trials
+
+    had, cores = aside_cores
+    compiled, master = [], os.getpid()
+    real = trials.pytensor.function
+
+    def counted(*a, **k):
+        if os.getpid() == master:
+            compiled.append(k.get("mode"))
+        return real(*a, **k)
+    monkeypatch.setattr(trials.pytensor, "function", counted)
+    X, p = pt.matrix("X", dtype="float64"), pt.vector("p", dtype="float64")
+    out = (pt.tanh(X * p) * p).sum(axis=0)
+    rows = np.random.default_rng(0).normal(size=(400, 3))
+    ways = {"CVM": "CVM", "PY": Mode(linker="py", optimizer=None)}
+    fn, args = real([X, p], out, mode="CVM"), [rows[:200], np.ones(3)]
+    fn(*args)
+    small = trials.trial(fn, args, 0.05)
+    monkeypatch.setattr(modes, "SMALL_S", small / 10)     # a call's own bound never met
+    calls = int(modes.SMALL_RUN_S / (20 * small))         # the run's: 1/20 of the bound
+    os.sched_setaffinity(0, cores[:1])
+    try:
+        best, seconds = modes.begin([X], p, out, [rows], np.ones(3), 2, ways,
+                                    calls=calls).finish()
+        assert (best, list(seconds), compiled) == ("CVM", ["CVM"], ["CVM"])
+        best, seconds = modes.begin([X], p, out, [rows], np.ones(3), 2, ways).finish()
+    finally:
+        os.sched_setaffinity(0, had)
+    assert set(seconds) == {"CVM", "PY"} and best == "CVM", seconds
+
+
 class _PythonOnly(pytensor.graph.op.Op):
     """An op with no Numba implementation: Numba runs it in object mode (Python)."""
 
@@ -361,6 +399,8 @@ def test_the_other_modes_are_measured_by_a_child_on_the_ranks_cores(tmp_path, mo
         if os.getpid() == master:   # that the child has begun the other mode
             compiled.append(1)
             time.sleep(1)
+        else:                       # the child yields the ranks' cores to a rank's build
+            (tmp_path / "nice").write_text(str(os.getpriority(os.PRIO_PROCESS, 0)))
         return real(*a, **k)
     monkeypatch.setattr(trials.pytensor, "function", counted)
     X, p = pt.matrix("X", dtype="float64"), pt.vector("p", dtype="float64")
@@ -378,6 +418,8 @@ def test_the_other_modes_are_measured_by_a_child_on_the_ranks_cores(tmp_path, mo
     assert len(compiled) == 1                   # the master's PY; the child's CVM is not seen here
     assert set(seconds) == {"PY", "CVM"} and all(s > 0 for s in seconds.values())
     assert best == "CVM" and seconds["CVM"] < seconds["PY"]   # the child's figure, used
+    assert int((tmp_path / "nice").read_text()) == min(
+        19, os.getpriority(os.PRIO_PROCESS, 0) + trials.CHILD_NICE)
     # No child (fork() failed): the master measures both, and leaves no pipe open.
     (tmp_path / "modes.json").unlink()
 

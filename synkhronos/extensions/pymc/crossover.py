@@ -185,6 +185,7 @@ def decide(dp, sampler, chains, cores, draws, tune):
         return Decision(True, "cluster", sampler, chains, n_cores, ranks)
     steps = int(round((draws + (1000 if tune is None else tune)) * draws_mod.draw_steps(dp.size)))
     key = (dp.n_rows, sampler, chains, n_cores, ranks, steps)
+    dp.run_calls = steps * chains   # a short run measures no other mode (modes.SMALL_RUN_S)
     known = dp.decisions.get(key)
     if known is None:
         where = decision_mod.where(dp, key)

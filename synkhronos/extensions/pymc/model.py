@@ -100,6 +100,7 @@ class DataParallelModel:
         self.decisions = {}      # crossover.decide's, per rows, sampler, chains and cores
         self.serials = {}        # mode -> PyMC's own (logp, dlogp), compiled at a decision
         self.typical_x = None    # where the first decision timed its calls (trials.settled)
+        self.run_calls = None    # the one-position graph's calls in the run dp.sample decides for
         self.model = model
         if not model.observed_RVs and not model.potentials:
             raise ValueError("data_parallel: the model has no likelihood (no observed "
@@ -178,7 +179,7 @@ class DataParallelModel:
                                  pregrad=internals.rewrite_pregrad)]
             rows = [d.data for d in self._data]
             return modes.begin(inputs, position, one, rows, self.initial_x().astype(self.dtype),
-                               synk.layout().n_parallel, rank_modes)
+                               synk.layout().n_parallel, rank_modes, calls=self.run_calls)
 
         def fastest():
             measuring, self._measuring = self._measuring or begin(), None

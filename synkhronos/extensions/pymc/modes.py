@@ -64,6 +64,15 @@ regression (500) compiled C in 8.3 and 8.2 s, JAX in 1.1 and 0.9 s, beside Numba
 and 7.0 s, and both ran slower than Numba's 10 and 25 us: C 14 and 34 us, JAX 53 and
 56 (PyMC 6.4, Intel Xeon VM, 2026-12-06, bench/HISTORY.md)."""
 
+SMALL_RUN_S = 2.0
+"""Where the run's length is known (``dp.sample``: its calls of the one-position graph), a
+first mode whose calls would take less than this over the whole run keeps that mode, the
+others not measured: another mode could save at most this (it would have to run in no
+time), while measuring them delayed the first call by 1.5-3 s at 10^5 rows (the child
+compiling C and JAX on the ranks' core, 3.5-5.9 s of work beside the rank's own build:
+a robust regression on PyMC 5.28, Numba's call 199 us, 1.7 s over 200 + 200 draws;
+bench/HISTORY.md, 2026-12-08).  Not kept on disk: a longer run measures them."""
+
 TIME_FIRST_S = 0.01
 """Seconds the first mode's graph is timed for, alone, to compare it with ``SMALL_S``."""
 
@@ -118,9 +127,10 @@ def fastest(inputs, position, output, arrays, x, n_parts, modes, settle=False):
     return begin(inputs, position, output, arrays, x, n_parts, modes).finish(settle=settle)
 
 
-def begin(inputs, position, output, arrays, x, n_parts, modes):
+def begin(inputs, position, output, arrays, x, n_parts, modes, calls=None):
     """A ``Measuring`` of ``modes`` for ``output`` (``fastest``'s arguments): the child that
-    compiles the other modes on the ranks' cores starts now, where anything is measured."""
+    compiles the other modes on the ranks' cores starts now, where anything is measured.
+    ``calls``: how many times the run will call the graph, where known (``SMALL_RUN_S``)."""
     rows = max(1, -(-len(arrays[0]) // n_parts))
     # The position in memory shared with the child measuring aside: moved (finish's x, or
     # settle) after the fork, before the child's first turn.
@@ -135,7 +145,9 @@ def begin(inputs, position, output, arrays, x, n_parts, modes):
         # JAX started here (an earlier model's ranks run in it): a forked child would hang in it.
         aside = {n: m for n, m in list(modes.items())[1:] if n != "JAX" or not jax_initialised()}
         helper = trials.measure_aside(inputs, position, output, aside, args)
-    return Measuring(inputs, position, output, modes, rows, shared, args, key, known, helper)
+    measuring = Measuring(inputs, position, output, modes, rows, shared, args, key, known, helper)
+    measuring.calls = calls
+    return measuring
 
 
 class Measuring:
@@ -154,6 +166,7 @@ class Measuring:
         self.rows, self.shared, self.args, self.key = rows, shared, args, key
         self.known, self.helper = known, helper
         self.compiled = {}   # mode -> the function the master compiled and timed (finish)
+        self.calls = None    # the run's calls of the graph, where known (SMALL_RUN_S)
 
     def cancel(self):
         """Stop the child measuring aside, where any (nothing is measured)."""
@@ -186,13 +199,20 @@ class Measuring:
             # Timed while the child may still compile beside it: slower, if anything.
             alone = (trials.trial(fns[first], args, TIME_FIRST_S)
                      if SMALL_S > 0 and len(modes) > 1 and not in_object_mode else math.inf)
-            if alone < SMALL_S:
+            over_run = math.inf if self.calls is None else alone * self.calls
+            if alone < SMALL_S or over_run < SMALL_RUN_S:
                 trials.stop(helper)
-                logger.info("pymc model: the ranks' graph runs in %s (%.1f us on %d rows, less "
-                            "than the %.0f us where another mode could matter: no other "
-                            "measured)", first, alone * 1e6, self.rows, SMALL_S * 1e6)
-                if self.key is not None:
-                    _store(self.key, first, {first: alone})
+                if alone < SMALL_S:
+                    logger.info("pymc model: the ranks' graph runs in %s (%.1f us on %d rows, "
+                                "less than the %.0f us where another mode could matter: no "
+                                "other measured)", first, alone * 1e6, self.rows, SMALL_S * 1e6)
+                    if self.key is not None:
+                        _store(self.key, first, {first: alone})
+                else:
+                    logger.info("pymc model: the ranks' graph runs in %s (%.1f us on %d rows, "
+                                "%.1f s over the run's %d calls, less than the %.0f s where "
+                                "another mode could matter: no other measured)", first,
+                                alone * 1e6, self.rows, over_run, self.calls, SMALL_RUN_S)
                 self.compiled = fns
                 return first, {first: alone}
             # Then what the child has not begun (never JAX: see trials.Claims).

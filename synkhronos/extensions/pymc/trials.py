@@ -155,6 +155,13 @@ def done(outputs):
         np.asarray(out)
 
 
+CHILD_NICE = 10
+"""How much less of the ranks' cores the child takes than a rank building its graph there
+meanwhile (``functions.aside.build_while``), which the first call waits for: with equal
+shares a robust regression's build (1.5 s alone) took 2.8-4.1 s beside the child compiling
+C and JAX (PyMC 5.28, bench/HISTORY.md, 2026-12-08).  Only those cores: the master's are not
+the child's."""
+
 HELPER_WAIT_S = 60.0
 """How long the master waits, after its own compile, for the child measuring aside to end."""
 
@@ -233,6 +240,7 @@ def measure_aside(inputs, position, output, modes, args):
         os.close(go_w)
         home = os.sched_getaffinity(0)     # the master's core(s)
         os.sched_setaffinity(0, others)
+        os.nice(CHILD_NICE)
         logging.disable(logging.CRITICAL)
         built = {}
         while (name := claims.take(Claims.CHILD)) is not None:
