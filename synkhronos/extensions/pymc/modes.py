@@ -145,9 +145,8 @@ def begin(inputs, position, output, arrays, x, n_parts, modes, calls=None):
         # JAX started here (an earlier model's ranks run in it): a forked child would hang in it.
         aside = {n: m for n, m in list(modes.items())[1:] if n != "JAX" or not jax_initialised()}
         helper = trials.measure_aside(inputs, position, output, aside, args)
-    measuring = Measuring(inputs, position, output, modes, rows, shared, args, key, known, helper)
-    measuring.calls = calls
-    return measuring
+    return Measuring(inputs, position, output, modes, rows, shared, args, key, known, helper,
+                     calls)
 
 
 class Measuring:
@@ -161,12 +160,13 @@ class Measuring:
     are compiled by then, not after it.
     """
 
-    def __init__(self, inputs, position, output, modes, rows, shared, args, key, known, helper):
+    def __init__(self, inputs, position, output, modes, rows, shared, args, key, known, helper,
+                 calls=None):
         self.inputs, self.position, self.output, self.modes = inputs, position, output, modes
         self.rows, self.shared, self.args, self.key = rows, shared, args, key
         self.known, self.helper = known, helper
         self.compiled = {}   # mode -> the function the master compiled and timed (finish)
-        self.calls = None    # the run's calls of the graph, where known (SMALL_RUN_S)
+        self.calls = calls   # the run's calls of the graph, where known (SMALL_RUN_S)
 
     def cancel(self):
         """Stop the child measuring aside, where any (nothing is measured)."""

@@ -159,8 +159,8 @@ CHILD_NICE = 10
 """How much less of the ranks' cores the child takes than a rank building its graph there
 meanwhile (``functions.aside.build_while``), which the first call waits for: with equal
 shares a robust regression's build (1.5 s alone) took 2.8-4.1 s beside the child compiling
-C and JAX (PyMC 5.28, bench/HISTORY.md, 2026-12-08).  Only those cores: the master's are not
-the child's."""
+C and JAX (PyMC 5.28, bench/HISTORY.md, 2026-12-08).  In the turns the child also times on
+the master's core, where the master then waits: nothing there takes a share from it."""
 
 HELPER_WAIT_S = 60.0
 """How long the master waits, after its own compile, for the child measuring aside to end."""
